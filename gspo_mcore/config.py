@@ -1,0 +1,114 @@
+"""Typed run configuration, loaded from YAML. One section per concern, one source of truth."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the dataclasses below."""
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str = ""
+    """Hugging Face checkpoint directory (config.json + safetensors) of a Qwen3-MoE model."""
+    spec: Literal["local", "te"] = "local"
+    """Module set: `te` = Transformer Engine with grouped GEMM (GPU); `local` = pure torch (CPU)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing aux loss. Off by default: in RL the router follows the policy gradient only."""
+
+
+@dataclass
+class DistributedConfig:
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cpu: gloo + the megatron-core CPU bridge; cuda: NCCL. Chosen here, never guessed."""
+    tensor_parallel: int = 1
+    """TP size; sequence parallelism is always on when TP > 1 (Megatron requires it for MoE)."""
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
+    """TP size inside each expert (1 = experts unsplit, the usual choice for fine-grained MoE)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def validate(self) -> "Config":
+        if self.model.spec == "te" and self.distributed.device != "cuda":
+            raise ConfigError("model.spec: 'te' (Transformer Engine) needs distributed.device 'cuda'")
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel"):
+            if getattr(self.distributed, name) < 1:
+                raise ConfigError(f"distributed.{name}: must be >= 1")
+        return self
+
+
+def _convert(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp in (int, float, str):
+        if isinstance(value, bool) or (tp is int and isinstance(value, float)):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+        try:
+            return tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+    raise ConfigError(f"{where}: unsupported field type {tp}")
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where + '.' if where else ''}{unknown[0]}: unknown config field")
+    kwargs = {
+        key: _convert(hints[key], value, f"{where + '.' if where else ''}{key}") for key, value in data.items()
+    }
+    return cls(**kwargs)
+
+
+def _set_override(data: dict, override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep:
+        raise ConfigError(f"override {override!r}: expected key=value")
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    for override in overrides:
+        _set_override(data, override)
+    return from_dict(Config, data).validate()

@@ -1,0 +1,122 @@
+"""Run the real megatron-core 0.16.1 on a CPU-only machine with gloo.
+
+Megatron assumes CUDA in a handful of places (measured list:
+shared/notes/megatron-core-on-cpu.md). `install()` bridges each of them so that the real
+GPTModel, MoE router and dispatchers, DDP, distributed optimizer, 1F1B schedule and
+dist_checkpointing run unchanged. Imported only by the CPU path and tests: the GPU path
+never calls it, so nothing here can change GPU numerics.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """Factory calls with a literal device="cuda"/"cuda:N" (e.g. causal masks in
+    transformer/utils.py, buffers in clip_grads.py) get device="cpu"."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is already synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, *args):
+        return _NoStream()
+
+    def record(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _all_to_all_single_with_int_splits(original):
+    # gloo's binding wants Python int lists; Megatron passes tensors / numpy arrays.
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        to_list = lambda s: None if s is None else [int(x) for x in s]  # noqa: E731
+        return original(output, input, to_list(output_split_sizes), to_list(input_split_sizes), **kwargs)
+
+    return all_to_all_single
+
+
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    # Megatron's version asserts grad.type() == 'torch.cuda.FloatTensor'.
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for param in parameters:
+            grad = getattr(param, attr, None)
+            if grad is not None:
+                grad.detach().mul_(clip_coeff)
+
+
+def install() -> None:
+    """Idempotent. Call before building any Megatron module."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_bridge.install() called on a machine with CUDA: use the GPU path")
+
+    # Megatron decorates small fused functions with torch.compile; on CPU that would
+    # compile C++ kernels at first call for no gain.
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    torch._dynamo.config.disable = True
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda *a, **k: None
+    cuda.Stream = _NoStream
+    cuda.Event = _NoStream
+    cuda.current_stream = lambda *a, **k: _NoStream()
+    cuda.stream = lambda *a, **k: _NoStream()
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    dist.all_to_all_single = _all_to_all_single_with_int_splits(dist.all_to_all_single)
+    _CudaDeviceToCpu().__enter__()  # stays on the mode stack for the process
+
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # Without Transformer Engine the name is never bound; None selects the torch.mm path.
+    moe_utils.te_general_gemm = None
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm

@@ -1,0 +1,50 @@
+"""Process group and Megatron parallel-state setup (the only place that starts them)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from gspo_mcore.config import DistributedConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(cfg: DistributedConfig, seed: int = 1234) -> None:
+    """Join the process group (torchrun's env, or a world of one) and set up TP/PP/EP/DP."""
+    if cfg.device == "cpu":
+        from gspo_mcore import cpu_bridge
+
+        cpu_bridge.install()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo" if cfg.device == "cpu" else "nccl", timeout=timedelta(minutes=30))
+    world = dist.get_world_size()
+    model_parallel = cfg.tensor_parallel * cfg.pipeline_parallel
+    expert_parallel = cfg.expert_parallel * cfg.expert_tensor_parallel * cfg.pipeline_parallel
+    for size, what in ((model_parallel, "tensor_parallel x pipeline_parallel"),
+                       (expert_parallel, "expert_parallel x expert_tensor_parallel x pipeline_parallel")):
+        if world % size:
+            raise ValueError(f"distributed: world size {world} is not divisible by {what} = {size}")
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_parallel,
+        pipeline_model_parallel_size=cfg.pipeline_parallel,
+        expert_model_parallel_size=cfg.expert_parallel,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel,
+    )
+    model_parallel_cuda_manual_seed(seed)

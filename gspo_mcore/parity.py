@@ -1,0 +1,126 @@
+"""Hugging Face vs Megatron-Core logits on the same tokens, under any parallel layout.
+
+`python -m gspo_mcore.parity --hf-dir DIR [key=value ...]` (plain python or torchrun)
+prints one JSON line with the figures; the tests and `make demo` use the same functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from gspo_mcore.config import Config, load_config
+from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.models.qwen3_moe.model import build_model
+from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
+from gspo_mcore.parallel import init_distributed
+
+
+def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+
+
+@torch.no_grad()
+def megatron_logits(model, tokens: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor | None:
+    """Full-vocabulary logits [B, T, V] through the real pipeline schedule (forward only).
+    Returns them on the last pipeline stage, None elsewhere."""
+    microbatches = list(tokens.split(micro_batch_size))
+    batches = iter(microbatches)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch, position_ids_for(batch), None)
+
+        def collect(output_tensor):
+            logits = gather_from_tensor_model_parallel_region(output_tensor)
+            return output_tensor.new_zeros(()), {"logits": logits}
+
+        return output, collect
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=batches,
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=tokens.shape[1],
+        micro_batch_size=micro_batch_size,
+        forward_only=True,
+    )
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    return torch.cat([out["logits"] for out in outputs])
+
+
+@torch.no_grad()
+def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    return model(input_ids=tokens).logits
+
+
+def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict:
+    diff = (reference.float() - logits.float()).abs()
+    return {
+        "max_abs_logit_diff": diff.max().item(),
+        "mean_abs_logit_diff": diff.mean().item(),
+        "top1_agreement": (reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
+        "logit_std": reference.float().std().item(),
+    }
+
+
+def sample_tokens(vocab_size: int, batch: int = 4, seq_len: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def run(config: Config, tokens: torch.Tensor) -> dict | None:
+    """Build the model under `config.distributed`, load the HF weights, compare logits.
+    Returns the figures on global rank 0 (which holds a last-stage copy when PP = 1, and
+    receives them otherwise), None on other ranks."""
+    from checkpoint_convert.safetensors_io import HFCheckpointReader
+
+    init_distributed(config.distributed)
+    arch = load_hf_config(config.model.hf_dir)
+    model = build_model(arch, config.model, config.distributed)
+    load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(config.model.hf_dir).__getitem__)
+    model.eval()
+    logits = megatron_logits(model, tokens)
+    figures = compare(hf_logits(config.model.hf_dir, tokens), logits) if logits is not None else None
+    # Bring the last stage's figures to rank 0.
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, figures)
+    figures = next(f for f in gathered if f is not None)
+    d = config.distributed
+    figures["layout"] = (
+        f"TP={d.tensor_parallel} PP={d.pipeline_parallel} EP={d.expert_parallel} "
+        f"ETP={d.expert_tensor_parallel} DP={parallel_state.get_data_parallel_world_size()} "
+        f"world={dist.get_world_size()}"
+    )
+    return figures if dist.get_rank() == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML config (model / distributed sections)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. distributed.expert_parallel=2")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    arch = load_hf_config(config.model.hf_dir)
+    figures = run(config, sample_tokens(arch.vocab_size, args.batch, args.seq_len))
+    if figures is not None:
+        print(json.dumps(figures), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,9 +40,24 @@ class DistributedConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    name: Literal["adam", "sgd"] = "adam"
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    distributed_optimizer: bool = True
+    """Shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def validate(self) -> "Config":
         if self.model.spec == "te" and self.distributed.device != "cuda":

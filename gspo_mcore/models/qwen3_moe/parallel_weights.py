@@ -15,41 +15,22 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch
-from gspo_mcore.models.qwen3_moe.state_dict_adapter import GLU, Rule, fuse, rule_index, split
+from gspo_mcore.models.qwen3_moe.state_dict_adapter import fuse, rule_index, shard, split, unshard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"(local_experts\.|\.weight)(\d+)(\.|$)")
 
 
-def shard(full: torch.Tensor, kind: str, dim: int, world: int, rank: int) -> torch.Tensor:
-    """This rank's slice of a full Megatron tensor. A fused [gate; up] fc1 is split per
-    half, so every rank holds [gate_r; up_r], the layout Megatron's GLU expects."""
-    if world == 1:
-        return full
-    if kind == GLU:
-        return torch.cat([half.chunk(world, dim)[rank] for half in full.chunk(2, dim)], dim)
-    return full.chunk(world, dim)[rank]
+def _is_expert(name: str) -> bool:
+    # By name: Megatron's `allreduce=False` marks expert params only when EP > 1.
+    return ".mlp.experts." in name
 
 
-def unshard(shards: list[torch.Tensor], kind: str, dim: int) -> torch.Tensor:
-    """Inverse of `shard` given every rank's slice in rank order."""
-    if len(shards) == 1:
-        return shards[0]
-    if kind == GLU:
-        halves = [s.chunk(2, dim) for s in shards]
-        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
-    return torch.cat(shards, dim)
-
-
-def _is_expert(param: torch.nn.Parameter) -> bool:
-    return not getattr(param, "allreduce", True)  # Megatron marks expert params allreduce=False
-
-
-def _tp_group(param: torch.nn.Parameter):
+def _tp_group(name: str, param: torch.nn.Parameter):
     """(group, world, rank) this parameter is sharded over, or None if it is not."""
     if not getattr(param, "tensor_model_parallel", False):
         return None
-    if _is_expert(param):
+    if _is_expert(name):
         return (
             parallel_state.get_expert_tensor_parallel_group(),
             parallel_state.get_expert_tensor_parallel_world_size(),
@@ -62,38 +43,38 @@ def _tp_group(param: torch.nn.Parameter):
     )
 
 
-def _global_name(model, name: str, param: torch.nn.Parameter, num_experts: int) -> str:
+def _global_name(model, name: str, num_experts: int) -> str:
     """Local parameter name -> name in the full model (global layer and expert index)."""
     match = _LAYER.match(name)
     if match:
         layer = model.decoder.layers[int(match.group(1))]
         name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
-    if _is_expert(param):
+    if _is_expert(name):
         local_experts = num_experts // parallel_state.get_expert_model_parallel_world_size()
         offset = parallel_state.get_expert_model_parallel_rank() * local_experts
         name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", name)
     return name
 
 
-def _named_rules(model, arch: Qwen3MoeArch, spec: str) -> Iterator[tuple[torch.nn.Parameter, Rule]]:
+def _named_rules(model, arch: Qwen3MoeArch, spec: str):
+    """(parameter, its rule, the group it is TP-sharded over or None) for each local parameter."""
     index = rule_index(arch, spec)
     for name, param in model.named_parameters():
-        global_name = _global_name(model, name, param, arch.num_experts)
+        global_name = _global_name(model, name, arch.num_experts)
         if global_name not in index:
             raise KeyError(f"no Hugging Face tensor maps to Megatron parameter '{global_name}'")
-        yield param, index[global_name]
+        yield param, index[global_name], _tp_group(name, param)
 
 
 @torch.no_grad()
 def load_hf_weights(model, arch: Qwen3MoeArch, spec: str, get_hf: Callable[[str], torch.Tensor]) -> None:
     """Fill this rank's parameters of `model` (an unwrapped GPTModel) from HF tensors."""
-    for param, rule in _named_rules(model, arch, spec):
+    for param, rule, group in _named_rules(model, arch, spec):
         try:
             full = fuse(rule, arch, [get_hf(name) for name in rule.hf])
         except RuntimeError as err:  # reshape/cat of wrongly shaped inputs
             shapes = {name: tuple(get_hf(name).shape) for name in rule.hf}
             raise ValueError(f"{', '.join(rule.hf)}: shapes {shapes} do not fit {rule.mcore} ({err})") from None
-        group = _tp_group(param)
         local = full if group is None else shard(full, rule.kind, param.partition_dim, group[1], group[2])
         if local.shape != param.shape:
             expected = list(param.shape) if group is None else f"{list(param.shape)} per rank"
@@ -107,10 +88,9 @@ def load_hf_weights(model, arch: Qwen3MoeArch, spec: str, get_hf: Callable[[str]
 def export_hf_weights(model, arch: Qwen3MoeArch, spec: str) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors of the parameters this rank's pipeline stage and experts hold,
     gathered over TP / expert-TP. Collective: every rank of a TP group must iterate it."""
-    for param, rule in _named_rules(model, arch, spec):
+    for param, rule, group in _named_rules(model, arch, spec):
         if arch.tie_word_embeddings and rule.mcore == "output_layer.weight":
             continue  # the last stage's copy of the tied embedding
-        group = _tp_group(param)
         if group is None or group[1] == 1:
             full = param.detach()
         else:

@@ -1,8 +1,9 @@
 """Hugging Face <-> Megatron-Core names and layouts for Qwen3-MoE, as one table.
 
 Works on full (unsharded) tensors and global layer/expert indices; pure torch, no
-Megatron import, so the checkpoint converter and the trainer share it. Sharding for
-TP/EP/PP lives in `gspo_mcore.models.qwen3_moe.parallel_weights`.
+Megatron import, so the checkpoint converter and the trainer share it. `shard`/`unshard`
+give one rank's slice; which rank holds what is read from Megatron's parallel state in
+`gspo_mcore.models.qwen3_moe.parallel_weights`.
 
 Each rule maps one Megatron tensor to the Hugging Face tensors it is made of:
 - COPY: the same tensor under another name.
@@ -163,6 +164,26 @@ def split(rule: Rule, arch: Qwen3MoeArch, tensor: torch.Tensor) -> list[torch.Te
     per_group = tensor.reshape(groups, -1, hidden)
     q, k, v = per_group.split([q_per_group, head_dim, head_dim], dim=1)
     return [t.reshape(-1, hidden) for t in (q, k, v)]
+
+
+def shard(full: torch.Tensor, kind: str, dim: int, world: int, rank: int) -> torch.Tensor:
+    """This rank's slice of a full Megatron tensor. A fused [gate; up] fc1 is split per
+    half, so every rank holds [gate_r; up_r], the layout Megatron's GLU expects."""
+    if world == 1:
+        return full
+    if kind == GLU:
+        return torch.cat([half.chunk(world, dim)[rank] for half in full.chunk(2, dim)], dim)
+    return full.chunk(world, dim)[rank]
+
+
+def unshard(shards: list[torch.Tensor], kind: str, dim: int) -> torch.Tensor:
+    """Inverse of `shard` given every rank's slice in rank order."""
+    if len(shards) == 1:
+        return shards[0]
+    if kind == GLU:
+        halves = [s.chunk(2, dim) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    return torch.cat(shards, dim)
 
 
 def hf_to_mcore(

@@ -1,0 +1,43 @@
+"""Megatron DDP + optimizer around a model: the training-side Megatron wiring."""
+
+from __future__ import annotations
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+
+from gspo_mcore.config import OptimizerConfig
+
+
+def setup_training(model, cfg: OptimizerConfig):
+    """Wrap `model` (a GPTModel) in Megatron DDP and build its optimizer.
+    Returns (ddp_model, optimizer); gradients are reduced in float32."""
+    config = model.config
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.distributed_optimizer,
+        ),
+        module=model,
+    )
+    # The schedule calls this after the last backward: DP all-reduce (or reduce-scatter),
+    # TP all-reduce of sequence-parallel / QK-norm grads, PP embedding sync.
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        MegatronOptimizerConfig(
+            optimizer=cfg.name,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=cfg.distributed_optimizer,
+        ),
+        [ddp],
+    )
+    return ddp, optimizer

@@ -1,0 +1,36 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """A random tiny Qwen3-MoE (float32) in Hugging Face format."""
+    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_hf"), seed=0)
+
+
+def run_module(args: list[str], nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `python -m ...` (nproc 1) or `torchrun --nproc_per_node N -m ...`; fail with its log."""
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", "0", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def last_json_line(text: str) -> dict:
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])

@@ -1,0 +1,82 @@
+"""One GSPO-free training step (token cross-entropy, SGD) under a parallel layout.
+
+Run under torchrun by tests/test_train_step.py. Each rank saves, to OUT_DIR/rank{R}.pt,
+the HF-named weights it holds after the step, the grad norm and the loss, so the test can
+compare them with the same step taken by the Hugging Face model.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from checkpoint_convert.safetensors_io import HFCheckpointReader
+from gspo_mcore.config import load_config
+from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.models.qwen3_moe.model import build_model
+from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, load_hf_weights
+from gspo_mcore.optimizer import setup_training
+from gspo_mcore.parallel import init_distributed
+from gspo_mcore.parity import position_ids_for
+
+MICRO_BATCH = 2
+
+
+def main(hf_dir: str, tokens_file: str, out_dir: str, overrides: list[str]) -> None:
+    config = load_config(None, [f"model.hf_dir={hf_dir}", *overrides])
+    init_distributed(config.distributed)
+    arch = load_hf_config(hf_dir)
+    model = build_model(arch, config.model, config.distributed)
+    load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(hf_dir).__getitem__)
+    ddp, optimizer = setup_training(model, config.optimizer)
+
+    tokens = torch.load(tokens_file)  # the global batch [B, T + 1]
+    dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    local = tokens.chunk(dp_size)[dp_rank]
+    microbatches = list(local.split(MICRO_BATCH))
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        token_losses = model(inputs, position_ids_for(inputs), None, labels=labels)
+
+        def loss_func(token_losses):
+            loss = token_losses.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return token_losses, loss_func
+
+    ddp.train()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[ddp],
+        num_microbatches=len(microbatches),
+        seq_length=tokens.shape[1] - 1,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    update_ok, grad_norm, _ = optimizer.step()
+    loss = None
+    if parallel_state.is_pipeline_last_stage():
+        loss = torch.stack([out["loss"] for out in outputs]).mean()
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        loss = (loss / dp_size).item()
+    torch.save(
+        {
+            "update_ok": bool(update_ok),
+            "grad_norm": float(grad_norm),
+            "loss": loss,
+            "weights": {name: t.clone() for name, t in export_hf_weights(model, arch, config.model.spec)},
+        },
+        f"{out_dir}/rank{dist.get_rank()}.pt",
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])

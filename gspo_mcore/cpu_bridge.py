@@ -70,17 +70,16 @@ def _all_to_all_single_with_int_splits(original):
     return all_to_all_single
 
 
-def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    # Megatron's version asserts grad.type() == 'torch.cuda.FloatTensor'.
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0:
-        for param in parameters:
-            grad = getattr(param, attr, None)
-            if grad is not None:
-                grad.detach().mul_(clip_coeff)
+def _type_reporting_cuda(original):
+    # Megatron's optimizers and grad clipping check `tensor.type()` against 'torch.cuda.*Tensor'
+    # names; report CPU tensors under those names (only the no-argument query form).
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)  # may already be rewritten: the function mode re-dispatches here
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return tensor_type
 
 
 def install() -> None:
@@ -108,10 +107,10 @@ def install() -> None:
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
     torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = _type_reporting_cuda(torch.Tensor.type)
     dist.all_to_all_single = _all_to_all_single_with_int_splits(dist.all_to_all_single)
     _CudaDeviceToCpu().__enter__()  # stays on the mode stack for the process
 
-    from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils
 
@@ -119,4 +118,3 @@ def install() -> None:
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # Without Transformer Engine the name is never bound; None selects the torch.mm path.
     moe_utils.te_general_gemm = None
-    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm

@@ -18,13 +18,13 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_hf"), seed=0)
 
 
-def run_module(args: list[str], nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_module(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run `python -m ...` (nproc 1) or `torchrun --nproc_per_node N -m ...`; fail with its log."""
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", "0", *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:

@@ -44,7 +44,7 @@ def main(hf_dir: str, tokens_file: str, out_dir: str, overrides: list[str]) -> N
 
         def loss_func(token_losses):
             loss = token_losses.float().mean()
-            return loss, {"loss": loss.detach()}
+            return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
         return token_losses, loss_func
 

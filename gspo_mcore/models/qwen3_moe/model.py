@@ -95,7 +95,7 @@ def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: Distributed
 def build_model(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig) -> GPTModel:
     """The GPTModel of this pipeline stage; parallel state must already be initialised."""
     config = transformer_config(arch, model, dist)
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, arch.moe_layers, model.spec),
         vocab_size=arch.vocab_size,
@@ -108,3 +108,12 @@ def build_model(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig)
         rotary_base=arch.rope_theta,
         parallel_output=True,
     )
+    if dist.expert_parallel == 1 and dist.expert_tensor_parallel != dist.tensor_parallel:
+        # Megatron marks expert weights `allreduce=False` (-> reduced over the expert-data-
+        # parallel group) only when EP > 1. With EP = 1 and ETP < TP, each TP rank runs its
+        # own tokens through a replica of every expert: the dense DP group would miss the
+        # other TP ranks' share of the gradient.
+        for name, param in gpt.named_parameters():
+            if ".mlp.experts." in name:
+                param.allreduce = False
+    return gpt

@@ -8,9 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-
-class CheckpointError(ValueError):
-    """A checkpoint file or tensor that cannot be used; the message names it."""
+from gspo_mcore.errors import CheckpointError
 
 
 class HFCheckpointReader:

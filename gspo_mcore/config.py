@@ -10,8 +10,10 @@ from typing import Literal
 
 import yaml
 
+from gspo_mcore.errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError):
     """A config file or override that does not fit the dataclasses below."""
 
 

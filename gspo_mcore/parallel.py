@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from gspo_mcore.config import DistributedConfig
+from gspo_mcore.config import ConfigError, DistributedConfig
 
 
 def _free_port() -> int:
@@ -27,6 +27,8 @@ def init_distributed(cfg: DistributedConfig, seed: int = 1234) -> None:
 
         cpu_bridge.install()
     else:
+        if not torch.cuda.is_available():
+            raise ConfigError("distributed.device: 'cuda', but this machine has no usable CUDA device")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`: a world of one
@@ -39,7 +41,7 @@ def init_distributed(cfg: DistributedConfig, seed: int = 1234) -> None:
     for size, what in ((model_parallel, "tensor_parallel x pipeline_parallel"),
                        (expert_parallel, "expert_parallel x expert_tensor_parallel x pipeline_parallel")):
         if world % size:
-            raise ValueError(f"distributed: world size {world} is not divisible by {what} = {size}")
+            raise ConfigError(f"distributed: world size {world} is not divisible by {what} = {size}")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_parallel,

@@ -17,9 +17,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from gspo_mcore.config import Config, load_config
+from gspo_mcore.errors import run_cli
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.models.qwen3_moe.model import build_model
-from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
+from gspo_mcore.models.qwen3_moe.model import build_model, check_layout
+from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, load_hf_weights
 from gspo_mcore.parallel import init_distributed
 
 
@@ -81,22 +82,31 @@ def sample_tokens(vocab_size: int, batch: int = 4, seq_len: int = 16, seed: int 
 
 
 def run(config: Config, tokens: torch.Tensor) -> dict | None:
-    """Build the model under `config.distributed`, load the HF weights, compare logits.
-    Returns the figures on global rank 0 (which holds a last-stage copy when PP = 1, and
-    receives them otherwise), None on other ranks."""
+    """Build the model under `config.distributed`, load the HF weights, compare logits and
+    the exported weights with the checkpoint. Returns the figures on global rank 0, None
+    on other ranks."""
     from checkpoint_convert.safetensors_io import HFCheckpointReader
 
-    init_distributed(config.distributed)
     arch = load_hf_config(config.model.hf_dir)
+    check_layout(arch, config.distributed)  # before any process group work
+    init_distributed(config.distributed)
+    reader = HFCheckpointReader(config.model.hf_dir)
     model = build_model(arch, config.model, config.distributed)
-    load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(config.model.hf_dir).__getitem__)
+    load_hf_weights(model, arch, config.model.spec, reader.__getitem__)
     model.eval()
     logits = megatron_logits(model, tokens)
     figures = compare(hf_logits(config.model.hf_dir, tokens), logits) if logits is not None else None
-    # Bring the last stage's figures to rank 0.
+    # Export back (gathering TP shards): bitwise equal to the file, and all ranks together
+    # give back every tensor of the checkpoint.
+    exported, identical = set(), True
+    for name, tensor in export_hf_weights(model, arch, config.model.spec):
+        exported.add(name)
+        identical &= torch.equal(tensor, reader[name])
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, figures)
-    figures = next(f for f in gathered if f is not None)
+    dist.all_gather_object(gathered, (figures, exported, identical))
+    figures = next(f for f, _, _ in gathered if f is not None)  # from a last pipeline stage
+    all_exported = set().union(*(names for _, names, _ in gathered))
+    figures["export_bitwise_identical"] = all(ok for _, _, ok in gathered) and all_exported == set(reader.keys())
     d = config.distributed
     figures["layout"] = (
         f"TP={d.tensor_parallel} PP={d.pipeline_parallel} EP={d.expert_parallel} "
@@ -106,13 +116,13 @@ def run(config: Config, tokens: torch.Tensor) -> dict | None:
     return figures if dist.get_rank() == 0 else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML config (model / distributed sections)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. distributed.expert_parallel=2")
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     config = load_config(args.config, args.overrides)
     arch = load_hf_config(config.model.hf_dir)
     figures = run(config, sample_tokens(arch.vocab_size, args.batch, args.seq_len))
@@ -123,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -11,8 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from gspo_mcore.errors import InputError
 
-class HFConfigError(ValueError):
+
+class HFConfigError(InputError):
     """A config.json we cannot build an exact Megatron model from."""
 
 

@@ -20,6 +20,8 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from gspo_mcore.errors import InputError
+
 
 class RMSNorm(torch.nn.Module):
     """RMSNorm with Hugging Face Qwen3's numerics (normalise in float32, cast back, then
@@ -87,6 +89,12 @@ def decoder_block_spec(
 ) -> TransformerBlockSubmodules:
     """Specs of the layers this pipeline stage builds (dense or MoE per layer)."""
     if spec == "te":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise InputError(
+                "model.spec: 'te' needs Transformer Engine (pip install 'gspo-mcore[gpu]', or use the GPU image)"
+            ) from None
         from megatron.core.extensions.transformer_engine import TENorm
 
         layer_spec, norm = _te_layer_spec, TENorm

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from gspo_mcore.errors import CheckpointError
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch
 from gspo_mcore.models.qwen3_moe.state_dict_adapter import fuse, rule_index, shard, split, unshard
 
@@ -72,15 +73,14 @@ def load_hf_weights(model, arch: Qwen3MoeArch, spec: str, get_hf: Callable[[str]
     for param, rule, group in _named_rules(model, arch, spec):
         try:
             full = fuse(rule, arch, [get_hf(name) for name in rule.hf])
-        except RuntimeError as err:  # reshape/cat of wrongly shaped inputs
-            shapes = {name: tuple(get_hf(name).shape) for name in rule.hf}
-            raise ValueError(f"{', '.join(rule.hf)}: shapes {shapes} do not fit {rule.mcore} ({err})") from None
+        except RuntimeError:  # reshape/cat of wrongly shaped inputs
+            shapes = {name: list(get_hf(name).shape) for name in rule.hf}
+            raise CheckpointError(f"tensors {shapes} do not fit Megatron's {rule.mcore}") from None
         local = full if group is None else shard(full, rule.kind, param.partition_dim, group[1], group[2])
         if local.shape != param.shape:
-            expected = list(param.shape) if group is None else f"{list(param.shape)} per rank"
-            raise ValueError(
-                f"{rule.hf[0]}: shape {list(get_hf(rule.hf[0]).shape)} does not give {rule.mcore} {expected}"
-            )
+            found = {name: list(get_hf(name).shape) for name in rule.hf}
+            expected = list(param.shape) if group is None else f"{list(param.shape)} on each of {group[1]} ranks"
+            raise CheckpointError(f"tensor shapes {found} give {rule.mcore} {list(full.shape)}, expected {expected}")
         param.copy_(local)
 
 

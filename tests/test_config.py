@@ -1,0 +1,43 @@
+import pytest
+
+from gspo_mcore.config import Config, ConfigError, load_config
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  hf_dir: /ckpt\n  dtype: bfloat16\ndistributed:\n  expert_parallel: 2\n")
+    cfg = load_config(path, ["distributed.tensor_parallel=2", "optimizer.lr=3e-6"])
+    assert isinstance(cfg, Config)
+    assert (cfg.model.hf_dir, cfg.model.dtype, cfg.model.spec) == ("/ckpt", "bfloat16", "local")
+    assert (cfg.distributed.expert_parallel, cfg.distributed.tensor_parallel) == (2, 2)
+    assert cfg.optimizer.lr == 3e-6
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.spec=tensorrt"], "model.spec: 'tensorrt' is not one of"),
+        (["model.spec=te"], "needs distributed.device 'cuda'"),
+        (["distributed.expert_parallel=two"], "distributed.expert_parallel: expected int"),
+        (["distributed.expert_parallel=1.5"], "distributed.expert_parallel: expected int"),
+        (["distributed.pipeline_parallel=0"], "distributed.pipeline_parallel: must be >= 1"),
+        (["model.hf_dri=/x"], "model.hf_dri: unknown config field"),
+        (["optimizer.distributed_optimizer=3"], "expected true/false"),
+        (["model"], "expected key=value"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_shipped_configs_load():
+    from conftest import REPO
+
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        load_config(path)

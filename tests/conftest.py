@@ -9,6 +9,17 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Parallel layouts the model must be exact under: name -> (processes, config overrides).
+LAYOUTS = {
+    "single": (1, []),
+    "EP2": (2, ["distributed.expert_parallel=2"]),
+    "PP2": (2, ["distributed.pipeline_parallel=2"]),
+    # ETP=1: experts unsplit and replicated over the TP ranks, each running its own tokens.
+    "TP2-SP": (2, ["distributed.tensor_parallel=2"]),
+    "TP2-SP-ETP2": (2, ["distributed.tensor_parallel=2", "distributed.expert_tensor_parallel=2"]),
+    "DP2": (2, []),
+}
+
 
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> Path:

@@ -3,17 +3,9 @@ the weights exported back from the sharded model are bitwise the checkpoint's.""
 
 import pytest
 
-from conftest import last_json_line, run_module
+from conftest import LAYOUTS, last_json_line, run_module
 
 TOLERANCE = 1e-4
-LAYOUTS = {
-    "single": (1, []),
-    "EP2": (2, ["distributed.expert_parallel=2"]),
-    "PP2": (2, ["distributed.pipeline_parallel=2"]),
-    "TP2-SP": (2, ["distributed.tensor_parallel=2"]),
-    "TP2-SP-ETP2": (2, ["distributed.tensor_parallel=2", "distributed.expert_tensor_parallel=2"]),
-    "DP2": (2, []),
-}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -9,23 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint_convert.safetensors_io import HFCheckpointReader
-from conftest import run_module
+from conftest import LAYOUTS, run_module
 
 # Adam's first step is w - lr * g / (|g| + eps). With eps = 1 it is a smooth function of the
 # gradient (not ~sign(g), which would amplify float noise), so updated weights compare gradients.
 ADAM = dict(lr=1.0, eps=1.0)
 OPTIMIZER = ["optimizer.name=adam", f"optimizer.lr={ADAM['lr']}", f"optimizer.adam_eps={ADAM['eps']}",
              "optimizer.clip_grad=1e6"]
-LAYOUTS = {
-    "single": (1, []),
-    "EP2": (2, ["distributed.expert_parallel=2"]),
-    "PP2": (2, ["distributed.pipeline_parallel=2"]),
-    # ETP=1 (experts unsplit, replicated over TP ranks) catches expert grads that miss a TP
-    # rank's tokens; ETP=2 splits the experts like the dense MLP.
-    "TP2-SP": (2, ["distributed.tensor_parallel=2"]),
-    "TP2-SP-ETP2": (2, ["distributed.tensor_parallel=2", "distributed.expert_tensor_parallel=2"]),
-    "DP2": (2, []),
-}
 
 
 @pytest.fixture(scope="module")

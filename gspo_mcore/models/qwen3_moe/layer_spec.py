@@ -71,6 +71,13 @@ def _local_layer_spec(num_experts: int | None) -> ModuleSpec:
             pre_mlp_layernorm=RMSNorm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
+            # Checkpoint keys of the Transformer Engine spec, whose layers fuse these norms
+            # into the next linear (the dense MLP's only: MoE layers keep pre_mlp_layernorm),
+            # so one checkpoint loads into either module set.
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                **({} if num_experts else {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}),
+            },
         ),
     )
 

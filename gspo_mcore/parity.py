@@ -60,10 +60,11 @@ def megatron_logits(model, tokens: torch.Tensor, micro_batch_size: int = 1) -> t
 
 
 @torch.no_grad()
-def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+def hf_logits(hf_dir: str, tokens: torch.Tensor, weight_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' logits in float32, with the weights first rounded to `weight_dtype`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=weight_dtype).float()
     return model(input_ids=tokens).logits
 
 

@@ -136,6 +136,33 @@ def rule_index(arch: Qwen3MoeArch, spec: str) -> dict[str, Rule]:
     return index
 
 
+def hf_shape(arch: Qwen3MoeArch, name: str) -> tuple[int, ...]:
+    """The shape a Hugging Face tensor of this architecture must have."""
+    a = arch
+    q, kv, hidden = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.hidden_size
+    ffn = a.moe_intermediate_size if ".experts." in name else a.intermediate_size
+    by_suffix = {
+        "embed_tokens.weight": (a.vocab_size, hidden),
+        "lm_head.weight": (a.vocab_size, hidden),
+        "norm.weight": (hidden,),
+        "layernorm.weight": (hidden,),
+        "q_norm.weight": (a.head_dim,),
+        "k_norm.weight": (a.head_dim,),
+        "q_proj.weight": (q, hidden),
+        "k_proj.weight": (kv, hidden),
+        "v_proj.weight": (kv, hidden),
+        "o_proj.weight": (hidden, q),
+        "mlp.gate.weight": (a.num_experts, hidden),
+        "gate_proj.weight": (ffn, hidden),
+        "up_proj.weight": (ffn, hidden),
+        "down_proj.weight": (hidden, ffn),
+    }
+    for suffix, shape in by_suffix.items():
+        if name.endswith(suffix) and (suffix != "norm.weight" or name == "model.norm.weight"):
+            return shape
+    raise KeyError(f"'{name}' is not a Qwen3-MoE tensor")
+
+
 # ---- layouts -------------------------------------------------------------------------
 
 

@@ -1,0 +1,212 @@
+"""Hugging Face <-> Megatron-Core torch_dist conversion of Qwen3-MoE, one layer at a time.
+
+Names and layouts come from the mapping table (gspo_mcore.models.qwen3_moe.state_dict_adapter);
+this module only adds Megatron's checkpoint keys and streams tensors between the files.
+Every input check runs before anything is written; output goes to `OUT.tmp-<pid>` and is
+renamed to OUT only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from checkpoint_convert.dcp_io import DCPReader, DCPWriter
+from checkpoint_convert.progress import Progress
+from checkpoint_convert.safetensors_io import HFCheckpointReader, HFCheckpointWriter
+from gspo_mcore.errors import CheckpointError, InputError
+from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
+from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
+    COPY,
+    GLU,
+    Rule,
+    fuse,
+    hf_shape,
+    layer_rules,
+    non_layer_rules,
+    split,
+)
+
+# Checkpoint keys are the Transformer Engine spec's names; the local spec maps its own names
+# to them (layer_spec.py), so one checkpoint loads into either module set.
+CHECKPOINT_SPEC = "te"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+RELEASE = "release"
+# Megatron stacks the experts of a layer on a leading axis: experts.experts.linear_fc1.weight [E, ...].
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)linear_(fc[12])\.weight(\d+)$")
+
+
+def checkpoint_key(rule: Rule) -> tuple[str, int | None]:
+    """(torch_dist key, expert index on its leading axis or None) of a rule's tensor."""
+    match = _EXPERT.match(rule.mcore)
+    if match:
+        return f"{match[1]}experts.linear_{match[2]}.weight", int(match[3])
+    return rule.mcore, None
+
+
+def extra_state_keys(arch: Qwen3MoeArch, layer: int) -> list[str]:
+    """Megatron saves each linear module's `_extra_state` (None unless FP8) as an object."""
+    prefix = f"decoder.layers.{layer}."
+    keys = [f"{prefix}self_attention.linear_proj._extra_state/shard_0_1",
+            f"{prefix}self_attention.linear_qkv._extra_state/shard_0_1"]
+    if not arch.moe_layers[layer]:
+        return keys + [f"{prefix}mlp.linear_fc1._extra_state/shard_0_1", f"{prefix}mlp.linear_fc2._extra_state/shard_0_1"]
+    n = arch.num_experts
+    return keys + [f"{prefix}mlp.experts.experts.linear_{fc}._extra_state/shard_{e}_{n}"
+                   for fc in ("fc1", "fc2") for e in range(n)]
+
+
+def groups(arch: Qwen3MoeArch) -> list[tuple[int | None, list[Rule]]]:
+    """The unit of streaming: embeddings/norm/head, then each decoder layer."""
+    return [(None, non_layer_rules(arch, CHECKPOINT_SPEC))] + [
+        (layer, layer_rules(arch, CHECKPOINT_SPEC, layer)) for layer in range(arch.num_layers)
+    ]
+
+
+def fused_shape(arch: Qwen3MoeArch, rule: Rule) -> tuple[int, ...]:
+    shapes = [hf_shape(arch, name) for name in rule.hf]
+    if rule.kind == COPY:
+        return shapes[0]
+    if rule.kind == GLU:
+        return (shapes[0][0] + shapes[1][0], shapes[0][1])
+    return (sum(s[0] for s in shapes), shapes[0][1])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@contextlib.contextmanager
+def atomic_output(out: Path, overwrite: bool):
+    """Yield a temporary sibling of `out`; it becomes `out` only if the block completes."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise InputError(f"{out}: output directory exists (pass --overwrite to replace it)")
+    if not out.parent.is_dir():
+        raise InputError(f"{out.parent}: parent directory of the output does not exist")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_disk_space(out: Path, needed: int) -> None:
+    free = shutil.disk_usage(Path(out).parent).free
+    margin = 64 << 20
+    if free < needed * 1.02 + margin:
+        raise InputError(
+            f"{Path(out).parent}: not enough disk space ({needed / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free)"
+        )
+
+
+def _validate_hf(arch: Qwen3MoeArch, reader: HFCheckpointReader) -> list[str]:
+    """Every expected tensor present with its shape, nothing unexpected. Reads headers only."""
+    needed = [name for _, rules in groups(arch) for rule in rules for name in rule.hf]
+    for name in needed:
+        found, expected = reader.shape(name), list(hf_shape(arch, name))
+        if found != expected:
+            raise CheckpointError(f"{reader.dir}: tensor '{name}' has shape {found}, expected {expected}")
+    unexpected = sorted(set(reader.keys()) - set(needed))
+    if unexpected:
+        raise CheckpointError(f"{reader.dir}: unexpected tensor '{unexpected[0]}' (not part of this Qwen3-MoE)")
+    return needed
+
+
+def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = False, quiet: bool = False) -> Path:
+    hf_dir, output_dir = Path(hf_dir), Path(output_dir)
+    arch = load_hf_config(hf_dir)
+    reader = HFCheckpointReader(hf_dir)
+    names = _validate_hf(arch, reader)
+    cast = DTYPES[dtype] if dtype else None
+    sizes = {name: _numel(hf_shape(arch, name)) * (cast or reader.dtype(name)).itemsize for name in names}
+    total = sum(sizes.values())
+    check_disk_space(output_dir, total)
+    with atomic_output(output_dir, overwrite) as tmp:
+        writer = DCPWriter(tmp / RELEASE)
+        progress = Progress("hf-to-mcore", len(names), total, quiet)
+        for layer, rules in groups(arch):
+            writer.start_file()
+            for rule in rules:
+                tensors = [reader[name] for name in rule.hf]
+                if cast is not None:
+                    tensors = [t.to(cast) for t in tensors]
+                fused = fuse(rule, arch, tensors)
+                key, expert = checkpoint_key(rule)
+                if expert is None:
+                    writer.write_tensor(key, fused.shape, (0,) * fused.dim(), fused)
+                else:
+                    writer.write_tensor(key, (arch.num_experts, *fused.shape), (expert, 0, 0), fused.unsqueeze(0))
+                progress.update(len(rule.hf), sum(sizes[name] for name in rule.hf))
+            for key in extra_state_keys(arch, layer) if layer is not None else ():
+                writer.write_object(key, None)
+            reader.release()
+        writer.finish({"checkpoint_version": 3.0, "iteration": 0})
+        (tmp / "latest_checkpointed_iteration.txt").write_text(RELEASE)
+        progress.close()
+    return output_dir
+
+
+def checkpoint_dir(mcore_dir) -> Path:
+    """The directory holding `.metadata`: a Megatron-LM save root (via
+    latest_checkpointed_iteration.txt) or the iteration directory itself."""
+    mcore_dir = Path(mcore_dir)
+    if (mcore_dir / ".metadata").is_file():
+        return mcore_dir
+    tracker = mcore_dir / "latest_checkpointed_iteration.txt"
+    if not tracker.is_file():
+        raise CheckpointError(f"{mcore_dir}: neither a checkpoint (.metadata) nor a save root (latest_checkpointed_iteration.txt)")
+    it = tracker.read_text().strip()
+    return mcore_dir / (RELEASE if it == RELEASE else f"iter_{int(it):07d}")
+
+
+def _read_rule(reader: DCPReader, arch: Qwen3MoeArch, rule: Rule) -> torch.Tensor:
+    key, expert = checkpoint_key(rule)
+    return reader.read(key) if expert is None else reader.read(key, (expert,), (1,))[0]
+
+
+def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, quiet: bool = False) -> Path:
+    hf_config_dir, output_dir = Path(hf_config_dir), Path(output_dir)
+    arch = load_hf_config(hf_config_dir)
+    reader = DCPReader(checkpoint_dir(mcore_dir))
+    plan = groups(arch)
+    total, count = 0, 0
+    for _, rules in plan:
+        for rule in rules:
+            key, expert = checkpoint_key(rule)
+            expected = fused_shape(arch, rule) if expert is None else (arch.num_experts, *fused_shape(arch, rule))
+            found = tuple(reader.shape(key))
+            if found != expected:
+                raise CheckpointError(f"{reader.dir}: tensor '{key}' has shape {list(found)}, expected {list(expected)}")
+            itemsize = reader.metadata.state_dict_metadata[key].properties.dtype.itemsize
+            total += _numel(expected[1:] if expert is not None else expected) * itemsize
+            count += len(rule.hf)
+    check_disk_space(output_dir, total)
+    with atomic_output(output_dir, overwrite) as tmp:
+        writer = HFCheckpointWriter(tmp, num_shards=len(plan))
+        progress = Progress("mcore-to-hf", count, total, quiet)
+        for _, rules in plan:
+            shard = {}
+            for rule in rules:
+                full = _read_rule(reader, arch, rule)
+                shard.update(zip(rule.hf, split(rule, arch, full)))
+                progress.update(len(rule.hf), full.numel() * full.element_size())
+            writer.write_shard(shard)
+        writer.finish()
+        for file in sorted(hf_config_dir.iterdir()):  # config, generation config, tokenizer files
+            if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
+                shutil.copy2(file, tmp / file.name)
+        progress.close()
+    return output_dir

@@ -1,0 +1,57 @@
+"""Load a Hugging Face checkpoint and its converted Megatron-Core checkpoint on CPU and
+compare logits on fixed prompts and every weight. Needs memory for both models in float32."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from checkpoint_convert.convert import checkpoint_dir
+from checkpoint_convert.dcp_io import DCPReader
+from checkpoint_convert.safetensors_io import HFCheckpointReader
+from gspo_mcore.config import DistributedConfig, ModelConfig
+from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
+
+TOLERANCE = 1e-4  # max |logit difference|; both sides run float32 on identical weights
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
+    from megatron.core import dist_checkpointing
+
+    from gspo_mcore.models.qwen3_moe.model import build_model
+    from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
+    from gspo_mcore.parallel import init_distributed
+    from gspo_mcore.parity import compare, hf_logits, megatron_logits, sample_tokens
+
+    hf_dir = Path(hf_dir)
+    arch = load_hf_config(hf_dir)
+    ckpt = checkpoint_dir(mcore_dir)
+    dist_cfg = DistributedConfig(device="cpu")
+    init_distributed(dist_cfg)
+    model = build_model(arch, ModelConfig(hf_dir=str(hf_dir), spec="local", dtype="float32"), dist_cfg)
+    sharded = model.sharded_state_dict()
+    loaded = dist_checkpointing.load(sharded, str(ckpt))  # also holds common.pt's entries
+    model.load_state_dict({key: loaded[key] for key in sharded})
+    model.eval()
+
+    # Both sides see the HF weights rounded to the checkpoint's dtype (a --dtype conversion
+    # is lossy by request); everything then runs in float32.
+    stored = DCPReader(ckpt).metadata.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
+    reader = HFCheckpointReader(hf_dir)
+    per_layer: dict[str, float] = {}
+    for name, tensor in export_hf_weights(model, arch, "local"):
+        match = _LAYER.match(name)
+        where = f"layer_{match[1]}" if match else "embeddings_norm_head"
+        diff = (tensor - reader[name].to(stored).float()).abs().max().item()
+        per_layer[where] = max(per_layer.get(where, 0.0), diff)
+
+    tokens = sample_tokens(arch.vocab_size, batch, seq_len, seed=0)
+    figures = compare(hf_logits(str(hf_dir), tokens, weight_dtype=stored), megatron_logits(model, tokens))
+    figures.pop("logit_std")
+    figures["per_layer_max_weight_diff"] = per_layer
+    figures["tolerance"] = TOLERANCE
+    figures["ok"] = figures["max_abs_logit_diff"] <= TOLERANCE and max(per_layer.values()) == 0.0
+    return figures

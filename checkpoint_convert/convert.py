@@ -19,6 +19,7 @@ import torch
 from checkpoint_convert.dcp_io import DCPReader, DCPWriter
 from checkpoint_convert.progress import Progress
 from checkpoint_convert.safetensors_io import HFCheckpointReader, HFCheckpointWriter
+from gspo_mcore.checkpointing import RELEASE, TRACKER, checkpoint_dir
 from gspo_mcore.errors import CheckpointError, InputError
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
 from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
@@ -36,7 +37,6 @@ from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
 # to them (layer_spec.py), so one checkpoint loads into either module set.
 CHECKPOINT_SPEC = "te"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-RELEASE = "release"
 # Megatron stacks the experts of a layer on a leading axis: experts.experts.linear_fc1.weight [E, ...].
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)linear_(fc[12])\.weight(\d+)$")
 
@@ -154,22 +154,9 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
                 writer.write_object(key, None)
             reader.release()
         writer.finish({"checkpoint_version": 3.0, "iteration": 0})
-        (tmp / "latest_checkpointed_iteration.txt").write_text(RELEASE)
+        (tmp / TRACKER).write_text(RELEASE)
         progress.close()
     return output_dir
-
-
-def checkpoint_dir(mcore_dir) -> Path:
-    """The directory holding `.metadata`: a Megatron-LM save root (via
-    latest_checkpointed_iteration.txt) or the iteration directory itself."""
-    mcore_dir = Path(mcore_dir)
-    if (mcore_dir / ".metadata").is_file():
-        return mcore_dir
-    tracker = mcore_dir / "latest_checkpointed_iteration.txt"
-    if not tracker.is_file():
-        raise CheckpointError(f"{mcore_dir}: neither a checkpoint (.metadata) nor a save root (latest_checkpointed_iteration.txt)")
-    it = tracker.read_text().strip()
-    return mcore_dir / (RELEASE if it == RELEASE else f"iter_{int(it):07d}")
 
 
 def _read_rule(reader: DCPReader, arch: Qwen3MoeArch, rule: Rule) -> torch.Tensor:

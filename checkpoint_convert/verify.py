@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_convert.convert import checkpoint_dir
 from checkpoint_convert.dcp_io import DCPReader
 from checkpoint_convert.safetensors_io import HFCheckpointReader
+from gspo_mcore.checkpointing import checkpoint_dir, load_model_weights
 from gspo_mcore.config import DistributedConfig, ModelConfig
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 
@@ -19,8 +19,6 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
-    from megatron.core import dist_checkpointing
-
     from gspo_mcore.models.qwen3_moe.model import build_model
     from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
     from gspo_mcore.parallel import init_distributed
@@ -32,9 +30,7 @@ def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
     dist_cfg = DistributedConfig(device="cpu")
     init_distributed(dist_cfg)
     model = build_model(arch, ModelConfig(hf_dir=str(hf_dir), spec="local", dtype="float32"), dist_cfg)
-    sharded = model.sharded_state_dict()
-    loaded = dist_checkpointing.load(sharded, str(ckpt))  # also holds common.pt's entries
-    model.load_state_dict({key: loaded[key] for key in sharded})
+    load_model_weights(model, ckpt)
     model.eval()
 
     # Both sides see the HF weights rounded to the checkpoint's dtype (a --dtype conversion

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from gspo_mcore.checkpointing import load_model_weights
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import run_cli
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
@@ -82,8 +83,9 @@ def sample_tokens(vocab_size: int, batch: int = 4, seq_len: int = 16, seed: int 
     return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
 
 
-def run(config: Config, tokens: torch.Tensor) -> dict | None:
-    """Build the model under `config.distributed`, load the HF weights, compare logits and
+def run(config: Config, tokens: torch.Tensor, mcore_dir: str | None = None) -> dict | None:
+    """Build the model under `config.distributed`, load the HF weights (or the converted
+    torch_dist checkpoint `mcore_dir`), compare logits and
     the exported weights with the checkpoint. Returns the figures on global rank 0, None
     on other ranks."""
     from checkpoint_convert.safetensors_io import HFCheckpointReader
@@ -93,7 +95,10 @@ def run(config: Config, tokens: torch.Tensor) -> dict | None:
     init_distributed(config.distributed)
     reader = HFCheckpointReader(config.model.hf_dir)
     model = build_model(arch, config.model, config.distributed)
-    load_hf_weights(model, arch, config.model.spec, reader.__getitem__)
+    if mcore_dir:
+        load_model_weights(model, mcore_dir)
+    else:
+        load_hf_weights(model, arch, config.model.spec, reader.__getitem__)
     model.eval()
     logits = megatron_logits(model, tokens)
     figures = compare(hf_logits(config.model.hf_dir, tokens), logits) if logits is not None else None
@@ -122,11 +127,12 @@ def main() -> int:
     parser.add_argument("--config", help="YAML config (model / distributed sections)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--mcore-dir", help="load this torch_dist checkpoint instead of the HF weights")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. distributed.expert_parallel=2")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     config = load_config(args.config, args.overrides)
     arch = load_hf_config(config.model.hf_dir)
-    figures = run(config, sample_tokens(arch.vocab_size, args.batch, args.seq_len))
+    figures = run(config, sample_tokens(arch.vocab_size, args.batch, args.seq_len), args.mcore_dir)
     if figures is not None:
         print(json.dumps(figures), flush=True)
     dist.destroy_process_group()

@@ -1,0 +1,263 @@
+"""checkpoint_convert: HF <-> Megatron-Core torch_dist, streaming, atomic, exact."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoint_convert import convert
+from checkpoint_convert.dcp_io import DCPReader
+from checkpoint_convert.safetensors_io import HFCheckpointReader
+from checkpoint_convert.synthetic import QWEN3_30B_A3B, QWEN3_235B_A22B, write_synthetic_checkpoint
+from conftest import REPO, last_json_line, run_module
+from gspo_mcore.errors import InputError
+from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+
+
+def cli(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "checkpoint_convert", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    if check and proc.returncode != 0:
+        pytest.fail(f"checkpoint_convert {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def assert_same_checkpoint(a, b):
+    ra, rb = HFCheckpointReader(a), HFCheckpointReader(b)
+    assert set(ra.keys()) == set(rb.keys())
+    for name in ra.keys():
+        ta, tb = ra[name], rb[name]
+        assert ta.dtype == tb.dtype and torch.equal(ta, tb), name
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "mcore"
+    cli("hf-to-mcore", "--hf-dir", str(tiny_hf_dir), "--output-dir", str(out), "--quiet")
+    return out
+
+
+def test_output_has_the_files_megatron_lm_expects(converted):
+    assert (converted / "latest_checkpointed_iteration.txt").read_text() == "release"
+    release = converted / "release"
+    assert {".metadata", "common.pt", "metadata.json"} <= {p.name for p in release.iterdir()}
+    assert list(release.glob("*.distcp"))
+    assert json.loads((release / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert not list(converted.parent.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_round_trip_is_bitwise(tmp_path, dtype):
+    hf = make_tiny_checkpoint(tmp_path / "hf", seed=5, dtype=dtype)
+    cli("hf-to-mcore", "--hf-dir", str(hf), "--output-dir", str(tmp_path / "mcore"), "--quiet")
+    cli("mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--hf-config-dir", str(hf),
+        "--output-dir", str(tmp_path / "back"), "--quiet")
+    assert_same_checkpoint(hf, tmp_path / "back")
+    back = tmp_path / "back"
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in back.glob("model-*.safetensors"))
+    assert shards == sorted(set(index["weight_map"].values())) and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert (back / "config.json").read_text() == (hf / "config.json").read_text()
+
+
+def test_dtype_cast(tiny_hf_dir, tmp_path):
+    cli("hf-to-mcore", "--hf-dir", str(tiny_hf_dir), "--output-dir", str(tmp_path / "m"), "--dtype", "bf16", "--quiet")
+    reader = DCPReader(tmp_path / "m" / "release")
+    qkv = reader.read("decoder.layers.0.self_attention.linear_qkv.weight")
+    assert qkv.dtype == torch.bfloat16
+    hf = HFCheckpointReader(tiny_hf_dir)
+    assert torch.equal(reader.read("embedding.word_embeddings.weight"), hf["model.embed_tokens.weight"].to(torch.bfloat16))
+
+
+def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
+    """Keys, global shapes, dtypes and values equal those of Megatron's own save of the model."""
+    run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved")])
+    ours = DCPReader(converted / "release")
+    megatron = DCPReader(tmp_path / "saved" / "iter_0000001")
+    ours_md, theirs_md = ours.metadata.state_dict_metadata, megatron.metadata.state_dict_metadata
+    assert set(ours_md) == set(theirs_md)
+    for key, meta in theirs_md.items():
+        assert type(ours_md[key]) is type(meta), key
+        if hasattr(meta, "size"):
+            assert ours_md[key].size == meta.size and ours_md[key].properties.dtype == meta.properties.dtype, key
+            assert torch.equal(ours.read(key), megatron.read(key)), key
+
+
+@pytest.mark.parametrize("layout", ["EP2", "PP2", "TP2-SP"])
+def test_converted_checkpoint_loads_under_layouts(tiny_hf_dir, converted, layout):
+    overrides = {"EP2": ["distributed.expert_parallel=2"], "PP2": ["distributed.pipeline_parallel=2"],
+                 "TP2-SP": ["distributed.tensor_parallel=2"]}[layout]
+    proc = run_module(["-m", "gspo_mcore.parity", f"model.hf_dir={tiny_hf_dir}", "--mcore-dir", str(converted),
+                       *overrides], nproc=2)
+    figures = last_json_line(proc.stdout)
+    assert figures["max_abs_logit_diff"] <= 1e-4 and figures["export_bitwise_identical"], figures
+
+
+def test_trainer_checkpoint_under_ep2_back_to_hf(tiny_hf_dir, tmp_path):
+    """A checkpoint Megatron saved with experts split over 2 ranks: every expert comes back."""
+    run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved"),
+                "distributed.expert_parallel=2"], nproc=2)
+    cli("mcore-to-hf", "--mcore-dir", str(tmp_path / "saved"), "--hf-config-dir", str(tiny_hf_dir),
+        "--output-dir", str(tmp_path / "back"), "--quiet")
+    assert_same_checkpoint(tiny_hf_dir, tmp_path / "back")
+
+
+def test_verify_passes_and_fails(tiny_hf_dir, converted, tmp_path):
+    proc = cli("verify", "--hf-dir", str(tiny_hf_dir), "--mcore-dir", str(converted))
+    figures = last_json_line(proc.stdout)
+    assert figures["ok"] and figures["max_abs_logit_diff"] <= figures["tolerance"] == 1e-4
+    assert figures["top1_agreement"] == 1.0 and set(figures["per_layer_max_weight_diff"]) >= {"layer_0", "layer_3"}
+    other = make_tiny_checkpoint(tmp_path / "other", seed=9)  # same shapes, other weights
+    proc = cli("verify", "--hf-dir", str(other), "--mcore-dir", str(converted), check=False)
+    assert proc.returncode == 1 and last_json_line(proc.stdout)["ok"] is False
+
+
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+         "vocab_size": 512}
+
+
+@pytest.mark.parametrize("shape", [QWEN3_30B_A3B, QWEN3_235B_A22B], ids=["30B-A3B", "235B-A22B"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_real_model_structure_round_trip(tmp_path, shape, dtype):
+    """128 experts, top-8, head_dim 128, 4 KV heads (32 or 64 query heads), small hidden sizes."""
+    hf = write_synthetic_checkpoint(tmp_path / "hf", {**shape, **SMALL}, dtype=dtype)
+    convert.hf_to_mcore(hf, tmp_path / "mcore", quiet=True)
+    assert DCPReader(tmp_path / "mcore" / "release").shape("decoder.layers.1.mlp.experts.experts.linear_fc1.weight") == (128, 64, 64)
+    convert.mcore_to_hf(tmp_path / "mcore", hf, tmp_path / "back", quiet=True)
+    assert_same_checkpoint(hf, tmp_path / "back")
+
+
+# ---- bad input: one line, exit 2, nothing written -------------------------------------------
+
+
+def assert_rejected(proc, out, *fragments):
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert not out.exists() and not list(out.parent.glob(f"{out.name}.tmp-*"))
+
+
+@pytest.fixture
+def hf_copy(tiny_hf_dir, tmp_path):
+    out = tmp_path / "hf"
+    shutil.copytree(tiny_hf_dir, out)
+    return out
+
+
+def to_mcore(hf, out, *extra):
+    return cli("hf-to-mcore", "--hf-dir", str(hf), "--output-dir", str(out), "--quiet", *extra, check=False)
+
+
+def test_missing_config(hf_copy, tmp_path):
+    (hf_copy / "config.json").unlink()
+    assert_rejected(to_mcore(hf_copy, tmp_path / "out"), tmp_path / "out", "config.json not found")
+
+
+def test_not_qwen3_moe(hf_copy, tmp_path):
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    (hf_copy / "config.json").write_text(json.dumps(cfg))
+    assert_rejected(to_mcore(hf_copy, tmp_path / "out"), tmp_path / "out", "is not Qwen3-MoE")
+
+
+def _edit_tensors(hf, fn):
+    tensors = load_file(hf / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor(hf_copy, tmp_path):
+    _edit_tensors(hf_copy, lambda t: t.pop("model.layers.3.mlp.experts.5.down_proj.weight"))
+    assert_rejected(to_mcore(hf_copy, tmp_path / "out"), tmp_path / "out",
+                    "missing tensor 'model.layers.3.mlp.experts.5.down_proj.weight'")
+
+
+def test_wrong_shape(hf_copy, tmp_path):
+    def bad(t):
+        t["model.layers.2.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+
+    _edit_tensors(hf_copy, bad)
+    assert_rejected(to_mcore(hf_copy, tmp_path / "out"), tmp_path / "out",
+                    "'model.layers.2.self_attn.k_proj.weight' has shape [48, 64], expected [64, 64]")
+
+
+def test_truncated_safetensors(hf_copy, tmp_path):
+    data = (hf_copy / "model.safetensors").read_bytes()
+    (hf_copy / "model.safetensors").write_bytes(data[: len(data) // 3])
+    assert_rejected(to_mcore(hf_copy, tmp_path / "out"), tmp_path / "out", "model.safetensors")
+
+
+def test_output_exists_unless_overwrite(tiny_hf_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    proc = to_mcore(tiny_hf_dir, out)
+    assert proc.returncode == 2 and "output directory exists" in proc.stderr and (out / "keep").exists()
+    assert to_mcore(tiny_hf_dir, out, "--overwrite").returncode == 0
+    assert not (out / "keep").exists() and (out / "release" / ".metadata").is_file()
+
+
+def test_not_enough_disk_space(tiny_hf_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, 1 << 20))
+    with pytest.raises(InputError, match="not enough disk space"):
+        convert.hf_to_mcore(tiny_hf_dir, tmp_path / "out", quiet=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_midway_leaves_nothing(tiny_hf_dir, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    original = convert.DCPWriter.write_tensor
+
+    def failing(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise OSError("disk went away")
+        return original(self, *args)
+
+    monkeypatch.setattr(convert.DCPWriter, "write_tensor", failing)
+    with pytest.raises(OSError):
+        convert.hf_to_mcore(tiny_hf_dir, tmp_path / "out", quiet=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_run_leaves_no_valid_looking_output(tmp_path):
+    hf = write_synthetic_checkpoint(tmp_path / "hf", {**QWEN3_30B_A3B, **SMALL, "hidden_size": 256,
+                                                      "num_hidden_layers": 24})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "checkpoint_convert", "hf-to-mcore", "--hf-dir", str(hf),
+                             "--output-dir", str(out), "--quiet"], cwd=REPO)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("out.tmp-*/release/__1_0.distcp")) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()  # only out.tmp-<pid> may remain, which no reader takes for a checkpoint
+
+
+def _peak_rss_mb(hf, out) -> float:
+    code = ("import resource, sys\nfrom checkpoint_convert.convert import hf_to_mcore\n"
+            "hf_to_mcore(sys.argv[1], sys.argv[2], quiet=True)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(hf), str(out)], capture_output=True, text=True,
+                          cwd=REPO, check=True)
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def test_peak_memory_does_not_grow_with_layers(tmp_path):
+    big = {**QWEN3_30B_A3B, **SMALL, "hidden_size": 256, "moe_intermediate_size": 128}  # ~25 MB per layer
+    few = write_synthetic_checkpoint(tmp_path / "few", {**big, "num_hidden_layers": 2})
+    many = write_synthetic_checkpoint(tmp_path / "many", {**big, "num_hidden_layers": 12})
+    layer_mb = sum(p.stat().st_size for p in many.glob("model-00002-*")) / 2**20
+    rss_few, rss_many = _peak_rss_mb(few, tmp_path / "m1"), _peak_rss_mb(many, tmp_path / "m2")
+    # 10 more layers (~250 MB) may cost at most about one more layer of resident memory.
+    assert rss_many - rss_few < 1.5 * layer_mb + 20, (rss_few, rss_many, layer_mb)

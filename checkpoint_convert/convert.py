@@ -150,9 +150,9 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
                 else:
                     writer.write_tensor(key, (arch.num_experts, *fused.shape), (expert, 0, 0), fused.unsqueeze(0))
                 progress.update(len(rule.hf), sum(sizes[name] for name in rule.hf))
+                reader.release()  # unmap what was read: mapped pages count toward RSS
             for key in extra_state_keys(arch, layer) if layer is not None else ():
                 writer.write_object(key, None)
-            reader.release()
         writer.finish({"checkpoint_version": 3.0, "iteration": 0})
         (tmp / TRACKER).write_text(RELEASE)
         progress.close()
@@ -169,7 +169,7 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
     arch = load_hf_config(hf_config_dir)
     reader = DCPReader(checkpoint_dir(mcore_dir))
     plan = groups(arch)
-    total, count = 0, 0
+    total, count, shard_plan = 0, 0, []
     for _, rules in plan:
         for rule in rules:
             key, expert = checkpoint_key(rule)
@@ -177,20 +177,20 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
             found = tuple(reader.shape(key))
             if found != expected:
                 raise CheckpointError(f"{reader.dir}: tensor '{key}' has shape {list(found)}, expected {list(expected)}")
-            itemsize = reader.metadata.state_dict_metadata[key].properties.dtype.itemsize
-            total += _numel(expected[1:] if expert is not None else expected) * itemsize
+            dtype = reader.metadata.state_dict_metadata[key].properties.dtype
+            total += _numel(expected[1:] if expert is not None else expected) * dtype.itemsize
             count += len(rule.hf)
+            shard_plan += [(name, dtype, hf_shape(arch, name)) for name in rule.hf]
     check_disk_space(output_dir, total)
     with atomic_output(output_dir, overwrite) as tmp:
-        writer = HFCheckpointWriter(tmp, num_shards=len(plan))
+        writer = HFCheckpointWriter(tmp, shard_plan)
         progress = Progress("mcore-to-hf", count, total, quiet)
         for _, rules in plan:
-            shard = {}
             for rule in rules:
                 full = _read_rule(reader, arch, rule)
-                shard.update(zip(rule.hf, split(rule, arch, full)))
+                for name, tensor in zip(rule.hf, split(rule, arch, full)):
+                    writer.write(name, tensor)
                 progress.update(len(rule.hf), full.numel() * full.element_size())
-            writer.write_shard(shard)
         writer.finish()
         for file in sorted(hf_config_dir.iterdir()):  # config, generation config, tokenizer files
             if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":

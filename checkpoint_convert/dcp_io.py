@@ -130,11 +130,8 @@ class DCPReader:
         path = self.dir / info.relative_path
         try:
             with open(path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-            if len(data) != info.length:
-                raise EOFError("file shorter than its metadata says")
-            return torch.load(io.BytesIO(data), weights_only=True)
+                # torch.load reads the chunk's storage straight into the new tensor.
+                return torch.load(_FileSlice(f, info.offset, info.length), weights_only=True)
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
             raise CheckpointError(f"{path}: unreadable chunk ({err})") from None
 
@@ -160,3 +157,37 @@ class DCPReader:
         if covered != out.numel():
             raise CheckpointError(f"{self.dir}: tensor '{key}' region {start}+{size} is not fully stored")
         return out
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only, seekable view of bytes [offset, offset + length) of an open file."""
+
+    def __init__(self, file, offset: int, length: int):
+        super().__init__()
+        self._file, self._start, self._length, self._pos = file, offset, length, 0
+        file.seek(0, io.SEEK_END)
+        if file.tell() < offset + length:
+            raise EOFError("file shorter than its metadata says")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._file.seek(self._start + self._pos)
+        n = self._file.readinto(memoryview(buffer)[:n])
+        self._pos += n
+        return n

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from gspo_mcore.errors import CheckpointError
 
@@ -80,26 +79,78 @@ class HFCheckpointReader:
             raise CheckpointError(f"{file}: tensor '{name}' unreadable ({err})") from None
 
 
+_DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+
 class HFCheckpointWriter:
-    """Write `model-0000N-of-0000M.safetensors` shards as they come, then the index."""
+    """Write `model-0000N-of-0000M.safetensors` shards, one tensor at a time.
 
-    def __init__(self, directory: Path, num_shards: int):
-        self.dir, self.num_shards = Path(directory), num_shards
+    The shard plan (names, dtypes, shapes) is fixed up front, so each shard's header is
+    written first and tensors are streamed after it: memory holds one tensor, whatever
+    the shard size. Tensors must come in plan order."""
+
+    def __init__(self, directory: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 max_shard_bytes: int = 4 << 30):
+        self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+        size = 0
+        for entry in plan:
+            nbytes = _nbytes(entry)
+            if self._shards[-1] and size + nbytes > max_shard_bytes:
+                self._shards.append([])
+                size = 0
+            self._shards[-1].append(entry)
+            size += nbytes
+        self._order = [entry for shard in self._shards for entry in shard]
+        self._next = 0
+        self._file = None
+        self._shard_index = -1
         self._weight_map: dict[str, str] = {}
-        self._total_size = 0
-        self._written = 0
 
-    def write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._written += 1
-        name = f"model-{self._written:05d}-of-{self.num_shards:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.dir / name), metadata={"format": "pt"})
-        for key, tensor in tensors.items():
-            self._weight_map[key] = name
-            self._total_size += tensor.numel() * tensor.element_size()
+    def _shard_name(self, index: int) -> str:
+        return f"model-{index + 1:05d}-of-{len(self._shards):05d}.safetensors"
+
+    def _open_next_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._shard_index += 1
+        entries, header, offset = self._shards[self._shard_index], {}, 0
+        for name, dtype, shape in entries:
+            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + _nbytes((name, dtype, shape))]}
+            offset += _nbytes((name, dtype, shape))
+            self._weight_map[name] = self._shard_name(self._shard_index)
+        header["__metadata__"] = {"format": "pt"}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes
+        self._file = open(self.dir / self._shard_name(self._shard_index), "wb")
+        self._file.write(len(encoded).to_bytes(8, "little") + encoded)
+        self._left_in_shard = len(entries)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self._order[self._next]
+        if (name, tensor.dtype, tuple(tensor.shape)) != expected:
+            raise ValueError(f"tensor {name} {tensor.dtype} {list(tensor.shape)} out of plan (expected {expected})")
+        if self._file is None or self._left_in_shard == 0:
+            self._open_next_shard()
+        self._file.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+        self._left_in_shard -= 1
+        self._next += 1
 
     def finish(self) -> None:
-        if self._written != self.num_shards:
-            raise ValueError(f"wrote {self._written} shards, announced {self.num_shards}")
-        index = {"metadata": {"total_size": self._total_size}, "weight_map": dict(sorted(self._weight_map.items()))}
+        if self._next != len(self._order):
+            raise ValueError(f"wrote {self._next} of {len(self._order)} planned tensors")
+        if self._file is not None:
+            self._file.close()
+        total = sum(_nbytes(entry) for entry in self._order)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._weight_map.items()))}
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _nbytes(entry) -> int:
+    _, dtype, shape = entry
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n

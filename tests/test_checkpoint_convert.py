@@ -262,3 +262,29 @@ def test_peak_memory_does_not_grow_with_layers(tmp_path):
     # 10 more layers (~250 MB) may cost at most about one more layer of resident memory.
     assert rss_many - rss_few < 1.5 * layer_mb + 20, (rss_few, rss_many, layer_mb)
     assert rss_many < 600, rss_many  # interpreter + torch (~270 MB) + about one layer
+
+
+def test_progress_bar_on_stderr_unless_quiet(tiny_hf_dir, tmp_path):
+    proc = cli("hf-to-mcore", "--hf-dir", str(tiny_hf_dir), "--output-dir", str(tmp_path / "m"))
+    assert "hf-to-mcore: 113/113 tensors" in proc.stderr and "MB/s" in proc.stderr and "ETA" in proc.stderr
+    quiet = cli("hf-to-mcore", "--hf-dir", str(tiny_hf_dir), "--output-dir", str(tmp_path / "q"), "--quiet")
+    assert quiet.stderr == ""
+
+
+def test_mcore_to_hf_with_the_wrong_config_names_the_tensor(converted, tmp_path):
+    other = write_synthetic_checkpoint(tmp_path / "other", {**QWEN3_30B_A3B, **SMALL})
+    out = tmp_path / "back"
+    proc = cli("mcore-to-hf", "--mcore-dir", str(converted), "--hf-config-dir", str(other),
+               "--output-dir", str(out), check=False)
+    assert_rejected(proc, out, "embedding.word_embeddings.weight", "has shape [256, 64], expected [512, 64]")
+
+
+def test_truncated_distcp_is_named_and_leaves_nothing(converted, tiny_hf_dir, tmp_path):
+    broken = tmp_path / "mcore"
+    shutil.copytree(converted, broken)
+    data_file = broken / "release" / "__2_0.distcp"
+    data_file.write_bytes(data_file.read_bytes()[:1000])
+    out = tmp_path / "back"
+    proc = cli("mcore-to-hf", "--mcore-dir", str(broken), "--hf-config-dir", str(tiny_hf_dir),
+               "--output-dir", str(out), "--quiet", check=False)
+    assert_rejected(proc, out, "__2_0.distcp")

@@ -9,6 +9,7 @@ renamed to OUT only when complete.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -77,13 +78,6 @@ def fused_shape(arch: Qwen3MoeArch, rule: Rule) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), shapes[0][1])
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 @contextlib.contextmanager
 def atomic_output(out: Path, overwrite: bool):
     """Yield a temporary sibling of `out`; it becomes `out` only if the block completes."""
@@ -131,7 +125,7 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
     reader = HFCheckpointReader(hf_dir)
     names = _validate_hf(arch, reader)
     cast = DTYPES[dtype] if dtype else None
-    sizes = {name: _numel(hf_shape(arch, name)) * (cast or reader.dtype(name)).itemsize for name in names}
+    sizes = {name: math.prod(hf_shape(arch, name)) * (cast or reader.dtype(name)).itemsize for name in names}
     total = sum(sizes.values())
     check_disk_space(output_dir, total)
     with atomic_output(output_dir, overwrite) as tmp:
@@ -178,7 +172,7 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
             if found != expected:
                 raise CheckpointError(f"{reader.dir}: tensor '{key}' has shape {list(found)}, expected {list(expected)}")
             dtype = reader.metadata.state_dict_metadata[key].properties.dtype
-            total += _numel(expected[1:] if expert is not None else expected) * dtype.itemsize
+            total += math.prod(expected[1:] if expert is not None else expected) * dtype.itemsize
             count += len(rule.hf)
             shard_plan += [(name, dtype, hf_shape(arch, name)) for name in rule.hf]
     check_disk_space(output_dir, total)

@@ -4,6 +4,7 @@ and writing in shards with an index."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -150,7 +151,4 @@ class HFCheckpointWriter:
 
 def _nbytes(entry) -> int:
     _, dtype, shape = entry
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+    return dtype.itemsize * math.prod(shape)

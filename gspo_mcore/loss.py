@@ -1,0 +1,171 @@
+"""Policy-gradient losses: GSPO (sequence level), GSPO-token, and token-level GRPO/PPO.
+
+Pure tensor functions (no Megatron). Equations cite Zheng et al., "Group Sequence Policy
+Optimization", arXiv 2507.18071. `old_logprobs` are the behaviour policy's token log-probs
+as returned by the inference engine: no recomputation by the trainer.
+
+Every level first builds a per-token loss matrix [B, T] (a sequence-level term is spread
+over its tokens), then `aggregate` reduces it. Passing the *global* counts of the whole
+minibatch (all microbatches, all data-parallel ranks) to `aggregate` makes the sum of the
+per-microbatch losses equal the global loss exactly (see gspo_mcore.megatron_loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LEVELS = ("sequence", "sequence_token", "token")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+DEFAULT_AGGREGATION = {  # the paper's: eq. 5 / eq. 13 average per sequence, then over sequences
+    "sequence": "seq-mean-token-mean",
+    "sequence_token": "seq-mean-token-mean",
+    "token": "seq-mean-token-mean",
+}
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: far outside any clip band, finite in float32
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """Denominators of the aggregation. Defaults (None) are the local batch's own counts;
+    the trainer passes the global minibatch's."""
+
+    num_sequences: float | None = None
+    num_tokens: float | None = None
+    horizon: float | None = None  # seq-mean-token-sum-norm: the fixed max response length
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """At least float32 (float64 stays float64)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def _check(logprobs, old_logprobs, advantages, mask) -> None:
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError(
+            f"logprobs {list(logprobs.shape)}, old_logprobs {list(old_logprobs.shape)} and mask "
+            f"{list(mask.shape)} must be the same [B, T]"
+        )
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"advantages {list(advantages.shape)} must be [B] or [B, T] for logprobs {list(logprobs.shape)}")
+    bad = ~torch.isfinite(old_logprobs) & mask.bool()
+    if bad.any():
+        sample, token = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"old_logprobs: non-finite value in sample {sample} at token {token}")
+
+
+def sequence_log_ratio(logprobs, old_logprobs, mask) -> torch.Tensor:
+    """log s_i = (1/|y_i|) sum_t (log pi_theta - log pi_old)  (eq. 7), float32; 0 for an empty response."""
+    mask = mask.to(_wide(logprobs).dtype)
+    length = mask.sum(-1)
+    log_ratio = ((_wide(logprobs) - _wide(old_logprobs)) * mask).sum(-1) / length.clamp(min=1)
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _clipped_objective(ratio, advantages, clip_low, clip_high, dual_clip):
+    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with an optional lower bound c A for A < 0."""
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    objective = torch.minimum(ratio * advantages, clipped * advantages)
+    if dual_clip is not None:
+        objective = torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
+    return objective
+
+
+def aggregate(token_loss, mask, aggregation: str, normalizer: Normalizer = Normalizer()) -> torch.Tensor:
+    """Reduce a per-token loss matrix [B, T] over response tokens."""
+    mask = mask.to(token_loss.dtype)
+    masked = token_loss * mask
+    lengths = mask.sum(-1)
+    num_sequences = normalizer.num_sequences if normalizer.num_sequences is not None else float(mask.shape[0])
+    if aggregation == "token-mean":
+        num_tokens = normalizer.num_tokens if normalizer.num_tokens is not None else lengths.sum().clamp(min=1)
+        return masked.sum() / num_tokens
+    if aggregation == "seq-mean-token-sum":
+        return masked.sum() / num_sequences
+    if aggregation == "seq-mean-token-mean":
+        return (masked.sum(-1) / lengths.clamp(min=1)).sum() / num_sequences
+    if aggregation == "seq-mean-token-sum-norm":
+        horizon = normalizer.horizon if normalizer.horizon is not None else float(mask.shape[1])
+        return masked.sum() / (num_sequences * horizon)
+    raise ValueError(f"aggregation {aggregation!r} is not one of {AGGREGATIONS}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str = "sequence",
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    aggregation: str | None = None,
+    dual_clip: float | None = None,
+    entropy: torch.Tensor | None = None,
+    normalizer: Normalizer = Normalizer(),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Returns (loss to minimise, metrics). Shapes: logprobs/old_logprobs/mask [B, T];
+    advantages [B] (per sequence) or [B, T] (per token; sequence_token and token levels)."""
+    if level not in LEVELS:
+        raise ValueError(f"level {level!r} is not one of {LEVELS}")
+    _check(logprobs, old_logprobs, advantages, mask)
+    if level == "sequence" and advantages.dim() == 2:
+        raise ValueError("level 'sequence' takes one advantage per sequence ([B]); use 'sequence_token'")
+    aggregation = aggregation or DEFAULT_AGGREGATION[level]
+    mask_f = mask.to(_wide(logprobs).dtype)
+    adv = _wide(advantages) if advantages.dim() == 2 else _wide(advantages)[:, None].expand_as(mask_f)
+    seq_log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)
+    seq_ratio = seq_log_ratio.exp()
+
+    if level == "sequence":  # eq. 5-7
+        ratio = seq_ratio[:, None].expand_as(mask_f)
+    elif level == "sequence_token":  # eq. 13-14: s_it = sg[s_i] * pi_t / sg[pi_t]
+        token_logprobs = _wide(logprobs)
+        ratio = seq_ratio.detach()[:, None] * (token_logprobs - token_logprobs.detach()).exp()
+    else:  # GRPO / PPO token-level ratio
+        ratio = (_wide(logprobs) - _wide(old_logprobs)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+    objective = _clipped_objective(ratio, adv, clip_low, clip_high, dual_clip)
+    loss = -aggregate(objective, mask_f, aggregation, normalizer)
+
+    with torch.no_grad():
+        metrics = _metrics(ratio, seq_ratio, seq_log_ratio, adv, mask_f, clip_low, clip_high, level, entropy)
+    return loss, metrics
+
+
+def _metrics(ratio, seq_ratio, seq_log_ratio, adv, mask, clip_low, clip_high, level, entropy):
+    has_tokens = mask.sum(-1) > 0
+    # Clipped = the min() took the clipped branch, so the sample gives no gradient.
+    clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
+    tokens = mask.bool()
+    num_tokens = tokens.sum().clamp(min=1)
+    seqs = seq_ratio[has_tokens] if has_tokens.any() else seq_ratio.new_ones(1)
+    metrics = {
+        "clip_fraction_tokens": (clipped & tokens).sum() / num_tokens,
+        "ratio_mean": seqs.mean(),
+        "ratio_min": seqs.min(),
+        "ratio_max": seqs.max(),
+        "abs_log_ratio_mean": seq_log_ratio[has_tokens].abs().mean() if has_tokens.any() else seq_ratio.new_zeros(()),
+        "ratio_above_band": (seqs > 1 + clip_high).float().mean(),
+        "ratio_below_band": (seqs < 1 - clip_low).float().mean(),
+    }
+    if level == "sequence":
+        metrics["clip_fraction_sequences"] = clipped[:, 0][has_tokens].float().mean() if has_tokens.any() else seq_ratio.new_zeros(())
+    if entropy is not None:
+        metrics["entropy"] = (_wide(entropy) * mask).sum() / num_tokens
+    return metrics
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from sampled tokens (Schulman's k1/k2/k3).
+    Off in the paper's setup; aggregate it like the policy loss, times a coefficient."""
+    log_ratio = (_wide(logprobs) - _wide(ref_logprobs)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return (-log_ratio).exp() + log_ratio - 1.0
+    raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")

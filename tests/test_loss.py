@@ -1,0 +1,202 @@
+"""GSPO / GSPO-token / token-level losses against float64 references written straight from
+the paper's formulas (arXiv 2507.18071), with loops instead of vectorised code."""
+
+import math
+
+import pytest
+import torch
+
+from gspo_mcore.loss import AGGREGATIONS, Normalizer, aggregate, kl_penalty, policy_loss
+
+EPS_LOW, EPS_HIGH = 0.2, 0.27  # wide enough that both branches of the clip occur below
+
+
+def make_batch(seed=0, B=6, T=9, per_token_adv=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([9, 1, 5, 7, 3, 8])[:B]
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp = (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn((B, T) if per_token_adv else (B,), generator=g, dtype=torch.float64)
+    return logp, old, adv, mask
+
+
+def clip_obj(r, a, dual=None):
+    value = min(r * a, min(max(r, 1 - EPS_LOW), 1 + EPS_HIGH) * a)
+    if dual is not None and a < 0:
+        value = max(value, dual * a)
+    return value
+
+
+def reference(logp, old, adv, mask, level, aggregation, dual=None):
+    """-J(theta) with per-token terms l[i][t], aggregated as the named mode (float64)."""
+    B, T = mask.shape
+    lengths = [int(mask[i].sum()) for i in range(B)]
+    terms = [[None] * T for _ in range(B)]
+    for i in range(B):
+        if lengths[i] == 0:
+            continue
+        # eq. 7: s_i = exp(1/|y_i| sum_t log(pi_theta / pi_old))
+        s_i = torch.exp(sum(logp[i, t] - old[i, t] for t in range(lengths[i])) / lengths[i])
+        for t in range(lengths[i]):
+            a = adv[i, t] if adv.dim() == 2 else adv[i]
+            if level == "sequence":
+                r = s_i
+            elif level == "sequence_token":  # eq. 13
+                r = s_i.detach() * torch.exp(logp[i, t] - logp[i, t].detach())
+            else:
+                r = torch.exp(logp[i, t] - old[i, t])
+            clipped = torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH)
+            value = torch.minimum(r * a, clipped * a)
+            if dual is not None and a < 0:
+                value = torch.maximum(value, dual * a)
+            terms[i][t] = value
+    seq_sums = [sum(terms[i][t] for t in range(lengths[i])) for i in range(B) if lengths[i]]
+    seq_means = [sum(terms[i][t] for t in range(lengths[i])) / lengths[i] for i in range(B) if lengths[i]]
+    if aggregation == "token-mean":
+        J = sum(seq_sums) / sum(lengths)
+    elif aggregation == "seq-mean-token-sum":
+        J = sum(seq_sums) / B
+    elif aggregation == "seq-mean-token-mean":
+        J = sum(seq_means) / B
+    else:
+        J = sum(seq_sums) / (B * T)
+    return -J
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
+def test_values_and_gradients_match_reference(level, aggregation):
+    logp, old, adv, mask = make_batch(seed=1)
+    loss, _ = policy_loss(logp, old, adv, mask, level=level, clip_low=EPS_LOW, clip_high=EPS_HIGH,
+                          aggregation=aggregation)
+    (grad,) = torch.autograd.grad(loss, logp)
+    ref = reference(logp, old, adv, mask, level, aggregation)
+    (ref_grad,) = torch.autograd.grad(ref, logp)
+    assert loss.dtype == torch.float64
+    assert abs(loss.item() - ref.item()) < 1e-10
+    assert torch.allclose(grad, ref_grad, atol=1e-10, rtol=0)
+    assert grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("level", ["sequence_token", "token"])
+def test_per_token_advantages(level):
+    logp, old, adv, mask = make_batch(seed=2, per_token_adv=True)
+    loss, _ = policy_loss(logp, old, adv, mask, level=level, clip_low=EPS_LOW, clip_high=EPS_HIGH)
+    ref = reference(logp, old, adv, mask, level, "seq-mean-token-mean")
+    assert abs(loss.item() - ref.item()) < 1e-10
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_dual_clip(level):
+    logp, old, adv, mask = make_batch(seed=3)
+    with torch.no_grad():
+        logp += 2.0  # push ratios far above the band so the dual clip binds for A < 0
+    loss, _ = policy_loss(logp, old, adv, mask, level=level, clip_low=EPS_LOW, clip_high=EPS_HIGH, dual_clip=3.0)
+    ref = reference(logp, old, adv, mask, level, "seq-mean-token-mean", dual=3.0)
+    plain, _ = policy_loss(logp, old, adv, mask, level=level, clip_low=EPS_LOW, clip_high=EPS_HIGH)
+    assert abs(loss.item() - ref.item()) < 1e-10 and abs(loss.item() - plain.item()) > 1e-3
+
+
+def test_gspo_and_gspo_token_same_value_and_gradient():
+    logp, old, adv, mask = make_batch(seed=4)
+    seq, _ = policy_loss(logp, old, adv, mask, level="sequence", clip_low=EPS_LOW, clip_high=EPS_HIGH)
+    tok, _ = policy_loss(logp, old, adv, mask, level="sequence_token", clip_low=EPS_LOW, clip_high=EPS_HIGH)
+    (g_seq,) = torch.autograd.grad(seq, logp)
+    (g_tok,) = torch.autograd.grad(tok, logp)
+    assert abs(seq.item() - tok.item()) < 1e-12
+    assert torch.allclose(g_seq, g_tok, atol=1e-12, rtol=0)
+
+
+def test_paper_defaults_and_metrics():
+    logp, old, adv, mask = make_batch(seed=5)
+    loss, metrics = policy_loss(logp, old, adv, mask)  # clip 3e-4 / 4e-4: nearly every sequence clipped
+    assert 0 < metrics["clip_fraction_sequences"] <= 1
+    ratios = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+    assert abs(metrics["ratio_max"].item() - ratios.max().item()) < 1e-12
+    assert abs(metrics["abs_log_ratio_mean"].item() - ratios.log().abs().mean().item()) < 1e-12
+    assert metrics["ratio_above_band"] + metrics["ratio_below_band"] <= 1
+
+
+def test_on_policy_ratio_is_one_and_nothing_is_clipped():
+    logp, _, adv, mask = make_batch(seed=6)
+    loss, metrics = policy_loss(logp, logp.detach(), adv, mask)
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1.0
+    assert metrics["clip_fraction_sequences"] == 0 and metrics["clip_fraction_tokens"] == 0
+    # On policy, d/dtheta of s_i A_i is A_i * mean_t d logp: the policy gradient itself.
+    (grad,) = torch.autograd.grad(loss, logp)
+    lengths = mask.sum(-1, keepdim=True)
+    expected = -(adv[:, None] * mask / lengths) / mask.shape[0]
+    assert torch.allclose(grad, expected, atol=1e-12)
+
+
+def test_empty_response_is_masked_not_nan():
+    logp, old, adv, mask = make_batch(seed=7)
+    mask[1] = 0
+    loss, metrics = policy_loss(logp, old, adv, mask)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[1] == 0).all()
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_response_at_max_length():
+    logp, old, adv, mask = make_batch(seed=8)
+    mask[:] = 1  # every response fills the whole horizon
+    loss, _ = policy_loss(logp, old, adv, mask, clip_low=EPS_LOW, clip_high=EPS_HIGH)
+    assert abs(loss.item() - reference(logp, old, adv, mask, "sequence", "seq-mean-token-mean").item()) < 1e-10
+
+
+def test_huge_log_ratio_is_clamped_not_inf():
+    logp, old, adv, mask = make_batch(seed=9)
+    with torch.no_grad():
+        logp[0] += 500.0
+    loss, metrics = policy_loss(logp, old, adv, mask, level="token")
+    assert torch.isfinite(loss) and torch.isfinite(metrics["ratio_max"])
+
+
+def test_nan_in_old_logprobs_names_the_sample():
+    logp, old, adv, mask = make_batch(seed=10)
+    old[3, 2] = float("nan")
+    with pytest.raises(ValueError, match="old_logprobs: non-finite value in sample 3 at token 2"):
+        policy_loss(logp, old, adv, mask)
+    old[3, 2] = 0.0
+    old[1, 5] = float("nan")  # outside sample 1's response (length 1): ignored
+    policy_loss(logp, old, adv, mask)
+
+
+def test_mismatched_shapes_are_clear_errors():
+    logp, old, adv, mask = make_batch(seed=11)
+    with pytest.raises(ValueError, match=r"must be the same \[B, T\]"):
+        policy_loss(logp, old[:, :5], adv, mask)
+    with pytest.raises(ValueError, match=r"advantages \[4\]"):
+        policy_loss(logp, old, adv[:4], mask)
+    with pytest.raises(ValueError, match="one advantage per sequence"):
+        policy_loss(logp, old, torch.zeros_like(old), mask, level="sequence")
+    with pytest.raises(ValueError, match="level 'seq'"):
+        policy_loss(logp, old, adv, mask, level="seq")
+
+
+def test_global_normalizer_splits_exactly():
+    """Microbatch losses with the whole batch's counts add up to the whole-batch loss."""
+    logp, old, adv, mask = make_batch(seed=12)
+    for aggregation in AGGREGATIONS:
+        whole, _ = policy_loss(logp, old, adv, mask, aggregation=aggregation)
+        norm = Normalizer(num_sequences=6, num_tokens=float(mask.sum()), horizon=9)
+        parts = sum(policy_loss(logp[s], old[s], adv[s], mask[s], aggregation=aggregation, normalizer=norm)[0]
+                    for s in (slice(0, 2), slice(2, 3), slice(3, 6)))
+        assert abs(whole.item() - parts.item()) < 1e-12, aggregation
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators(estimator):
+    logp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -1.0, -0.5], dtype=torch.float64)
+    d = logp - ref
+    expected = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) + d - 1}[estimator]
+    assert torch.allclose(kl_penalty(logp, ref, estimator), expected, atol=1e-15)
+    assert (kl_penalty(logp, ref, "k3") >= 0).all()
+
+
+def test_aggregate_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="aggregation 'mean'"):
+        aggregate(torch.zeros(2, 2), torch.ones(2, 2), "mean")

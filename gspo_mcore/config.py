@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,10 +57,31 @@ class OptimizerConfig:
 
 
 @dataclass
+class LossConfig:
+    level: Literal["sequence", "sequence_token", "token"] = "sequence"
+    """sequence = GSPO; sequence_token = GSPO-token; token = GRPO/PPO (for comparison runs)."""
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    """The paper's GSPO clip range: ratios outside [1 - 3e-4, 1 + 4e-4] stop the gradient."""
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
+    """None: the paper's for the level (seq-mean-token-mean)."""
+    dual_clip: float | None = None
+    """Lower bound c * A for negative advantages (c > 1); None: off."""
+    temperature: float = 1.0
+    """The engine's sampling temperature; the trainer divides its logits by it too."""
+    kl_loss_coef: float = 0.0
+    """KL penalty to a reference policy; off in the paper's setup."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    log_entropy: bool = False
+    """Compute the policy entropy (a metric; costs one more pass over the logits)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
 
     def validate(self) -> "Config":
         if self.model.spec == "te" and self.distributed.device != "cuda":
@@ -72,6 +94,12 @@ class Config:
 
 def _convert(tp, value, where: str):
     origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")

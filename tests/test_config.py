@@ -11,6 +11,9 @@ def test_yaml_and_overrides(tmp_path):
     assert (cfg.model.hf_dir, cfg.model.dtype, cfg.model.spec) == ("/ckpt", "bfloat16", "local")
     assert (cfg.distributed.expert_parallel, cfg.distributed.tensor_parallel) == (2, 2)
     assert cfg.optimizer.lr == 3e-6
+    assert (cfg.loss.level, cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.aggregation) == ("sequence", 3e-4, 4e-4, None)
+    cfg = load_config(None, ["loss.dual_clip=3", "loss.aggregation=token-mean", "loss.dual_clip=null"])
+    assert cfg.loss.dual_clip is None and cfg.loss.aggregation == "token-mean"
 
 
 @pytest.mark.parametrize(
@@ -24,6 +27,9 @@ def test_yaml_and_overrides(tmp_path):
         (["model.hf_dri=/x"], "model.hf_dri: unknown config field"),
         (["optimizer.distributed_optimizer=3"], "expected true/false"),
         (["model"], "expected key=value"),
+        (["loss.level=grpo"], "loss.level: 'grpo' is not one of"),
+        (["loss.aggregation=mean"], "loss.aggregation: 'mean' is not one of"),
+        (["loss.dual_clip=big"], "loss.dual_clip: expected float"),
     ],
 )
 def test_bad_values_name_the_field(overrides, message):

@@ -22,7 +22,7 @@ OPTIMIZER = ["optimizer.name=adam", f"optimizer.lr={ADAM['lr']}", f"optimizer.ad
 def global_batch(tiny_hf_dir, tmp_path_factory):
     tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(3))
     path = tmp_path_factory.mktemp("batch") / "tokens.pt"
-    torch.save(tokens, path)
+    torch.save({"tokens": tokens}, path)
     return tokens, path
 
 

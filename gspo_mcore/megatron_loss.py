@@ -1,0 +1,64 @@
+"""The GSPO loss inside Megatron's pipeline schedule, with exact global normalisation.
+
+Megatron's schedule divides each microbatch's loss by the number of microbatches, and DDP
+averages gradients over data-parallel ranks. A per-microbatch mean would therefore weight
+sequences by the microbatch they landed in. Instead each microbatch's loss is its sum of
+per-sequence (or per-token) terms divided by the *global* count of the minibatch (computed
+before the step, all-reduced over DP), and multiplied by num_microbatches x DP size to undo
+the two averagings: the gradient is exactly that of the global minibatch loss.
+Sequence-level terms need only per-sequence sums, so no token tensor crosses ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from gspo_mcore.config import LossConfig
+from gspo_mcore.logprobs import token_logprobs
+from gspo_mcore.loss import Normalizer, aggregate, kl_penalty, policy_loss
+
+
+def global_normalizer(microbatch_masks: list[torch.Tensor]) -> Normalizer:
+    """Sequence and token counts of the whole minibatch: this rank's microbatches, summed
+    over data-parallel ranks. Every rank of a pipeline must call it (it is collective)."""
+    local = torch.tensor(
+        [sum(m.shape[0] for m in microbatch_masks), sum(float(m.sum()) for m in microbatch_masks)],
+        dtype=torch.float64,
+    )
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(local, group=group)
+    horizon = max(m.shape[1] for m in microbatch_masks)
+    return Normalizer(num_sequences=local[0].item(), num_tokens=local[1].item(), horizon=float(horizon))
+
+
+def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, num_microbatches: int):
+    """A `loss_func(logits)` for one microbatch. `microbatch` holds `targets` [b, T] (the
+    next tokens), `old_logprobs` [b, T] (the engine's), `advantages` [b] or [b, T], `mask`
+    [b, T], and `ref_logprobs` [b, T] when a KL penalty is on."""
+    scale = num_microbatches * parallel_state.get_data_parallel_world_size()
+
+    def loss_func(logits: torch.Tensor):
+        logprobs, entropy = token_logprobs(
+            logits,
+            microbatch["targets"],
+            temperature=cfg.temperature,
+            group=parallel_state.get_tensor_model_parallel_group(),
+            with_entropy=cfg.log_entropy,
+        )
+        loss, metrics = policy_loss(
+            logprobs, microbatch["old_logprobs"], microbatch["advantages"], microbatch["mask"],
+            level=cfg.level, clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.aggregation,
+            dual_clip=cfg.dual_clip, entropy=entropy, normalizer=normalizer,
+        )
+        if cfg.kl_loss_coef > 0:
+            kl = aggregate(kl_penalty(logprobs, microbatch["ref_logprobs"], cfg.kl_estimator), microbatch["mask"],
+                           cfg.aggregation or "seq-mean-token-mean", normalizer)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["kl"] = kl.detach()
+        # `loss` is this microbatch's share of the global loss; report it unscaled.
+        return loss * scale, {"loss": loss.detach().clone(), **metrics}
+
+    return loss_func

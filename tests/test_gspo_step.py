@@ -9,19 +9,22 @@ import torch
 
 from checkpoint_convert.safetensors_io import HFCheckpointReader
 from conftest import LAYOUTS, run_module
-from gspo_mcore.loss import policy_loss
+from gspo_mcore.loss import aggregate, kl_penalty, policy_loss
 
 ADAM = dict(lr=1.0, eps=1.0)  # first step w - g / (|g| + 1): the weights compare gradients
 CLIP = 0.005  # a band the noisy old log-probs below fall on both sides of
-CASES = {  # name -> (level, aggregation, layouts)
-    "gspo": ("sequence", None, ["single", "DP2", "PP2", "EP2", "TP2-SP"]),
-    "token-mean": ("token", "token-mean", ["single", "DP2"]),
+KL_COEF = 0.5
+CASES = {  # name -> (level, aggregation, KL coefficient, layouts)
+    "gspo": ("sequence", None, 0.0, ["single", "DP2", "PP2", "EP2", "TP2-SP"]),
+    "token-mean": ("token", "token-mean", 0.0, ["single", "DP2"]),
+    "gspo-kl": ("sequence", None, KL_COEF, ["DP2"]),
 }
 
 
-def options(level, aggregation):
+def options(level, aggregation, kl_coef):
     opts = ["optimizer.name=adam", f"optimizer.lr={ADAM['lr']}", f"optimizer.adam_eps={ADAM['eps']}",
-            "optimizer.clip_grad=1e6", f"loss.level={level}", f"loss.clip_low={CLIP}", f"loss.clip_high={CLIP}"]
+            "optimizer.clip_grad=1e6", f"loss.level={level}", f"loss.clip_low={CLIP}", f"loss.clip_high={CLIP}",
+            f"loss.kl_loss_coef={kl_coef}"]
     return opts + ([f"loss.aggregation={aggregation}"] if aggregation else [])
 
 
@@ -42,10 +45,11 @@ def rollout_batch(tiny_hf_dir):
         logp = model(input_ids=tokens[:, :-1]).logits.log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
     old = logp + 0.03 * torch.randn(logp.shape, generator=g)
     advantages = torch.randn(8, generator=g)
-    return {"tokens": tokens, "old_logprobs": old, "advantages": advantages, "mask": mask}
+    ref = logp + 0.1 * torch.randn(logp.shape, generator=g)  # a reference policy for the KL case
+    return {"tokens": tokens, "old_logprobs": old, "advantages": advantages, "mask": mask, "ref_logprobs": ref}
 
 
-def hf_step(hf_dir, batch, level, aggregation, out_dir):
+def hf_step(hf_dir, batch, level, aggregation, kl_coef, out_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -53,6 +57,9 @@ def hf_step(hf_dir, batch, level, aggregation, out_dir):
     logp = model(input_ids=tokens[:, :-1]).logits.log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
     loss, metrics = policy_loss(logp, batch["old_logprobs"], batch["advantages"], batch["mask"], level=level,
                                 clip_low=CLIP, clip_high=CLIP, aggregation=aggregation)
+    if kl_coef:
+        kl = kl_penalty(logp, batch["ref_logprobs"], "k3")
+        loss = loss + kl_coef * aggregate(kl, batch["mask"], aggregation or "seq-mean-token-mean")
     loss.backward()
     grad_norm = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
     torch.optim.Adam(model.parameters(), lr=ADAM["lr"], eps=ADAM["eps"]).step()
@@ -61,17 +68,18 @@ def hf_step(hf_dir, batch, level, aggregation, out_dir):
     return loss.item(), grad_norm, metrics, {name: reader[name] for name in reader.keys()}
 
 
-@pytest.mark.parametrize("case, layout", [(c, l) for c, (_, _, ls) in CASES.items() for l in ls])
+@pytest.mark.parametrize("case, layout", [(c, l) for c, (*_, ls) in CASES.items() for l in ls])
 def test_gspo_step_is_layout_invariant(tiny_hf_dir, rollout_batch, tmp_path, case, layout):
-    level, aggregation, _ = CASES[case]
-    ref_loss, ref_norm, metrics, ref_weights = hf_step(tiny_hf_dir, rollout_batch, level, aggregation, tmp_path / "hf")
+    level, aggregation, kl_coef, _ = CASES[case]
+    ref_loss, ref_norm, metrics, ref_weights = hf_step(tiny_hf_dir, rollout_batch, level, aggregation, kl_coef,
+                                                       tmp_path / "hf")
     if level == "sequence":  # the band really splits the batch, so clipping is exercised
         assert 0 < metrics["clip_fraction_sequences"] < 1
     batch_file = tmp_path / "batch.pt"
     torch.save(rollout_batch, batch_file)
     nproc, overrides = LAYOUTS[layout]
     run_module(["tests/workers/train_step.py", str(tiny_hf_dir), str(batch_file), str(tmp_path),
-                *options(level, aggregation), *overrides], nproc=nproc)
+                *options(level, aggregation, kl_coef), *overrides], nproc=nproc)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)]
     losses = [r["loss"] for r in ranks if r["loss"] is not None]
     assert losses and all(abs(loss - ref_loss) < 1e-6 for loss in losses), (losses, ref_loss)

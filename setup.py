@@ -11,6 +11,8 @@ INSTALL_REQUIRES = [
     "sentencepiece==0.2.3",
     "psutil==7.2.2",  # dist_checkpointing needs it; megatron-core does not declare it
     "numpy==2.4.6",
+    "math-verify==0.9.0",  # the math answer reward
+    "pyarrow==26.0.1",  # Parquet prompt datasets
 ]
 
 setup(

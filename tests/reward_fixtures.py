@@ -1,0 +1,15 @@
+"""Reward functions named by import path in tests/test_rewards.py."""
+
+import time
+
+
+def length_reward(response: str, answer: str) -> float:
+    return float(len(response))
+
+
+def moody_reward(response: str, answer: str) -> float:
+    if response == "crash":
+        raise RuntimeError("reward crashed")
+    if response == "hang":
+        time.sleep(60)
+    return 1.0

@@ -21,7 +21,7 @@ setup(
     description="Megatron-Core backend for GSPO reinforcement learning of Qwen3-MoE models",
     python_requires=">=3.11",
     packages=find_packages(include=["gspo_mcore", "gspo_mcore.*", "checkpoint_convert", "checkpoint_convert.*"]),
-    package_data={"gspo_mcore": ["py.typed"]},
+    package_data={"gspo_mcore": ["data/samples/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "gpu": ["transformer-engine[pytorch]==2.10.0", "sglang==0.5.23"],

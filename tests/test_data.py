@@ -1,0 +1,94 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO
+from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
+from gspo_mcore.data.prepare_math import prepare
+from gspo_mcore.errors import InputError
+from gspo_mcore.rewards.answers import math_reward
+
+SAMPLE = REPO / "gspo_mcore" / "data" / "samples" / "math_lighteval_sample.jsonl"
+
+
+def test_prepare_math_sample(tmp_path):
+    out = tmp_path / "math.jsonl"
+    assert prepare(SAMPLE, out) == 10
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[1]["answer"] == r"\frac{5}{6}" and rows[1]["level"] == "Level 1"
+    assert rows[0]["prompt"].startswith("What is $1+1$?") and r"\boxed{}" in rows[0]["prompt"]
+    dataset = PromptDataset.load(out)
+    assert len(dataset) == 10 and dataset[7].messages == [{"role": "user", "content": rows[7]["prompt"]}]
+    # The extracted answers are what the math reward accepts.
+    assert all(math_reward(rf"\boxed{{{r['answer']}}}", r["answer"]) == 1.0 for r in rows)
+
+
+def test_prepare_math_cli_errors_name_the_row(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"problem": "p", "solution": "no box"}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.data.prepare_math", "--input", str(bad),
+                           "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and f"{bad}:1: solution has no complete" in proc.stderr
+    assert not list(tmp_path.glob("o.jsonl*"))
+
+
+def test_parquet_and_chat_messages(tmp_path):
+    path = tmp_path / "d.parquet"
+    table = pa.Table.from_pylist([
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+         "answer": "4", "source": "x"},
+    ])
+    pq.write_table(table, path)
+    sample = PromptDataset.load(path)[0]
+    assert sample.messages[1]["content"] == "2+2?" and sample.answer == "4" and sample.metadata == {"source": "x"}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "x"}\n', "d.jsonl:1: missing field 'answer'"),
+        ('{"answer": "1"}\n', "d.jsonl:1: missing field 'prompt' (or 'messages')"),
+        ('{"prompt": "x", "answer": 1}\n{oops\n', "d.jsonl:2: not valid JSON"),
+        ('{"messages": "hi", "answer": 1}\n', "must be a list of {role, content}"),
+    ],
+)
+def test_bad_records_name_file_and_line(tmp_path, content, message):
+    (tmp_path / "d.jsonl").write_text(content)
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)").replace("{", r"\{").replace("}", r"\}")):
+        PromptDataset.load(tmp_path / "d.jsonl")
+
+
+def test_sampler_is_deterministic_and_resumes_exactly():
+    a = PromptSampler(10, seed=3)
+    first = [a.next_indices(4) for _ in range(6)]  # crosses epoch boundaries
+    assert sorted(first[0] + first[1] + first[2][:2]) == list(range(10))  # epoch 0 is a permutation
+    b = PromptSampler(10, seed=3)
+    b.next_indices(4), b.next_indices(4)
+    state = b.state_dict()
+    c = PromptSampler(10, seed=3)
+    c.load_state_dict(state)
+    assert [c.next_indices(4) for _ in range(4)] == first[2:]
+    assert PromptSampler(10, seed=4).next_indices(10) != first[0] + first[1] + first[2][:2]
+    with pytest.raises(ValueError, match="seed 3 / 10 samples"):
+        PromptSampler(11, seed=3).load_state_dict(state)
+
+
+def test_chat_template_ids():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<user>", "<assistant>", "<end>", "2+2?", "be", "brief"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <end> {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "2+2?"}])
+    assert ids == [1, 4, 3, 2]

@@ -1,0 +1,87 @@
+"""Concurrent `/generate` requests to one or more SGLang servers, with retries.
+
+Each prompt is one request with a fixed slot in the result list, so a retried request can
+neither be lost nor counted twice. Connection errors, timeouts, 5xx answers and aborted
+generations are retried with exponential backoff, moving to the next server; when a
+request runs out of attempts the whole call fails, naming the request and the server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from gspo_mcore.errors import InputError
+from gspo_mcore.rollout.response import Rollout, RolloutError, parse_generate_response
+
+
+class RetryableError(Exception):
+    pass
+
+
+def check_sampling_params(params: dict) -> None:
+    """The engine's log-probs are of softmax(logits / temperature) before any truncation;
+    with top-p/top-k/min-p the sampled distribution differs and the ratio would be wrong."""
+    if params.get("top_p", 1.0) < 1.0 or params.get("top_k", -1) not in (-1, 0) or params.get("min_p", 0.0) > 0:
+        raise InputError(
+            "sampling: top_p / top_k / min_p are not supported (the importance ratio needs the "
+            "log-probs of the distribution actually sampled); use temperature only"
+        )
+    if params.get("temperature", 1.0) <= 0:
+        raise InputError("sampling: temperature must be > 0 (greedy decoding has no log-probs to train on)")
+
+
+class SGLangClient:
+    def __init__(self, urls: list[str], vocab_size: int, *, request_timeout_s: float = 600.0,
+                 max_attempts: int = 5, backoff_s: float = 1.0, max_concurrency: int = 64):
+        if not urls:
+            raise InputError("rollout: no server URLs")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.vocab_size, self.request_timeout_s = vocab_size, request_timeout_s
+        self.max_attempts, self.backoff_s, self.max_concurrency = max_attempts, backoff_s, max_concurrency
+
+    def _post(self, url: str, body: dict) -> dict | list:
+        request = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.request_timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            if err.code >= 500:
+                raise RetryableError(f"HTTP {err.code}") from None
+            raise RolloutError(f"server {url} refused the request: HTTP {err.code} {err.read()[:200]!r}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+            raise RetryableError(f"{type(err).__name__}: {getattr(err, 'reason', err)}") from None
+
+    def _one(self, index: int, prompt_ids: list[int], sampling_params: dict, weight_version: str | None) -> Rollout:
+        body = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True,
+                "logprob_start_len": -1}
+        error = ""
+        for attempt in range(self.max_attempts):
+            url = self.urls[(index + attempt) % len(self.urls)]  # spread, then move on when one fails
+            try:
+                payload = self._post(url, body)
+                if (payload.get("meta_info", {}).get("finish_reason") or {}).get("type") == "abort":
+                    raise RetryableError("generation aborted by the server")
+                return parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version)
+            except RetryableError as err:
+                error = f"server {url}: {err}"
+                if attempt + 1 < self.max_attempts:
+                    time.sleep(self.backoff_s * 2**attempt)
+        raise RolloutError(f"request {index}: failed after {self.max_attempts} attempts; last: {error}")
+
+    def generate(self, prompts: list[list[int]], sampling_params: dict,
+                 weight_version: str | None = None) -> list[Rollout]:
+        """One rollout per prompt, in prompt order."""
+        check_sampling_params(sampling_params)
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(prompts)))) as pool:
+            futures = [pool.submit(self._one, i, p, sampling_params, weight_version) for i, p in enumerate(prompts)]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise

@@ -1,0 +1,93 @@
+"""Start, health-check and stop an inference server process (SGLang), leaving no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from gspo_mcore.errors import InputError
+
+
+def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", device: str = "cpu",
+                   dtype: str = "bfloat16", max_total_tokens: int = 8192, max_running_requests: int = 16,
+                   extra_args: tuple[str, ...] = ()) -> list[str]:
+    """`python -m sglang.launch_server ...` for a trainer-driven server: token ids in and out
+    (no tokenizer), a bounded KV cache (unbounded, the CPU server took 14.5 GB)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+           "--port", str(port), "--device", device, "--dtype", dtype, "--skip-tokenizer-init",
+           "--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests)]
+    if device == "cpu":
+        cmd += ["--attention-backend", "torch_native"]
+    return cmd + list(extra_args)
+
+
+class ManagedServer:
+    """A server subprocess in its own process group, its output streamed to `log_file`.
+    `with ManagedServer(...) as server:` starts it, waits for /health, and always stops it."""
+
+    def __init__(self, cmd: list[str], url: str, log_file: str | Path, env: dict | None = None,
+                 startup_timeout_s: float = 300.0):
+        self.cmd, self.url, self.log_file = cmd, url.rstrip("/"), Path(log_file)
+        self.env, self.startup_timeout_s = env, startup_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "ManagedServer":
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_file, "ab")
+        self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                        start_new_session=True)
+        log.close()
+        self.wait_healthy()
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise InputError(
+                    f"server {self.url} exited with code {self.process.returncode} while starting; see {self.log_file}"
+                )
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise InputError(f"server {self.url} not healthy after {self.startup_timeout_s:.0f} s; see {self.log_file}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the whole process group (the server's workers too), then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Workers that outlived the leader share its process group.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "ManagedServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,117 @@
+"""The rollout client's retries and the server lifecycle, against a local stand-in server
+(tests/fixtures/fake_engine.py) that can fail, die mid-batch and come back."""
+
+import json
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import REPO
+from gspo_mcore.errors import InputError
+from gspo_mcore.rollout.client import SGLangClient, check_sampling_params
+from gspo_mcore.rollout.response import RolloutError
+from gspo_mcore.rollout.server import ManagedServer, sglang_command
+
+PARAMS = {"max_new_tokens": 4, "temperature": 1.0}
+PROMPTS = [[i, i + 1, 3] for i in range(12)]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_server(tmp_path, port, *flags):
+    cmd = [sys.executable, str(REPO / "tests" / "fixtures" / "fake_engine.py"), "--port", str(port),
+           "--record", str(tmp_path / "answered.jsonl"), *flags]
+    return ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / f"server-{port}.log", startup_timeout_s=30)
+
+
+def expected_ids(prompt):
+    return [(sum(prompt) + 7 * k) % 256 for k in range(PARAMS["max_new_tokens"])]
+
+
+def test_generate_in_order(tmp_path):
+    port = free_port()
+    with fake_server(tmp_path, port):
+        rollouts = SGLangClient([f"http://127.0.0.1:{port}"], 256).generate(PROMPTS, PARAMS)
+    assert [r.response_ids for r in rollouts] == [expected_ids(p) for p in PROMPTS]
+    assert [r.prompt_ids for r in rollouts] == PROMPTS
+
+
+def test_lifecycle_leaves_no_process(tmp_path):
+    port = free_port()
+    server = fake_server(tmp_path, port).start()
+    pid = server.process.pid
+    assert server.healthy()
+    server.stop()
+    assert server.process.poll() is not None and not server.healthy()
+    with pytest.raises(ProcessLookupError):
+        import os
+        os.killpg(pid, 0)
+
+
+def test_server_that_exits_at_startup_is_reported(tmp_path):
+    server = ManagedServer([sys.executable, "-c", "raise SystemExit(3)"], "http://127.0.0.1:9", tmp_path / "s.log")
+    with pytest.raises(InputError, match="exited with code 3 while starting"):
+        server.start()
+
+
+def test_killed_mid_batch_and_restarted_loses_and_duplicates_nothing(tmp_path):
+    port = free_port()
+    first = fake_server(tmp_path, port, "--die-after", "5").start()
+    restarted = {}
+
+    def restart_when_dead():
+        first.process.wait()
+        time.sleep(0.5)
+        restarted["server"] = fake_server(tmp_path, port).start()
+
+    watcher = threading.Thread(target=restart_when_dead)
+    watcher.start()
+    try:
+        client = SGLangClient([f"http://127.0.0.1:{port}"], 256, max_attempts=8, backoff_s=0.2, max_concurrency=4)
+        rollouts = client.generate(PROMPTS, PARAMS)
+    finally:
+        watcher.join(timeout=60)
+        first.stop()
+        if "server" in restarted:
+            restarted["server"].stop()
+    assert [r.response_ids for r in rollouts] == [expected_ids(p) for p in PROMPTS]
+    answered = [json.loads(line) for line in (tmp_path / "answered.jsonl").read_text().splitlines()]
+    # Each prompt answered at most once by a server that survived to reply, and all of them came back.
+    assert sorted(map(tuple, answered)) == sorted(map(tuple, PROMPTS))
+
+
+def test_server_gone_for_good_is_a_clear_error_in_bounded_time(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = SGLangClient([url], 256, max_attempts=3, backoff_s=0.1)
+    start = time.monotonic()
+    with pytest.raises(RolloutError, match=rf"request \d+: failed after 3 attempts; last: server {url}"):
+        client.generate(PROMPTS[:2], PARAMS)
+    assert time.monotonic() - start < 10
+
+
+def test_5xx_is_retried_and_a_dead_server_is_skipped(tmp_path):
+    port = free_port()
+    with fake_server(tmp_path, port, "--fail-first", "3"):
+        dead = f"http://127.0.0.1:{free_port()}"
+        client = SGLangClient([dead, f"http://127.0.0.1:{port}"], 256, max_attempts=6, backoff_s=0.05)
+        rollouts = client.generate(PROMPTS, PARAMS)
+    assert [r.response_ids for r in rollouts] == [expected_ids(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1}, {"temperature": 0.0}])
+def test_truncated_or_greedy_sampling_is_refused(params):
+    with pytest.raises(InputError, match="sampling:"):
+        check_sampling_params({**PARAMS, **params})
+
+
+def test_sglang_command():
+    cmd = sglang_command("/ckpt", 30000)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in cmd
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "8192" and "torch_native" in cmd

@@ -98,3 +98,22 @@ def export_hf_weights(model, arch: Qwen3MoeArch, spec: str) -> Iterator[tuple[st
             dist.all_gather(shards, param.detach().contiguous(), group=group[0])
             full = unshard(shards, rule.kind, param.partition_dim)
         yield from zip(rule.hf, split(rule, arch, full))
+
+
+def _owns(hf_name: str) -> bool:
+    """One canonical holder of each tensor among its replicas: TP rank 0 and DP rank 0
+    (expert-TP / expert-DP rank 0 for experts)."""
+    if _is_expert(hf_name):
+        return (parallel_state.get_expert_tensor_parallel_rank() == 0
+                and parallel_state.get_expert_data_parallel_rank() == 0)
+    return (parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+
+
+def owned_hf_weights(model, arch: Qwen3MoeArch, spec: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like `export_hf_weights`, but each tensor comes out on exactly one rank of the whole
+    job: together the ranks give every Hugging Face tensor once (weight sync, HF export).
+    Collective like `export_hf_weights`: every rank must iterate it."""
+    for name, tensor in export_hf_weights(model, arch, spec):
+        if _owns(name):
+            yield name, tensor

@@ -8,11 +8,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean
 
-$(STAMP): setup.py
+SGLANG_CPU := gspo_mcore/rollout/sglang_cpu
+
+$(STAMP): setup.py $(SGLANG_CPU)/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	# A real SGLang server on CPU for rollouts (see $(SGLANG_CPU)/__init__.py): pinned, no deps.
+	$(PY) -m pip install --quiet --no-deps -r $(SGLANG_CPU)/requirements.txt
+	$(PY) -m gspo_mcore.rollout.sglang_cpu.patch_torchvision
 	touch $(STAMP)
 
 install: $(STAMP)

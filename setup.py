@@ -10,7 +10,7 @@ INSTALL_REQUIRES = [
     "pyyaml==6.0.3",
     "sentencepiece==0.2.3",
     "psutil==7.2.2",  # dist_checkpointing needs it; megatron-core does not declare it
-    "numpy==2.4.6",
+    "numpy==2.3.5",  # numba (SGLang's CPU server) needs numpy < 2.4
     "math-verify==0.9.0",  # the math answer reward
     "pyarrow==26.0.1",  # Parquet prompt datasets
 ]

@@ -1,0 +1,28 @@
+"""A real SGLang 0.5.23 server on a CPU-only machine (tests and the CPU default only).
+
+What it takes (measured; shared/notes/sglang-on-cpu.md):
+- `requirements.txt` beside this file, installed with `pip install --no-deps` after torch
+  2.13.0 (CPU): SGLang's own requirements would replace torch with a CUDA 2.14.1 build.
+- torchvision 0.28.0 (in that list) is a CUDA build whose C ops do not load with the CPU
+  torch; `python -m gspo_mcore.rollout.sglang_cpu.patch_torchvision` makes it import its
+  op registrations only when the ops exist (idempotent).
+- There is no CPU `sgl_kernel` wheel: `shim/sgl_kernel` is a stand-in put on the server's
+  PYTHONPATH only; its names resolve lazily and raise if ever called.
+- `SGLANG_USE_CPU_ENGINE=1` with `--device cpu`, the torch_native attention backend.
+- SGLang's Qwen3-MoE ignores `mlp_only_layers` (dense layers): serve all-MoE models only
+  (the real Qwen3-MoE checkpoints are).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHIM = Path(__file__).resolve().parent / "shim"
+
+
+def server_env(base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM), env.get("PYTHONPATH", "")) if p)
+    return env

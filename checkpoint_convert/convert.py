@@ -19,7 +19,7 @@ import torch
 
 from checkpoint_convert.dcp_io import DCPReader, DCPWriter
 from checkpoint_convert.progress import Progress
-from checkpoint_convert.safetensors_io import HFCheckpointReader, HFCheckpointWriter
+from checkpoint_convert.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
 from gspo_mcore.checkpointing import RELEASE, TRACKER, checkpoint_dir
 from gspo_mcore.errors import CheckpointError, InputError
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
@@ -186,8 +186,6 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
                     writer.write(name, tensor)
                 progress.update(len(rule.hf), full.numel() * full.element_size())
         writer.finish()
-        for file in sorted(hf_config_dir.iterdir()):  # config, generation config, tokenizer files
-            if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
-                shutil.copy2(file, tmp / file.name)
+        copy_side_files(hf_config_dir, tmp)
         progress.close()
     return output_dir

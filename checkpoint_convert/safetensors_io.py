@@ -91,7 +91,8 @@ class HFCheckpointWriter:
     the shard size. Tensors must come in plan order."""
 
     def __init__(self, directory: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 max_shard_bytes: int = 4 << 30):
+                 max_shard_bytes: int = 4 << 30, first_shard: int = 0, total_shards: int | None = None):
+        """`first_shard` / `total_shards` let several writers (ranks) share one numbering."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
@@ -103,14 +104,25 @@ class HFCheckpointWriter:
                 size = 0
             self._shards[-1].append(entry)
             size += nbytes
+        if not plan:
+            self._shards = []
+        self._first, self._total = first_shard, total_shards if total_shards is not None else len(self._shards)
         self._order = [entry for shard in self._shards for entry in shard]
         self._next = 0
         self._file = None
         self._shard_index = -1
         self._weight_map: dict[str, str] = {}
 
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return dict(self._weight_map)
+
     def _shard_name(self, index: int) -> str:
-        return f"model-{index + 1:05d}-of-{len(self._shards):05d}.safetensors"
+        return f"model-{self._first + index + 1:05d}-of-{self._total:05d}.safetensors"
 
     def _open_next_shard(self) -> None:
         if self._file is not None:
@@ -139,16 +151,29 @@ class HFCheckpointWriter:
         self._left_in_shard -= 1
         self._next += 1
 
-    def finish(self) -> None:
+    def finish(self, write_index: bool = True) -> None:
         if self._next != len(self._order):
             raise ValueError(f"wrote {self._next} of {len(self._order)} planned tensors")
         if self._file is not None:
             self._file.close()
-        total = sum(_nbytes(entry) for entry in self._order)
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._weight_map.items()))}
-        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if write_index:
+            write_index_file(self.dir, self._weight_map, sum(_nbytes(entry) for entry in self._order))
+
+
+def write_index_file(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (Path(directory) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _nbytes(entry) -> int:
     _, dtype, shape = entry
     return dtype.itemsize * math.prod(shape)
+
+
+def copy_side_files(src_dir: Path, dst_dir: Path) -> None:
+    """config.json, generation config and tokenizer files: everything but the weights."""
+    import shutil
+
+    for file in sorted(Path(src_dir).iterdir()):
+        if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
+            shutil.copy2(file, Path(dst_dir) / file.name)

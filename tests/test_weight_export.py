@@ -32,3 +32,15 @@ def test_bucketed_keeps_order_and_bound():
     buckets = list(bucketed(tensors, bucket_bytes=40 * 4))
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
     assert [pair for b in buckets for pair in b] == tensors
+
+
+@pytest.mark.parametrize("layout", ["EP2", "PP2", "TP2-SP"])
+def test_save_hf_checkpoint_from_sharded_model(tiny_hf_dir, tmp_path, layout):
+    nproc, overrides = LAYOUTS[layout]
+    out = tmp_path / "exported"
+    run_module(["tests/workers/save_hf.py", str(tiny_hf_dir), str(out), *overrides], nproc=nproc)
+    original, exported = HFCheckpointReader(tiny_hf_dir), HFCheckpointReader(out)
+    assert sorted(exported.keys()) == sorted(original.keys())
+    assert all(torch.equal(exported[n], original[n]) for n in original.keys())
+    assert (out / "config.json").read_text() == (tiny_hf_dir / "config.json").read_text()
+    assert not list(tmp_path.glob("*.tmp-*"))

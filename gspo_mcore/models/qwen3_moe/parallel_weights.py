@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 
 from gspo_mcore.errors import CheckpointError
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch
-from gspo_mcore.models.qwen3_moe.state_dict_adapter import fuse, rule_index, shard, split, unshard
+from gspo_mcore.models.qwen3_moe.state_dict_adapter import fuse, hf_shape, rule_index, shard, split, unshard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"(local_experts\.|\.weight)(\d+)(\.|$)")
@@ -117,3 +117,14 @@ def owned_hf_weights(model, arch: Qwen3MoeArch, spec: str) -> Iterator[tuple[str
     for name, tensor in export_hf_weights(model, arch, spec):
         if _owns(name):
             yield name, tensor
+
+
+def owned_hf_plan(model, arch: Qwen3MoeArch, spec: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of what `owned_hf_weights` will yield here, in that order, without
+    moving any data."""
+    plan = []
+    for param, rule, _ in _named_rules(model, arch, spec):
+        if arch.tie_word_embeddings and rule.mcore == "output_layer.weight":
+            continue
+        plan += [(name, param.dtype, hf_shape(arch, name)) for name in rule.hf if _owns(name)]
+    return plan

@@ -20,9 +20,8 @@ from gspo_mcore.checkpointing import load_model_weights
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import run_cli
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.models.qwen3_moe.model import build_model, check_layout
-from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, load_hf_weights
-from gspo_mcore.parallel import init_distributed
+from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
 
 
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
@@ -85,21 +84,15 @@ def sample_tokens(vocab_size: int, batch: int = 4, seq_len: int = 16, seed: int 
 
 def run(config: Config, tokens: torch.Tensor, mcore_dir: str | None = None) -> dict | None:
     """Build the model under `config.distributed`, load the HF weights (or the converted
-    torch_dist checkpoint `mcore_dir`), compare logits and
-    the exported weights with the checkpoint. Returns the figures on global rank 0, None
-    on other ranks."""
+    torch_dist checkpoint `mcore_dir`), compare logits and the exported weights with the
+    checkpoint. Returns the figures on global rank 0, None on other ranks."""
     from checkpoint_convert.safetensors_io import HFCheckpointReader
 
-    arch = load_hf_config(config.model.hf_dir)
-    check_layout(arch, config.distributed)  # before any process group work
-    init_distributed(config.distributed)
-    reader = HFCheckpointReader(config.model.hf_dir)
-    model = build_model(arch, config.model, config.distributed)
+    arch, model = model_from_config(config, load_weights=not mcore_dir)
     if mcore_dir:
         load_model_weights(model, mcore_dir)
-    else:
-        load_hf_weights(model, arch, config.model.spec, reader.__getitem__)
     model.eval()
+    reader = HFCheckpointReader(config.model.hf_dir)
     logits = megatron_logits(model, tokens)
     figures = compare(hf_logits(config.model.hf_dir, tokens), logits) if logits is not None else None
     # Export back (gathering TP shards): bitwise equal to the file, and all ranks together

@@ -7,20 +7,13 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from checkpoint_convert.safetensors_io import HFCheckpointReader
 from gspo_mcore.config import load_config
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.models.qwen3_moe.model import build_model
-from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
-from gspo_mcore.parallel import init_distributed
+from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 
 
 def main(hf_dir: str, save_root: str, overrides: list[str]) -> None:
     config = load_config(None, [f"model.hf_dir={hf_dir}", *overrides])
-    init_distributed(config.distributed)
-    arch = load_hf_config(hf_dir)
-    model = build_model(arch, config.model, config.distributed)
-    load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(hf_dir).__getitem__)
+    _, model = model_from_config(config)
     iteration_dir = Path(save_root) / "iter_0000001"
     if dist.get_rank() == 0:
         iteration_dir.mkdir(parents=True)

@@ -14,14 +14,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from checkpoint_convert.safetensors_io import HFCheckpointReader
 from gspo_mcore.config import load_config
 from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.models.qwen3_moe.model import build_model
-from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, load_hf_weights
+from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
 from gspo_mcore.optimizer import setup_training
-from gspo_mcore.parallel import init_distributed
 from gspo_mcore.parity import position_ids_for
 
 MICRO_BATCH = 2
@@ -29,10 +26,7 @@ MICRO_BATCH = 2
 
 def main(hf_dir: str, tokens_file: str, out_dir: str, overrides: list[str]) -> None:
     config = load_config(None, [f"model.hf_dir={hf_dir}", *overrides])
-    init_distributed(config.distributed)
-    arch = load_hf_config(hf_dir)
-    model = build_model(arch, config.model, config.distributed)
-    load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(hf_dir).__getitem__)
+    arch, model = model_from_config(config)
     ddp, optimizer = setup_training(model, config.optimizer)
 
     batch = torch.load(tokens_file)  # the global batch

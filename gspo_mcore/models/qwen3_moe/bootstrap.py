@@ -1,0 +1,23 @@
+"""From a config to this rank's model: the start-up sequence every entry point shares."""
+
+from __future__ import annotations
+
+from gspo_mcore.config import Config
+from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
+from gspo_mcore.models.qwen3_moe.model import build_model, check_layout
+from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
+from gspo_mcore.parallel import init_distributed
+
+
+def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3MoeArch, object]:
+    """Check the layout against the HF config (before any process group work), join the
+    process groups, build this rank's GPTModel and, by default, fill it from the HF checkpoint."""
+    from checkpoint_convert.safetensors_io import HFCheckpointReader
+
+    arch = load_hf_config(config.model.hf_dir)
+    check_layout(arch, config.distributed)
+    init_distributed(config.distributed)
+    model = build_model(arch, config.model, config.distributed)
+    if load_weights:
+        load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(config.model.hf_dir).__getitem__)
+    return arch, model

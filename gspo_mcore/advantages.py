@@ -12,15 +12,14 @@ import torch
 REWARD_NORMS = ("batch", "group", "running", "none")
 
 
-def _group_stats(values: torch.Tensor, group_ids: torch.Tensor, unbiased: bool = False):
-    """Per-element mean and std of its group."""
+def _group_stats(values: torch.Tensor, group_ids: torch.Tensor):
+    """Per-element mean and (population) std of its group."""
     groups, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     values = values.double()
     sums = torch.zeros(len(groups), dtype=torch.float64).index_add_(0, index, values)
     means = sums / counts
     sq = torch.zeros(len(groups), dtype=torch.float64).index_add_(0, index, (values - means[index]) ** 2)
-    dof = (counts - 1).clamp(min=1) if unbiased else counts
-    return means[index], (sq / dof).sqrt()[index], counts[index]
+    return means[index], (sq / counts).sqrt()[index]
 
 
 def group_advantages(
@@ -31,7 +30,7 @@ def group_advantages(
         raise ValueError(f"rewards {list(rewards.shape)} and group_ids {list(group_ids.shape)} must be the same [N]")
     if not torch.isfinite(rewards).all():
         raise ValueError(f"rewards: non-finite value at index {int((~torch.isfinite(rewards)).nonzero()[0])}")
-    mean, std, _ = _group_stats(rewards, group_ids)
+    mean, std = _group_stats(rewards, group_ids)
     centred = rewards.double() - mean
     return (centred / (std + eps) if normalize_std else centred).float()
 
@@ -39,7 +38,7 @@ def group_advantages(
 def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Mask [N] of responses whose group's rewards are not all equal: a group with identical
     rewards has zero advantages and carries no signal (dynamic sampling drops it)."""
-    _, std, _ = _group_stats(rewards, group_ids)
+    _, std = _group_stats(rewards, group_ids)
     return std > 0
 
 

@@ -8,6 +8,7 @@ request runs out of attempts the whole call fails, naming the request and the se
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -53,7 +54,8 @@ class SGLangClient:
             if err.code >= 500:
                 raise RetryableError(f"HTTP {err.code}") from None
             raise RolloutError(f"server {url} refused the request: HTTP {err.code} {err.read()[:200]!r}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+        except (urllib.error.URLError, OSError, http.client.HTTPException, json.JSONDecodeError) as err:
+            # Includes a server dying mid-answer (IncompleteRead, a cut-off JSON body).
             raise RetryableError(f"{type(err).__name__}: {getattr(err, 'reason', err)}") from None
 
     def _one(self, index: int, prompt_ids: list[int], sampling_params: dict, weight_version: str | None) -> Rollout:

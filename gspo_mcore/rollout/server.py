@@ -19,6 +19,14 @@ def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", devic
                    extra_args: tuple[str, ...] = ()) -> list[str]:
     """`python -m sglang.launch_server ...` for a trainer-driven server: token ids in and out
     (no tokenizer), a bounded KV cache (unbounded, the CPU server took 14.5 GB)."""
+    from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
+
+    if load_hf_config(model_path).num_dense_layers:
+        # Measured: with a dense layer its log-probs were off by 0.15-1.3 (all-MoE: within bf16 noise).
+        raise InputError(
+            f"{model_path}: SGLang 0.5.23 runs Qwen3-MoE dense layers (mlp_only_layers / decoder_sparse_step) "
+            "as MoE, so its log-probs would not be this model's; serve an all-MoE model"
+        )
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--device", device, "--dtype", dtype, "--skip-tokenizer-init",
            "--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests)]

@@ -153,7 +153,7 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
     return output_dir
 
 
-def _read_rule(reader: DCPReader, arch: Qwen3MoeArch, rule: Rule) -> torch.Tensor:
+def _read_rule(reader: DCPReader, rule: Rule) -> torch.Tensor:
     key, expert = checkpoint_key(rule)
     return reader.read(key) if expert is None else reader.read(key, (expert,), (1,))[0]
 
@@ -181,7 +181,7 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
         progress = Progress("mcore-to-hf", count, total, quiet)
         for _, rules in plan:
             for rule in rules:
-                full = _read_rule(reader, arch, rule)
+                full = _read_rule(reader, rule)
                 for name, tensor in zip(rule.hf, split(rule, arch, full)):
                     writer.write(name, tensor)
                 progress.update(len(rule.hf), full.numel() * full.element_size())

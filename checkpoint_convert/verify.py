@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
 
 from checkpoint_convert.dcp_io import DCPReader
 from checkpoint_convert.safetensors_io import HFCheckpointReader

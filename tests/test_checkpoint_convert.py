@@ -1,7 +1,6 @@
 """checkpoint_convert: HF <-> Megatron-Core torch_dist, streaming, atomic, exact."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess

@@ -1,7 +1,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq

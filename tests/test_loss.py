@@ -1,7 +1,6 @@
 """GSPO / GSPO-token / token-level losses against float64 references written straight from
 the paper's formulas (arXiv 2507.18071), with loops instead of vectorised code."""
 
-import math
 
 import pytest
 import torch
@@ -19,13 +18,6 @@ def make_batch(seed=0, B=6, T=9, per_token_adv=False):
     logp = (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_(True)
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=g, dtype=torch.float64)
     return logp, old, adv, mask
-
-
-def clip_obj(r, a, dual=None):
-    value = min(r * a, min(max(r, 1 - EPS_LOW), 1 + EPS_HIGH) * a)
-    if dual is not None and a < 0:
-        value = max(value, dual * a)
-    return value
 
 
 def reference(logp, old, adv, mask, level, aggregation, dual=None):

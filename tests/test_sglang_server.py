@@ -1,6 +1,7 @@
 """Against a real SGLang 0.5.23 server on CPU (started and stopped by the test): its
 log-probs of what it generated are those of a forward pass of the same weights."""
 
+import json
 import socket
 
 import pytest
@@ -80,6 +81,7 @@ def test_weight_sync_from_disk_twice(sglang_server, tmp_path):
     """Trainer weights (EP=2 under torchrun) written with save_hf_checkpoint and loaded by the
     server: afterwards its log-probs are those of the new weights, tagged with the new version."""
     from conftest import run_module
+    from gspo_mcore.rollout.engine_control import EngineControl
     from gspo_mcore.weight_sync import push_from_disk
 
     server, _ = sglang_server
@@ -87,5 +89,87 @@ def test_weight_sync_from_disk_twice(sglang_server, tmp_path):
         source = make_tiny_checkpoint(tmp_path / f"trainer-{step}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
         exported = tmp_path / f"sync-{step}"
         run_module(["tests/workers/save_hf.py", str(source), str(exported), "distributed.expert_parallel=2"], nproc=2)
-        push_from_disk(server.url, exported, weight_version=f"step-{step}")
+        push_from_disk(EngineControl([server.url]), exported, weight_version=f"step-{step}")
         assert_close_logprobs(_engine_vs_forward(server.url, source, f"step-{step}"))
+
+
+def test_weight_sync_distributed_twice_with_check(sglang_server, tmp_path):
+    """An EP=2 trainer pushes over gloo process groups (each rank its own experts), twice:
+    the product's check (engine prefill vs trainer forward) passes after each push and
+    catches the engine still holding the previous weights; an independent transformers
+    forward of the new weights agrees with what the engine then generates."""
+    from conftest import last_json_line, run_module
+
+    server, _ = sglang_server
+    sources = [make_tiny_checkpoint(tmp_path / f"trainer-{seed}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
+               for seed in (21, 22)]
+    proc = run_module(["tests/workers/sync_distributed.py", server.url, *map(str, sources),
+                       "distributed.expert_parallel=2"], nproc=2, timeout=600)
+    pushes = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [p["version"] for p in pushes] == ["step-1", "step-2"]
+    for push in pushes:
+        assert push["sync_check_median"] < 0.03 and push["sync_check_within_0.1"] > 0.8, push
+        assert push["bytes_sent_rank0"] > 0
+    assert "differ from the trainer's" in pushes[1]["stale"]
+    assert last_json_line(proc.stdout)["version"] == "step-2"
+    assert_close_logprobs(_engine_vs_forward(server.url, sources[1], "step-2"))
+
+
+def test_real_server_killed_mid_batch_and_restarted_then_gone(tmp_path):
+    """The real server is killed (SIGKILL, whole process group) while a batch is in flight
+    and restarted on the same port: the batch completes, one valid rollout per prompt, in
+    order. Then killed for good: a clear error naming the server, in bounded time."""
+    import threading
+    import time
+
+    from gspo_mcore.rollout.response import RolloutError
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "model", seed=3, dtype=torch.bfloat16, mlp_only_layers=[])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+
+    def server():
+        return ManagedServer(sglang_command(str(hf_dir), port), url, tmp_path / "sglang.log", env=server_env(),
+                             startup_timeout_s=300)
+
+    first = server().start()
+    prompts = [[i + 1, 2 * i + 3, 7] for i in range(24)]
+    # Backoff 1, 2, 4, ..., 64 s: long enough for a restart (about 25 s here).
+    client = SGLangClient([url], 256, max_attempts=8, backoff_s=1.0, request_timeout_s=120)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        rollouts=client.generate(prompts, {"max_new_tokens": 48, "temperature": 1.0})))
+    worker.start()
+    time.sleep(1.5)
+    assert worker.is_alive(), "the batch finished before the kill: make it longer"
+    first.stop(grace_s=0)
+    second = server()
+    try:
+        second.start()
+        worker.join(timeout=400)
+        assert not worker.is_alive()
+        rollouts = result["rollouts"]
+        assert [r.prompt_ids for r in rollouts] == prompts
+        assert all(len(r.response_ids) == len(r.logprobs) > 0 for r in rollouts)
+    finally:
+        second.stop(grace_s=0)
+    started = time.monotonic()
+    gone = SGLangClient([url], 256, max_attempts=3, backoff_s=0.5, request_timeout_s=10)
+    with pytest.raises(RolloutError, match=f"request 0: failed after 3 attempts; last: server {url}"):
+        gone.generate([[1, 2, 3]], {"max_new_tokens": 4})
+    assert time.monotonic() - started < 15
+
+
+def test_colocated_release_and_resume_then_generate(sglang_server):
+    """The colocated cycle (release memory while training, resume before the push) leaves
+    a server that generates (on CPU release/resume are no-ops, the calls are real)."""
+    from gspo_mcore.rollout.engine_control import EngineControl
+
+    server, _ = sglang_server
+    control = EngineControl([server.url])
+    control.release_memory()
+    control.resume_memory()
+    (rollout,) = SGLangClient([server.url], 256).generate([[4, 5, 6]], {"max_new_tokens": 4})
+    assert len(rollout.logprobs) == 4

@@ -1,0 +1,97 @@
+"""SGLang's control endpoints (weight updates, versions, cache, memory), one call per server.
+
+Every failure is a `WeightSyncError` naming the server and the endpoint: a half-applied
+update must stop the run, never let it train on rollouts of unknown weights.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from gspo_mcore.errors import InputError
+
+
+class WeightSyncError(InputError):
+    """The engine did not take the trainer's weights (or the check found them different)."""
+
+
+class EngineControl:
+    def __init__(self, urls: list[str], timeout_s: float = 600.0):
+        if not urls:
+            raise InputError("weight sync: no server URLs")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+
+    def call(self, url: str, path: str, body: dict | None = None) -> dict:
+        """POST `body` as JSON to url+path; the answer as a dict ({} for a plain-text 200)."""
+        request = urllib.request.Request(f"{url}{path}", data=json.dumps(body or {}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read()[:300].decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("message", detail)
+            except (ValueError, AttributeError):
+                pass
+            raise WeightSyncError(f"server {url}{path}: HTTP {err.code}: {detail}".strip()) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+            raise WeightSyncError(f"server {url}{path}: {type(err).__name__}: {getattr(err, 'reason', err)}") from None
+        try:
+            answer = json.loads(raw) if raw else {}
+        except ValueError:
+            return {}  # /flush_cache answers with text
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise WeightSyncError(f"server {url}{path}: {answer.get('message', answer)}")
+        return answer if isinstance(answer, dict) else {"result": answer}
+
+    def on_all(self, path: str, body: dict | None = None) -> list[dict]:
+        """The same call on every server at once (a weight-update step must reach all of them)."""
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            return list(pool.map(lambda url: self.call(url, path, body), self.urls))
+
+    def tp_size(self, url: str) -> int:
+        request = urllib.request.Request(f"{url}/get_server_info")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return int(json.loads(response.read()).get("tp_size", 1))
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
+            raise WeightSyncError(f"server {url}/get_server_info: {err}") from None
+
+    # The weight-update session: SGLang 0.5.23 refuses weight loads outside it (HTTP 400).
+    def begin_update(self) -> None:
+        self.on_all("/begin_weight_update")
+
+    def end_update(self, weight_version: str) -> None:
+        self.on_all("/end_weight_update")
+        # Only between rollouts: never abort requests (there are none when the trainer syncs).
+        self.on_all("/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
+        self.on_all("/flush_cache")  # KV/prefix cache entries of the old weights
+
+    def release_memory(self) -> None:
+        """Colocated runs: the engine frees its weights and KV cache while the trainer trains."""
+        self.on_all("/release_memory_occupation")
+
+    def resume_memory(self) -> None:
+        self.on_all("/resume_memory_occupation")
+
+    def prompt_logprobs(self, url: str, sequences: list[list[int]]) -> list[list[float]]:
+        """The engine's log-prob of each token of each sequence given the ones before it
+        (positions 1..n-1), from one prefill: the sync check's probe."""
+        out = []
+        for seq in sequences:  # one at a time: batching with others may change MoE routing
+            answer = self.call(url, "/generate", {
+                "input_ids": seq, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                "return_logprob": True, "logprob_start_len": 0,
+            })
+            entries = answer.get("meta_info", {}).get("input_token_logprobs") or []
+            values = [e[0] for e in entries[1:]]  # the first token has no log-prob
+            if len(values) != len(seq) - 1 or any(v is None for v in values):
+                raise WeightSyncError(f"server {url}/generate: no prompt log-probs for the probe sequence")
+            out.append([float(v) for v in values])
+        return out

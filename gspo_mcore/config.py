@@ -77,11 +77,101 @@ class LossConfig:
 
 
 @dataclass
+class DataConfig:
+    path: str = ""
+    """Prompt dataset, JSONL or Parquet: a prompt (or chat `messages`) and an `answer` per record."""
+    prompt_key: str = "prompt"
+    messages_key: str = "messages"
+    answer_key: str = "answer"
+    tokenizer_dir: str | None = None
+    """Tokenizer (with its chat template); None: model.hf_dir's."""
+
+
+@dataclass
+class RewardConfig:
+    name: str = "math"
+    """`math` (boxed answer, math-verify), `exact_match`, or any `module:function(response, answer)`."""
+    timeout_s: float = 10.0
+    """Per response; a crash or timeout scores 0 and is counted in the metrics."""
+    workers: int = 2
+
+
+@dataclass
+class RolloutConfig:
+    urls: list[str] = field(default_factory=list)
+    """Running SGLang servers. Empty: the run starts `num_servers` itself (the CPU default, tests)."""
+    num_servers: int = 1
+    engine_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """dtype of a server the run starts itself."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra `sglang.launch_server` arguments for a server the run starts itself."""
+    max_total_tokens: int = 8192
+    max_running_requests: int = 64
+    max_new_tokens: int = 1024
+    request_timeout_s: float = 600.0
+    max_attempts: int = 5
+    """Per request: retries with exponential backoff across servers, then the run stops."""
+
+
+@dataclass
+class WeightSyncConfig:
+    method: Literal["distributed", "disk"] = "distributed"
+    """distributed: process groups trainer -> SGLang (gloo on CPU, NCCL on GPU); disk: HF
+    safetensors on a shared file system + /update_weights_from_disk."""
+    bucket_mb: int = 512
+    master_address: str = "127.0.0.1"
+    """Address of this trainer node as the SGLang servers see it (distributed method)."""
+    disk_dir: str | None = None
+    """disk method: where to write the checkpoint (shared file system); None: OUTPUT_DIR/weights_sync."""
+    colocate: bool = False
+    """Servers share the trainer's GPUs: release their memory for training, resume before the push."""
+    check_every: int = 0
+    """Every N steps, after the push, compare the engine's log-probs of probe sequences with the
+    trainer's (stop if they differ beyond `check_tolerance`); 0: never."""
+    check_tolerance: float = 0.03
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 1234
+    rollout_batch_size: int = 32
+    """Prompts per step."""
+    group_size: int = 8
+    """Responses per prompt (the group GSPO normalises advantages over)."""
+    num_minibatches: int = 4
+    """Optimizer steps per rollout batch (the paper: 4); the first is on-policy."""
+    ppo_epochs: int = 1
+    max_tokens_per_microbatch: int = 8192
+    """Token budget per microbatch per GPU (padded length x sequences); a longer sequence goes alone."""
+    reward_norm: Literal["none", "batch", "running"] = "none"
+    """Reward normalisation before the group advantages."""
+    advantage_std_norm: bool = True
+    """Divide by the group's reward std (GRPO/GSPO); false: centre only (Dr. GRPO)."""
+    advantage_clip: float | None = None
+    drop_zero_std_groups: bool = True
+    """Dynamic sampling: drop groups whose rewards are all equal (no signal)."""
+    oversample: float = 1.0
+    """Dynamic sampling: ask for this many times more prompts, keep the first informative ones."""
+    recompute_old_logprobs: bool = False
+    """Comparison runs: pi_old from a trainer forward instead of the engine's log-probs."""
+    save_every: int = 0
+    """Checkpoint (model, optimizer, RNG, data position, step) every N steps; 0: only at the end."""
+    export_hf: bool = True
+    """Write the final weights as a Hugging Face checkpoint (OUTPUT_DIR/hf)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> "Config":
         if self.model.spec == "te" and self.distributed.device != "cuda":
@@ -89,6 +179,14 @@ class Config:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel"):
             if getattr(self.distributed, name) < 1:
                 raise ConfigError(f"distributed.{name}: must be >= 1")
+        for section, name in (("train", "steps"), ("train", "rollout_batch_size"), ("train", "group_size"),
+                              ("train", "num_minibatches"), ("train", "ppo_epochs"),
+                              ("train", "max_tokens_per_microbatch"), ("rollout", "num_servers"),
+                              ("rollout", "max_new_tokens"), ("rollout", "max_attempts"), ("weight_sync", "bucket_mb")):
+            if getattr(getattr(self, section), name) < 1:
+                raise ConfigError(f"{section}.{name}: must be >= 1")
+        if self.train.oversample < 1:
+            raise ConfigError("train.oversample: must be >= 1")
         return self
 
 
@@ -108,6 +206,10 @@ def _convert(tp, value, where: str):
         if value not in typing.get_args(tp):
             raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")

@@ -31,7 +31,9 @@ def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", devic
            "--port", str(port), "--device", device, "--dtype", dtype, "--skip-tokenizer-init",
            "--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests)]
     if device == "cpu":
-        cmd += ["--attention-backend", "torch_native"]
+        # --sleep-on-idle: without it the idle scheduler busy-polls a core (measured 92% CPU),
+        # which a CPU trainer on the same machine would lose.
+        cmd += ["--attention-backend", "torch_native", "--sleep-on-idle"]
     return cmd + list(extra_args)
 
 

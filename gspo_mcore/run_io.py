@@ -1,0 +1,128 @@
+"""What a run leaves on disk and prints: checkpoints, metrics.jsonl + TensorBoard, progress."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from gspo_mcore.errors import CheckpointError
+
+
+class TrainState:
+    """Megatron distributed checkpoints (model + optimizer, any layout) with the step and the
+    data position, under OUTPUT_DIR/checkpoints/step_NNNNNN. Written to a temporary directory
+    and renamed; `latest` is replaced atomically afterwards, so a kill during a save leaves the
+    previous checkpoint as the one a resume takes."""
+
+    def __init__(self, output_dir: Path):
+        self.root = Path(output_dir) / "checkpoints"
+
+    def _sharded(self, ddp, optimizer, loading: bool) -> dict:
+        model_sd = ddp.module.sharded_state_dict()
+        # dp_reshardable: Megatron-LM's default; megatron-core 0.16.1's own default
+        # (fully_sharded_model_space) fails with "flattened_range is not supported".
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        return {"model": model_sd,
+                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)}
+
+    def save(self, ddp, optimizer, step: int, extra: dict) -> Path:
+        from megatron.core import dist_checkpointing
+
+        path = self.root / f"step_{step:06d}"
+        tmp = path.with_name(path.name + ".tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded(ddp, optimizer, loading=False), str(tmp))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **extra}))
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+            latest = self.root / "latest.tmp"
+            latest.write_text(path.name)
+            os.replace(latest, self.root / "latest")
+        dist.barrier()
+        return path
+
+    def latest(self) -> Path:
+        pointer = self.root / "latest"
+        if not pointer.is_file():
+            raise CheckpointError(f"{pointer}: no checkpoint to resume from")
+        path = self.root / pointer.read_text().strip()
+        if not (path / "trainer_state.json").is_file():
+            raise CheckpointError(f"{path}: incomplete checkpoint (no trainer_state.json)")
+        return path
+
+    def load(self, ddp, optimizer) -> tuple[int, dict]:
+        from megatron.core import dist_checkpointing
+
+        path = self.latest()
+        sharded = self._sharded(ddp, optimizer, loading=True)
+        loaded = dist_checkpointing.load(sharded, str(path))
+        ddp.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        state = json.loads((path / "trainer_state.json").read_text())
+        return state.pop("step"), state
+
+
+def _scalars(metrics: dict):
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            yield key, float(value)
+        elif isinstance(value, list):  # per-layer figures
+            for i, item in enumerate(value):
+                yield f"{key}/layer_{i}", float(item)
+
+
+class RunLog:
+    """OUTPUT_DIR/metrics.jsonl (one object per step, appended and flushed) and TensorBoard
+    event files in OUTPUT_DIR/tensorboard."""
+
+    def __init__(self, output_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.file = open(Path(output_dir) / "metrics.jsonl", "a")
+        self.tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+
+    def write(self, metrics: dict) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        for key, value in _scalars(metrics):
+            if key != "step":
+                self.tensorboard.add_scalar(key, value, metrics["step"])
+        self.tensorboard.flush()
+
+    def close(self) -> None:
+        self.file.close()
+        self.tensorboard.close()
+
+
+class Progress:
+    """One line per step: a bar, the step's figures, and the ETA."""
+
+    def __init__(self, total: int, start: int = 0, stream=sys.stdout):
+        self.total, self.start, self.stream = total, start, stream
+        self.began = time.monotonic()
+
+    def update(self, m: dict) -> None:
+        done = m["step"]
+        width = 20
+        bar = "#" * round(width * done / self.total) + "-" * (width - round(width * done / self.total))
+        per_step = (time.monotonic() - self.began) / max(1, done - self.start)
+        eta = per_step * (self.total - done)
+        self.stream.write(
+            f"step {done:>4}/{self.total} [{bar}] reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} "
+            f"clip {m.get('clip_fraction', float('nan')):.3f} mismatch {m.get('mismatch_abs_log_ratio_mean', float('nan')):.1e} "
+            f"len {m['response_length_mean']:.1f} | {m['tokens_per_s']:.0f} tok/s | rollout {m['time_rollout_s']:.1f}s "
+            f"train {m['time_train_s']:.1f}s sync {m['time_sync_s']:.1f}s | ETA {int(eta) // 60}m{int(eta) % 60:02d}s\n"
+        )
+        self.stream.flush()

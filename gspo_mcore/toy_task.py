@@ -1,0 +1,96 @@
+"""The CPU default's toy task: "name a color / an animal / a fruit / a number".
+
+A random tiny Qwen3-MoE can learn it in minutes, and the reward is exact. The vocabulary
+(256 words, word-level tokenizer) has 4 categories of 60 made-up words (`animal_17`, ...).
+A prompt asks for one category among a few distracting words from all of them:
+
+    user: name an animal ( fruit_3 color_44 number_9 ) assistant:
+
+The reward is 1 when the first word of the answer is from the asked category, else 0, so
+an untrained model scores about 60/256 ~ 0.23 and must learn to read the request.
+
+`python -m gspo_mcore.toy_task OUT_DIR` writes OUT_DIR/model (tiny model + tokenizer) and
+OUT_DIR/prompts.jsonl; the same seed gives the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+CATEGORIES = ("color", "animal", "fruit", "number")
+WORDS_PER_CATEGORY = 60
+SPECIALS = ("<pad>", "<eos>", "<unk>", "user:", "assistant:", "name", "a", "an", "(", ")")
+ARTICLE = {"color": "a", "animal": "an", "fruit": "a", "number": "a"}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def vocabulary() -> list[str]:
+    words = list(SPECIALS) + list(CATEGORIES)
+    words += [f"{c}_{i}" for c in CATEGORIES for i in range(WORDS_PER_CATEGORY)]
+    words += [f"<unused_{i}>" for i in range(256 - len(words))]
+    assert len(words) == 256
+    return words
+
+
+def category_reward(response: str, answer: str) -> float:
+    """1.0 if the response's first word belongs to category `answer`."""
+    words = response.split()
+    return 1.0 if words and words[0].startswith(f"{answer}_") else 0.0
+
+
+def make_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(vocabulary())}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def make_prompts(path: Path, count: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            category = rng.choice(CATEGORIES)
+            fillers = [f"{rng.choice(CATEGORIES)}_{rng.randrange(WORDS_PER_CATEGORY)}" for _ in range(3)]
+            prompt = f"name {ARTICLE[category]} {category} ( {' '.join(fillers)} )"
+            f.write(json.dumps({"prompt": prompt, "answer": category}) + "\n")
+
+
+def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024) -> Path:
+    """OUT_DIR/model (random all-MoE tiny model + tokenizer) and OUT_DIR/prompts.jsonl, written
+    to a temporary sibling first; an existing complete OUT_DIR is left as is."""
+    import shutil
+
+    import torch
+
+    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+
+    out_dir = Path(out_dir)
+    if (out_dir / "prompts.jsonl").is_file():
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see rollout.server).
+    make_tiny_checkpoint(tmp / "model", seed=seed, dtype=torch.float32, mlp_only_layers=[],
+                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    make_tokenizer(tmp / "model")
+    make_prompts(tmp / "prompts.jsonl", num_prompts, seed)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m gspo_mcore.toy_task OUT_DIR")
+    print(make_toy_task(sys.argv[1]))

@@ -1,0 +1,444 @@
+"""The GSPO trainer: rollout -> reward -> GSPO update on Megatron -> weight sync, per step.
+
+    gspo-train --config FILE [--output-dir DIR] [--resume] [key=value ...]
+    python -m gspo_mcore.train ...   (plain python for one process, or under torchrun)
+
+Each step:
+1. rank 0 asks the engine for `group_size` responses to each of `rollout_batch_size`
+   prompts; the engine returns token ids and per-token log-probs (GSPO's pi_old);
+2. rewards, group-normalised advantages, groups without signal dropped (dynamic sampling);
+3. the batch is split into `num_minibatches`, each balanced across data-parallel ranks and
+   packed into microbatches by a token budget; one optimizer step per minibatch with the GSPO
+   loss against the engine's log-probs: no old-policy forward, no routing replay;
+4. the new weights are pushed to the engine, tagged with the next weight version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from gspo_mcore import advantages as adv
+from gspo_mcore.config import Config, load_config
+from gspo_mcore.errors import InputError, run_cli
+from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
+from gspo_mcore.packing import balance_across_ranks, pack_microbatches, split_minibatches
+from gspo_mcore.parity import position_ids_for
+from gspo_mcore.rollout.response import Rollout, collate
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_servers(config: Config, output_dir: Path, stack: ExitStack) -> list[str]:
+    """The CPU default / tests: SGLang servers for model.hf_dir that the run owns (rank 0)."""
+    from gspo_mcore.rollout.server import ManagedServer, sglang_command
+    from gspo_mcore.rollout.sglang_cpu import server_env
+
+    cpu = config.distributed.device == "cpu"
+    urls = []
+    for index in range(config.rollout.num_servers):
+        port = _free_port()
+        cmd = sglang_command(config.model.hf_dir, port, device="cpu" if cpu else "cuda",
+                             dtype=config.rollout.engine_dtype, max_total_tokens=config.rollout.max_total_tokens,
+                             max_running_requests=config.rollout.max_running_requests,
+                             extra_args=tuple(config.rollout.server_args))
+        url = f"http://127.0.0.1:{port}"
+        server = ManagedServer(cmd, url, output_dir / "logs" / f"sglang_{index}.log",
+                               env=server_env() if cpu else None)
+        stack.enter_context(server)
+        urls.append(url)
+    return urls
+
+
+# ---------------------------------------------------------------- rollouts (rank 0)
+
+
+class RolloutSource:
+    """Prompts -> engine rollouts -> rewards -> advantages, on rank 0."""
+
+    def __init__(self, config: Config, urls: list[str], vocab_size: int):
+        from transformers import AutoTokenizer
+
+        from gspo_mcore.data import PromptDataset, PromptSampler
+        from gspo_mcore.rewards.runner import RewardRunner
+        from gspo_mcore.rollout.client import SGLangClient
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or config.model.hf_dir)
+        if not config.data.path:
+            raise InputError("data.path: no prompt dataset given")
+        self.dataset = PromptDataset.load(config.data.path, config.data.prompt_key, config.data.messages_key,
+                                          config.data.answer_key)
+        self.sampler = PromptSampler(len(self.dataset), seed=config.train.seed)
+        self.rewards = RewardRunner(config.reward.name, config.reward.timeout_s, config.reward.workers)
+        self.client = SGLangClient(urls, vocab_size, request_timeout_s=config.rollout.request_timeout_s,
+                                   max_attempts=config.rollout.max_attempts)
+        self.running = adv.RunningMoments()
+
+    def collect(self, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
+        from gspo_mcore.data import chat_prompt_ids
+
+        cfg = self.config.train
+        num_prompts = math.ceil(cfg.rollout_batch_size * cfg.oversample)
+        samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
+        prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
+        requests = [p for p in prompts for _ in range(cfg.group_size)]
+        params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.loss.temperature}
+        rollouts = self.client.generate(requests, params, weight_version=weight_version)
+        texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
+        answers = [s.answer for s in samples for _ in range(cfg.group_size)]
+        scores, stats = self.rewards.score(texts, answers)
+        rewards = torch.tensor(scores, dtype=torch.float32)
+        group_ids = torch.arange(len(samples)).repeat_interleave(cfg.group_size)
+        normed = adv.normalize_rewards(rewards, group_ids, cfg.reward_norm, self.running)
+        advantages = adv.clip(adv.group_advantages(normed, group_ids, normalize_std=cfg.advantage_std_norm),
+                              cfg.advantage_clip)
+        keep = adv.informative_groups(rewards, group_ids) if cfg.drop_zero_std_groups else torch.ones_like(rewards, dtype=torch.bool)
+        # Oversampling: the first `rollout_batch_size` groups that carry signal.
+        kept_groups = sorted(set(group_ids[keep].tolist()))[: cfg.rollout_batch_size]
+        selected = [i for i in range(len(rollouts)) if int(group_ids[i]) in set(kept_groups)]
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
+        metrics = {
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std(unbiased=False).item(),
+            "response_length_mean": lengths.mean().item(),
+            "response_length_max": lengths.max().item(),
+            "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
+            "groups_kept": len(kept_groups),
+            "groups_total": len(samples),
+            "reward_errors": stats.errors,
+            "reward_timeouts": stats.timeouts,
+        }
+        return [rollouts[i] for i in selected], [advantages[i].item() for i in selected], metrics
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "running": self.running.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.running.load_state_dict(state["running"])
+
+    def close(self) -> None:
+        self.rewards.close()
+
+
+# ---------------------------------------------------------------- the update (all ranks)
+
+
+class RouterLoad:
+    """Tokens per expert per layer, counted by hooks on the routers during training forwards."""
+
+    def __init__(self, model, num_layers: int, num_experts: int):
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        for layer in model.decoder.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is not None:
+                router.register_forward_hook(self._hook(layer.layer_number - 1))
+
+    def _hook(self, index: int):
+        def hook(module, inputs, output):
+            if module.training:
+                routing_map = output[1]  # [tokens, experts] bool
+                self.counts[index] += routing_map.detach().sum(0).double().cpu()
+        return hook
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+    def imbalance(self) -> list[float]:
+        """Per MoE layer, max expert load / mean load over all ranks' tokens (1 = balanced)."""
+        counts = self.counts.clone()
+        dist.all_reduce(counts)
+        return [(row.max() / row.mean()).item() for row in counts if row.sum() > 0]
+
+
+def _microbatch(rollouts: list[Rollout], advantages: list[float], members: list[int]) -> dict:
+    batch = collate([rollouts[i] for i in members])
+    tokens = batch.pop("tokens")
+    return {**batch, "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "advantages": torch.tensor([advantages[i] for i in members]), "index": torch.tensor(members)}
+
+
+def _run_schedule(ddp, microbatches: list[dict], loss_for, forward_only: bool) -> list[dict]:
+    data = iter(microbatches)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb["inputs"], position_ids_for(mb["inputs"]), None)
+        return output, loss_for(mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=len(microbatches),
+        seq_length=max(mb["inputs"].shape[1] for mb in microbatches),
+        micro_batch_size=max(mb["inputs"].shape[0] for mb in microbatches), forward_only=forward_only,
+    )
+
+
+def _my_microbatches(indices, rollouts, advantages, budget) -> list[dict]:
+    lengths = [len(r.prompt_ids) + len(r.response_ids) - 1 for r in rollouts]
+    shards = balance_across_ranks(indices, lengths, parallel_state.get_data_parallel_world_size())
+    mine = shards[parallel_state.get_data_parallel_rank()]
+    return [_microbatch(rollouts, advantages, m) for m in pack_microbatches(mine, lengths, budget)]
+
+
+def _gather_dp(values: list) -> list:
+    out = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(out, values, group=parallel_state.get_data_parallel_group())
+    return [v for part in out for v in part]
+
+
+@torch.no_grad()
+def recompute_logprobs(ddp, rollouts, advantages, config: Config) -> None:
+    """Optional (comparison runs): replace the engine's log-probs with a trainer forward."""
+    from gspo_mcore.logprobs import token_logprobs
+
+    ddp.eval()
+    microbatches = _my_microbatches(list(range(len(rollouts))), rollouts, advantages,
+                                    config.train.max_tokens_per_microbatch)
+
+    def loss_for(mb):
+        def loss_func(logits):
+            lp, _ = token_logprobs(logits, mb["targets"], temperature=config.loss.temperature,
+                                   group=parallel_state.get_tensor_model_parallel_group())
+            return logits.new_zeros(()), {"index": mb["index"], "logprobs": lp.float(), "mask": mb["mask"]}
+        return loss_func
+
+    outputs = _run_schedule(ddp, microbatches, loss_for, forward_only=True)
+    found = []
+    if parallel_state.is_pipeline_last_stage():
+        for out in outputs:
+            for row, i in enumerate(out["index"].tolist()):
+                found.append((i, out["logprobs"][row][out["mask"][row].bool()].tolist()))
+    # Every stage needs them (the loss runs on the last stage, but keep ranks consistent).
+    last = [None]
+    if parallel_state.is_pipeline_last_stage():
+        last = [_gather_dp(found)]
+    else:
+        _gather_dp([])
+    src = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast_object_list(last, src=src, group=parallel_state.get_pipeline_model_parallel_group())
+    for i, values in last[0]:
+        r = rollouts[i]
+        rollouts[i] = Rollout(r.prompt_ids, r.response_ids, values, r.finish_reason, r.weight_version)
+
+
+def train_on_batch(ddp, optimizer, rollouts, advantages, config: Config, step: int) -> dict:
+    """`num_minibatches` optimizer steps (x ppo_epochs) on one rollout batch; metrics on every rank."""
+    cfg = config.train
+    dp = parallel_state.get_data_parallel_world_size()
+    num_minibatches = min(cfg.num_minibatches, len(rollouts) // dp)
+    if num_minibatches == 0:
+        return {"skipped_update": 1}
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    order = torch.randperm(len(rollouts), generator=generator).tolist()
+    ddp.train()
+    per_seq, grad_norms, losses = [], [], []
+    for epoch in range(cfg.ppo_epochs):
+        for number, mini in enumerate(split_minibatches(len(rollouts), num_minibatches)):
+            microbatches = _my_microbatches([order[i] for i in mini], rollouts, advantages,
+                                            cfg.max_tokens_per_microbatch)
+            normalizer = global_normalizer([mb["mask"] for mb in microbatches])
+
+            def loss_for(mb):
+                inner = make_loss_func(mb, normalizer, config.loss, len(microbatches))
+
+                def loss_func(logits):
+                    from gspo_mcore.loss import sequence_log_ratio
+                    from gspo_mcore.logprobs import token_logprobs
+
+                    loss, metrics = inner(logits)
+                    with torch.no_grad():  # per-sequence figures, combined exactly below
+                        lp, _ = token_logprobs(logits.detach(), mb["targets"], temperature=config.loss.temperature,
+                                               group=parallel_state.get_tensor_model_parallel_group())
+                        metrics["seq_log_ratio"] = sequence_log_ratio(lp, mb["old_logprobs"], mb["mask"])
+                        metrics["seq_adv"] = mb["advantages"]
+                    return loss, metrics
+                return loss_func
+
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            outputs = _run_schedule(ddp, microbatches, loss_for, forward_only=False)
+            ok, grad_norm, _ = optimizer.step()
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            if parallel_state.is_pipeline_last_stage():
+                tag = (epoch, number)
+                per_seq += [(tag, lr, a) for out in outputs for lr, a in
+                            zip(out["seq_log_ratio"].tolist(), out["seq_adv"].tolist())]
+                losses.append(sum(out["loss"].item() for out in outputs))
+    metrics = [None]
+    last = dist.get_world_size() - 1
+    if parallel_state.is_pipeline_last_stage():
+        per_seq = _gather_dp(per_seq)
+        loss_total = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(loss_total, group=parallel_state.get_data_parallel_group())
+        if dist.get_rank() == last:
+            metrics = [_update_metrics(per_seq, loss_total.tolist(), grad_norms, config)]
+    dist.broadcast_object_list(metrics, src=last)
+    return {**metrics[0], "minibatches": num_minibatches, "lr": optimizer.param_groups[0]["lr"]}
+
+
+def _update_metrics(per_seq, losses, grad_norms, config: Config) -> dict:
+    low, high = config.loss.clip_low, config.loss.clip_high
+    log_ratio = torch.tensor([lr for _, lr, _ in per_seq], dtype=torch.float64)
+    advantage = torch.tensor([a for _, _, a in per_seq], dtype=torch.float64)
+    ratio = log_ratio.exp()
+    clipped = ((advantage > 0) & (ratio > 1 + high)) | ((advantage < 0) & (ratio < 1 - low))
+    first = torch.tensor([tag == (0, 0) for tag, _, _ in per_seq])
+    # theta == theta_old on the first minibatch: its log-ratio is pure engine/trainer mismatch.
+    mismatch = log_ratio[first].abs()
+    out_of_band = ((ratio[first] > 1 + high) | (ratio[first] < 1 - low)).double()
+    return {
+        "loss": sum(losses) / len(losses),
+        "clip_fraction": clipped.double().mean().item(),
+        "ratio_mean": ratio.mean().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
+        "mismatch_abs_log_ratio_mean": mismatch.mean().item(),
+        "mismatch_abs_log_ratio_max": mismatch.max().item(),
+        "mismatch_out_of_band_fraction": out_of_band.mean().item(),
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+    }
+
+
+# ---------------------------------------------------------------- the run
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="gspo-train", description="GSPO training of a Qwen3-MoE on Megatron-Core")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--output-dir", default=None, help="default: runs/<config name>")
+    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's last checkpoint")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    return parser.parse_intermixed_args(argv)
+
+
+def run(config: Config, output_dir: Path, resume: bool) -> dict:
+    from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
+    from gspo_mcore.optimizer import setup_training
+    from gspo_mcore.rollout.engine_control import EngineControl
+    from gspo_mcore.run_io import Progress, RunLog, TrainState
+    from gspo_mcore.weight_sync import DistributedWeightSync, check_sync, push_from_disk, save_hf_checkpoint
+
+    torch.manual_seed(config.train.seed)
+    arch, model = model_from_config(config)
+    ddp, optimizer = setup_training(model, config.optimizer)
+    rank = dist.get_rank()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    state = TrainState(output_dir)
+    with ExitStack() as stack:
+        urls = list(config.rollout.urls)
+        if not urls and rank == 0:
+            urls = start_servers(config, output_dir, stack)
+        shared = [urls]
+        dist.broadcast_object_list(shared, src=0)
+        urls = shared[0]
+        control = EngineControl(urls, timeout_s=config.rollout.request_timeout_s)
+        source = RolloutSource(config, urls, arch.vocab_size) if rank == 0 else None
+        if source is not None:
+            stack.callback(source.close)
+        start_step = 0
+        if resume:
+            start_step, extra = state.load(ddp, optimizer)
+            if source is not None:
+                source.load_state_dict(extra["rollout"])
+        router = RouterLoad(model, arch.num_layers, arch.num_experts)
+        engine_dtype = DTYPES[config.rollout.engine_dtype]
+        sync = None
+        if config.weight_sync.method == "distributed":
+            sync = DistributedWeightSync(model, arch, config.model.spec, control,
+                                         backend="gloo" if config.distributed.device == "cpu" else "nccl",
+                                         master_address=config.weight_sync.master_address,
+                                         bucket_bytes=config.weight_sync.bucket_mb << 20, dtype=engine_dtype)
+
+        def push(version: str):
+            if sync is not None:
+                sync.push(version)
+            else:
+                disk = Path(config.weight_sync.disk_dir or output_dir / "weights_sync")
+                save_hf_checkpoint(model, arch, config.model.spec, disk, config.model.hf_dir)
+                if rank == 0:
+                    push_from_disk(control, disk, version)
+                dist.barrier()
+
+        version = f"step-{start_step}"
+        # The engine starts from model.hf_dir; a resumed run's weights differ: push them.
+        if resume:
+            push(version)
+        elif rank == 0:
+            control.on_all("/update_weight_version", {"new_version": version, "abort_all_requests": False})
+        log = RunLog(output_dir) if rank == 0 else None
+        progress = Progress(config.train.steps, start_step) if rank == 0 else None
+        summary = {}
+        for step in range(start_step, config.train.steps):
+            timer = time.perf_counter()
+            batch = [None]
+            if rank == 0:
+                batch = [source.collect(version)]
+            dist.broadcast_object_list(batch, src=0)
+            rollouts, advantages, metrics = batch[0]
+            rollout_s = time.perf_counter() - timer
+            timer = time.perf_counter()
+            if config.weight_sync.colocate and rank == 0:
+                control.release_memory()
+            if config.train.recompute_old_logprobs:
+                recompute_logprobs(ddp, rollouts, advantages, config)
+            router.reset()
+            if rollouts:
+                metrics.update(train_on_batch(ddp, optimizer, rollouts, advantages, config, step))
+                metrics["router_max_over_mean_load"] = router.imbalance()
+            else:
+                metrics["skipped_update"] = 1
+            train_s = time.perf_counter() - timer
+            timer = time.perf_counter()
+            if config.weight_sync.colocate and rank == 0:
+                control.resume_memory()
+            version = f"step-{step + 1}"
+            push(version)
+            if config.weight_sync.check_every and (step + 1) % config.weight_sync.check_every == 0 and rollouts:
+                probes = [r.prompt_ids + r.response_ids for r in rollouts[:4]]
+                metrics.update(check_sync(model, control, probes, config.weight_sync.check_tolerance))
+            sync_s = time.perf_counter() - timer
+            tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+            total = rollout_s + train_s + sync_s
+            metrics.update(step=step + 1, time_rollout_s=rollout_s, time_train_s=train_s, time_sync_s=sync_s,
+                           time_step_s=total, tokens_per_s=tokens / total, samples=len(rollouts))
+            if config.train.save_every and (step + 1) % config.train.save_every == 0 and step + 1 < config.train.steps:
+                state.save(ddp, optimizer, step + 1, {"rollout": source.state_dict() if source else None})
+            if rank == 0:
+                log.write(metrics)
+                progress.update(metrics)
+            summary = metrics
+        state.save(ddp, optimizer, config.train.steps, {"rollout": source.state_dict() if source else None})
+        if config.train.export_hf:
+            save_hf_checkpoint(model, arch, config.model.spec, output_dir / "hf", config.model.hf_dir)
+        if rank == 0:
+            log.close()
+    return summary
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run(config, output_dir, args.resume)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -13,6 +13,8 @@ INSTALL_REQUIRES = [
     "numpy==2.3.5",  # numba (SGLang's CPU server) needs numpy < 2.4
     "math-verify==0.9.0",  # the math answer reward
     "pyarrow==26.0.1",  # Parquet prompt datasets
+    "tensorboard==2.20.0",  # metrics event files
+    "matplotlib==3.11.2",  # python -m gspo_mcore.plot
 ]
 
 setup(
@@ -21,6 +23,7 @@ setup(
     description="Megatron-Core backend for GSPO reinforcement learning of Qwen3-MoE models",
     python_requires=">=3.11",
     packages=find_packages(include=["gspo_mcore", "gspo_mcore.*", "checkpoint_convert", "checkpoint_convert.*"]),
+    entry_points={"console_scripts": ["gspo-train = gspo_mcore.train:cli"]},
     package_data={"gspo_mcore": ["data/samples/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={

@@ -247,15 +247,36 @@ def _set_override(data: dict, override: str) -> None:
     node[leaf] = yaml.safe_load(raw)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    """A config file; `base: OTHER.yaml` (relative to this file) is read first and this
+    file's sections are merged over it, key by key."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: `base` chain loops back to itself")
+    try:
         data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected a file name")
+    return _merge(_read_yaml(path.parent / base, (*seen, path.resolve())), data)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    data: dict = {} if path is None else _read_yaml(Path(path))
     for override in overrides:
         _set_override(data, override)
     return from_dict(Config, data).validate()

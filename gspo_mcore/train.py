@@ -19,6 +19,7 @@ import argparse
 import math
 import os
 import socket
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -91,7 +92,7 @@ class RolloutSource:
                                    max_attempts=config.rollout.max_attempts)
         self.running = adv.RunningMoments()
 
-    def collect(self, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
+    def collect(self, step: int, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
         from gspo_mcore.data import chat_prompt_ids
 
         cfg = self.config.train
@@ -100,7 +101,10 @@ class RolloutSource:
         prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
         requests = [p for p in prompts for _ in range(cfg.group_size)]
         params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.loss.temperature}
-        rollouts = self.client.generate(requests, params, weight_version=weight_version)
+        # Seeds from (run seed, step, request): with a deterministic server, a resumed run
+        # samples what the uninterrupted one did.
+        seeds = [(cfg.seed * 1_000_003 + step) * 100_003 + i for i in range(len(requests))]
+        rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds)
         texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
         answers = [s.answer for s in samples for _ in range(cfg.group_size)]
         scores, stats = self.rewards.score(texts, answers)
@@ -387,7 +391,7 @@ def run(config: Config, output_dir: Path, resume: bool) -> dict:
             timer = time.perf_counter()
             batch = [None]
             if rank == 0:
-                batch = [source.collect(version)]
+                batch = [source.collect(step, version)]
             dist.broadcast_object_list(batch, src=0)
             rollouts, advantages, metrics = batch[0]
             rollout_s = time.perf_counter() - timer
@@ -440,5 +444,9 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
+def cli() -> None:
+    sys.exit(run_cli(main))
+
+
 if __name__ == "__main__":
-    run_cli(main)
+    cli()

@@ -76,11 +76,17 @@ class SGLangClient:
         raise RolloutError(f"request {index}: failed after {self.max_attempts} attempts; last: {error}")
 
     def generate(self, prompts: list[list[int]], sampling_params: dict,
-                 weight_version: str | None = None) -> list[Rollout]:
-        """One rollout per prompt, in prompt order."""
+                 weight_version: str | None = None, seeds: list[int] | None = None) -> list[Rollout]:
+        """One rollout per prompt, in prompt order. `seeds`: a sampling seed per request (a
+        retried request samples the same tokens; used by servers started with
+        --enable-deterministic-inference, ignored by others)."""
         check_sampling_params(sampling_params)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        params = [sampling_params if seeds is None else {**sampling_params, "sampling_seed": seed} for seed in
+                  (seeds if seeds is not None else [None] * len(prompts))]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(prompts)))) as pool:
-            futures = [pool.submit(self._one, i, p, sampling_params, weight_version) for i, p in enumerate(prompts)]
+            futures = [pool.submit(self._one, i, p, params[i], weight_version) for i, p in enumerate(prompts)]
             try:
                 return [f.result() for f in futures]
             except BaseException:

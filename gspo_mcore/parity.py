@@ -1,6 +1,6 @@
 """Hugging Face vs Megatron-Core logits on the same tokens, under any parallel layout.
 
-`python -m gspo_mcore.parity --hf-dir DIR [key=value ...]` (plain python or torchrun)
+`python -m gspo_mcore.parity --config FILE [key=value ...]` (plain python or torchrun)
 prints one JSON line with the figures; the tests and `make demo` use the same functions.
 """
 

@@ -56,7 +56,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = No
     for name, (key, title) in FIGURES.items():
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, rows in zip(labels, runs):
-            points = [(r["step"], r[key]) for r in rows if key in r]
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), label=label)
         ax.set_xlabel("step")

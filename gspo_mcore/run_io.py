@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from gspo_mcore.errors import CheckpointError
@@ -66,12 +67,46 @@ class TrainState:
         from megatron.core import dist_checkpointing
 
         path = self.latest()
+        _init_optimizer_states(optimizer)
         sharded = self._sharded(ddp, optimizer, loading=True)
         loaded = dist_checkpointing.load(sharded, str(path))
         ddp.module.load_state_dict(loaded["model"])
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # float32 main params are views of the model's leaf parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer, loaded["optimizer"])
         state = json.loads((path / "trainer_state.json").read_text())
         return state.pop("step"), state
+
+
+def _init_optimizer_states(optimizer) -> None:
+    """Give a fresh optimizer its per-parameter states (one step on zero gradients; the load
+    then overwrites them). Without them megatron-core 0.16.1's distributed optimizer cannot
+    describe its checkpoint when neither Apex nor Transformer Engine is installed
+    (`assert len(steps) == 1` on an empty state)."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        if inner.state:
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        inner.step()
+        inner.zero_grad()
+
+
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """The loaded Adam step count (bias correction) per chained optimizer. Measured with
+    megatron-core 0.16.1 (no Apex/TE, dp_reshardable): after load_state_dict the per-parameter
+    `step` was the placeholder's, not the checkpoint's; the resume test compares re-saved
+    checkpoints bitwise, so this is checked."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]
+    for opt, part in zip(chained, parts):
+        steps = {g.get("step") for g in part["optimizer"]["param_groups"]} - {None}
+        if len(steps) == 1:
+            step = torch.tensor(float(steps.pop()))
+            for state in opt.optimizer.state.values():
+                state["step"] = step.clone()
 
 
 def _scalars(metrics: dict):
@@ -114,6 +149,7 @@ class Progress:
         self.began = time.monotonic()
 
     def update(self, m: dict) -> None:
+        m = {k: (float("nan") if v is None else v) for k, v in m.items()}
         done = m["step"]
         width = 20
         bar = "#" * round(width * done / self.total) + "-" * (width - round(width * done / self.total))
@@ -121,7 +157,7 @@ class Progress:
         eta = per_step * (self.total - done)
         self.stream.write(
             f"step {done:>4}/{self.total} [{bar}] reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} "
-            f"clip {m.get('clip_fraction', float('nan')):.3f} mismatch {m.get('mismatch_abs_log_ratio_mean', float('nan')):.1e} "
+            f"clip {m['clip_fraction']:.3f} mismatch {m['mismatch_abs_log_ratio_mean']:.1e} "
             f"len {m['response_length_mean']:.1f} | {m['tokens_per_s']:.0f} tok/s | rollout {m['time_rollout_s']:.1f}s "
             f"train {m['time_train_s']:.1f}s sync {m['time_sync_s']:.1f}s | ETA {int(eta) // 60}m{int(eta) % 60:02d}s\n"
         )

@@ -73,12 +73,13 @@ def start_servers(config: Config, output_dir: Path, stack: ExitStack) -> list[st
 class RolloutSource:
     """Prompts -> engine rollouts -> rewards -> advantages, on rank 0."""
 
-    def __init__(self, config: Config, urls: list[str], vocab_size: int):
+    def __init__(self, config: Config):
+        """Loads the tokenizer, the dataset and the reward (bad input fails here, before any
+        server starts); `connect` then names the servers."""
         from transformers import AutoTokenizer
 
         from gspo_mcore.data import PromptDataset, PromptSampler
         from gspo_mcore.rewards.runner import RewardRunner
-        from gspo_mcore.rollout.client import SGLangClient
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or config.model.hf_dir)
@@ -88,9 +89,14 @@ class RolloutSource:
                                           config.data.answer_key)
         self.sampler = PromptSampler(len(self.dataset), seed=config.train.seed)
         self.rewards = RewardRunner(config.reward.name, config.reward.timeout_s, config.reward.workers)
-        self.client = SGLangClient(urls, vocab_size, request_timeout_s=config.rollout.request_timeout_s,
-                                   max_attempts=config.rollout.max_attempts)
         self.running = adv.RunningMoments()
+        self.client = None
+
+    def connect(self, urls: list[str], vocab_size: int) -> None:
+        from gspo_mcore.rollout.client import SGLangClient
+
+        self.client = SGLangClient(urls, vocab_size, request_timeout_s=self.config.rollout.request_timeout_s,
+                                   max_attempts=self.config.rollout.max_attempts)
 
     def collect(self, step: int, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
         from gspo_mcore.data import chat_prompt_ids
@@ -248,7 +254,7 @@ def train_on_batch(ddp, optimizer, rollouts, advantages, config: Config, step: i
     dp = parallel_state.get_data_parallel_world_size()
     num_minibatches = min(cfg.num_minibatches, len(rollouts) // dp)
     if num_minibatches == 0:
-        return {"skipped_update": 1}
+        return {}
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     order = torch.randperm(len(rollouts), generator=generator).tolist()
     ddp.train()
@@ -297,6 +303,14 @@ def train_on_batch(ddp, optimizer, rollouts, advantages, config: Config, step: i
     return {**metrics[0], "minibatches": num_minibatches, "lr": optimizer.param_groups[0]["lr"]}
 
 
+# A step whose groups all lacked signal (or too few for the data-parallel ranks) trains on
+# nothing: its update figures are null in metrics.jsonl, not made up.
+UPDATE_METRICS_WHEN_SKIPPED = dict.fromkeys(
+    ("loss", "clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "mismatch_abs_log_ratio_mean",
+     "mismatch_abs_log_ratio_max", "mismatch_out_of_band_fraction", "grad_norm", "minibatches", "lr",
+     "router_max_over_mean_load"))
+
+
 def _update_metrics(per_seq, losses, grad_norms, config: Config) -> dict:
     low, high = config.loss.clip_low, config.loss.clip_high
     log_ratio = torch.tensor([lr for _, lr, _ in per_seq], dtype=torch.float64)
@@ -343,7 +357,12 @@ def run(config: Config, output_dir: Path, resume: bool) -> dict:
     rank = dist.get_rank()
     output_dir.mkdir(parents=True, exist_ok=True)
     state = TrainState(output_dir)
+    if resume:
+        state.latest()  # no checkpoint: fail now, not after the servers started
     with ExitStack() as stack:
+        source = RolloutSource(config) if rank == 0 else None
+        if source is not None:
+            stack.callback(source.close)
         urls = list(config.rollout.urls)
         if not urls and rank == 0:
             urls = start_servers(config, output_dir, stack)
@@ -351,9 +370,8 @@ def run(config: Config, output_dir: Path, resume: bool) -> dict:
         dist.broadcast_object_list(shared, src=0)
         urls = shared[0]
         control = EngineControl(urls, timeout_s=config.rollout.request_timeout_s)
-        source = RolloutSource(config, urls, arch.vocab_size) if rank == 0 else None
         if source is not None:
-            stack.callback(source.close)
+            source.connect(urls, arch.vocab_size)
         start_step = 0
         if resume:
             start_step, extra = state.load(ddp, optimizer)
@@ -367,6 +385,7 @@ def run(config: Config, output_dir: Path, resume: bool) -> dict:
                                          backend="gloo" if config.distributed.device == "cpu" else "nccl",
                                          master_address=config.weight_sync.master_address,
                                          bucket_bytes=config.weight_sync.bucket_mb << 20, dtype=engine_dtype)
+            stack.callback(sync.close)
 
         def push(version: str):
             if sync is not None:
@@ -378,15 +397,13 @@ def run(config: Config, output_dir: Path, resume: bool) -> dict:
                     push_from_disk(control, disk, version)
                 dist.barrier()
 
+        # Whatever the engine holds (model.hf_dir at start-up, a previous run's weights on a
+        # long-lived server, older weights on a resume), it now gets the trainer's.
         version = f"step-{start_step}"
-        # The engine starts from model.hf_dir; a resumed run's weights differ: push them.
-        if resume:
-            push(version)
-        elif rank == 0:
-            control.on_all("/update_weight_version", {"new_version": version, "abort_all_requests": False})
+        push(version)
         log = RunLog(output_dir) if rank == 0 else None
         progress = Progress(config.train.steps, start_step) if rank == 0 else None
-        summary = {}
+        summary, probes = {}, []
         for step in range(start_step, config.train.steps):
             timer = time.perf_counter()
             batch = [None]
@@ -401,19 +418,19 @@ def run(config: Config, output_dir: Path, resume: bool) -> dict:
             if config.train.recompute_old_logprobs:
                 recompute_logprobs(ddp, rollouts, advantages, config)
             router.reset()
+            metrics.update(UPDATE_METRICS_WHEN_SKIPPED)
             if rollouts:
                 metrics.update(train_on_batch(ddp, optimizer, rollouts, advantages, config, step))
                 metrics["router_max_over_mean_load"] = router.imbalance()
-            else:
-                metrics["skipped_update"] = 1
             train_s = time.perf_counter() - timer
             timer = time.perf_counter()
             if config.weight_sync.colocate and rank == 0:
                 control.resume_memory()
             version = f"step-{step + 1}"
             push(version)
-            if config.weight_sync.check_every and (step + 1) % config.weight_sync.check_every == 0 and rollouts:
-                probes = [r.prompt_ids + r.response_ids for r in rollouts[:4]]
+            # Probes: sequences of the latest batch that had any (the same on every rank).
+            probes = [r.prompt_ids + r.response_ids for r in rollouts[:4]] or probes
+            if config.weight_sync.check_every and (step + 1) % config.weight_sync.check_every == 0 and probes:
                 metrics.update(check_sync(model, control, probes, config.weight_sync.check_tolerance))
             sync_s = time.perf_counter() - timer
             tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)

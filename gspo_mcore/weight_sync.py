@@ -12,6 +12,7 @@ bounded size, streamed. Two paths to SGLang:
 from __future__ import annotations
 
 import math
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -107,9 +108,11 @@ class DistributedWeightSync:
         self._stores: list = []
         self.groups: list[tuple[str, object]] = []  # (name, group) per server, on owner ranks
         if self.owner:
-            rank = dist.get_rank()
+            rank, run = dist.get_rank(), uuid.uuid4().hex[:12]
             for index, url in enumerate(control.urls):
-                name = f"gspo-sync-r{rank}-s{index}"
+                # Unique per run: a long-lived server keeps the groups of earlier runs
+                # until they are destroyed, and joining a taken name hangs.
+                name = f"gspo-sync-{run}-r{rank}-s{index}"
                 self.groups.append((name, self._join(url, name, backend, master_address, group_timeout_s)))
         dist.barrier()
 
@@ -132,6 +135,16 @@ class DistributedWeightSync:
             answer.result()
         self._stores.append(store)  # the group needs its store alive
         return group
+
+    def close(self) -> None:
+        """Leave the groups on both sides (best effort: also called when the run fails)."""
+        for url, (name, group) in zip(self.control.urls, self.groups):
+            try:
+                self.control.call(url, "/destroy_weights_update_group", {"group_name": name})
+            except WeightSyncError:
+                pass
+            dist.destroy_process_group(group)
+        self.groups, self._stores = [], []
 
     def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         bucket = [(name, t.to(self.dtype)) for name, t in bucket]

@@ -30,6 +30,10 @@ def test_yaml_and_overrides(tmp_path):
         (["loss.level=grpo"], "loss.level: 'grpo' is not one of"),
         (["loss.aggregation=mean"], "loss.aggregation: 'mean' is not one of"),
         (["loss.dual_clip=big"], "loss.dual_clip: expected float"),
+        (["rollout.urls=http://a"], "rollout.urls: expected a list"),
+        (["train.num_minibatches=0"], "train.num_minibatches: must be >= 1"),
+        (["train.oversample=0.5"], "train.oversample: must be >= 1"),
+        (["weight_sync.method=nfs"], "weight_sync.method: 'nfs' is not one of"),
     ],
 )
 def test_bad_values_name_the_field(overrides, message):
@@ -47,3 +51,32 @@ def test_shipped_configs_load():
 
     for path in sorted((REPO / "configs").glob("*.yaml")):
         load_config(path)
+
+
+def test_base_config_is_merged_key_by_key(tmp_path):
+    (tmp_path / "base.yaml").write_text("loss:\n  level: sequence\n  clip_low: 0.001\ntrain:\n  steps: 7\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nloss:\n  level: token\n")
+    cfg = load_config(tmp_path / "child.yaml", ["train.group_size=4"])
+    assert (cfg.loss.level, cfg.loss.clip_low, cfg.train.steps, cfg.train.group_size) == ("token", 0.001, 7, 4)
+
+
+def test_base_config_errors_name_the_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="a.yaml: `base` chain loops back to itself"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml: config file not found"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("loss: [unclosed\n")
+    with pytest.raises(ConfigError, match="d.yaml: not valid YAML"):
+        load_config(tmp_path / "d.yaml")
+
+
+def test_grpo_comparison_config_differs_from_the_default_only_in_the_loss():
+    from conftest import REPO
+
+    gspo, grpo = load_config(REPO / "configs/tiny_cpu.yaml"), load_config(REPO / "configs/tiny_cpu_grpo.yaml")
+    assert (grpo.loss.level, gspo.loss.level) == ("token", "sequence")
+    grpo.loss = gspo.loss
+    assert grpo == gspo

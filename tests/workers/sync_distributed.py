@@ -38,6 +38,7 @@ def main(url: str, first: str, second: str, overrides: list[str]) -> None:
         if dist.get_rank() == 0:
             print(json.dumps({"version": version, "bytes_sent_rank0": sent, **stats,
                               **({"stale": stale} if version == "step-2" else {})}), flush=True)
+    sync.close()
     dist.destroy_process_group()
 
 

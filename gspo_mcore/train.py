@@ -181,6 +181,13 @@ class RouterLoad:
 def _microbatch(rollouts: list[Rollout], advantages: list[float], members: list[int]) -> dict:
     batch = collate([rollouts[i] for i in members])
     tokens = batch.pop("tokens")
+    # Sequence parallel splits the sequence over the TP ranks: pad it to a multiple of TP
+    # (right padding, masked out, does not change a causal model's outputs before it).
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    extra = -(tokens.shape[1] - 1) % tp
+    if extra:
+        tokens = torch.nn.functional.pad(tokens, (0, extra))
+        batch = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in batch.items()}
     return {**batch, "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "advantages": torch.tensor([advantages[i] for i in members]), "index": torch.tensor(members)}
 

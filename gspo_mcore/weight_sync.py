@@ -186,10 +186,14 @@ def check_sync(model, control: EngineControl, probes: list[list[int]], median_to
 
     last = dist.get_world_size() - 1  # in Megatron's rank order the last rank is on the last stage
     diffs = []
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     for seq in probes:
-        logits = megatron_logits(model, torch.tensor([seq]))
+        # Padded on the right to a multiple of TP (sequence parallel); causal, so harmless.
+        logits = megatron_logits(model, torch.tensor([seq + [0] * (-len(seq) % tp)]))
         if dist.get_rank() == last:
-            ours = logits[0, :-1].float().log_softmax(-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+            ours = logits[0, : len(seq) - 1].float().log_softmax(-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
             diffs.append(ours)
     stats = [None]
     if dist.get_rank() == last:

@@ -201,3 +201,15 @@ def test_resume_without_a_checkpoint_and_bad_data_fail_fast_with_one_line(toy, t
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jsonl'}: dataset file not found"
     assert not (tmp_path / "none" / "logs").exists()  # failed before any server started
+
+
+@pytest.mark.parametrize("layout", ["distributed.pipeline_parallel=2", "distributed.tensor_parallel=2"])
+def test_pipeline_and_tensor_parallel_runs(toy, server, tmp_path, layout):
+    """PP=2 (variable microbatch shapes through the pipeline) and TP=2 + sequence parallel
+    (sequences padded to a multiple of TP): the update runs, the pushed weights pass the check."""
+    out = tmp_path / "run"
+    _train(out, [*_toy_overrides(toy), f"rollout.urls=[{server}]", layout, "train.steps=2",
+                 "weight_sync.check_every=1", "train.save_every=0", "train.export_hf=false"], nproc=2)
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sync_check_median"] < 1e-4 and r["mismatch_abs_log_ratio_max"] < 1e-4 for r in rows)

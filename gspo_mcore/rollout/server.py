@@ -37,6 +37,20 @@ def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", devic
     return cmd + list(extra_args)
 
 
+# A launcher's identity (torchrun / torch.distributed.run): a server started from a trainer
+# rank that inherits them joins the trainer's rendezvous and hangs at start-up (measured).
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_process_env(env: dict | None = None) -> dict:
+    env = dict(os.environ if env is None else env)
+    for key in list(env):
+        if key in LAUNCHER_VARS or key.startswith("TORCHELASTIC_"):
+            del env[key]
+    return env
+
+
 class ManagedServer:
     """A server subprocess in its own process group, its output streamed to `log_file`.
     `with ManagedServer(...) as server:` starts it, waits for /health, and always stops it."""
@@ -50,8 +64,8 @@ class ManagedServer:
     def start(self) -> "ManagedServer":
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")
-        self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        env=server_process_env(self.env), start_new_session=True)
         log.close()
         self.wait_healthy()
         return self

@@ -26,6 +26,9 @@ class ModelConfig:
     """Module set: `te` = Transformer Engine with grouped GEMM (GPU); `local` = pure torch (CPU)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recompute: `full` keeps each layer's input only and recomputes the layer
+    in backward (about 1/3 more compute, far less activation memory)."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing aux loss. Off by default: in RL the router follows the policy gradient only."""
 
@@ -54,6 +57,9 @@ class OptimizerConfig:
     """Global gradient-norm clip; 0 disables."""
     distributed_optimizer: bool = True
     """Shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
+    cpu_offload: bool = False
+    """GPU runs: Adam states and step in host memory (Megatron's HybridDeviceOptimizer), for
+    models whose optimizer states do not fit beside the weights (30B-A3B on one node)."""
 
 
 @dataclass
@@ -101,6 +107,8 @@ class RolloutConfig:
     urls: list[str] = field(default_factory=list)
     """Running SGLang servers. Empty: the run starts `num_servers` itself (the CPU default, tests)."""
     num_servers: int = 1
+    engine_tp: int = 1
+    """GPUs (tensor parallel) per SGLang server; the planner and launch scripts place them."""
     engine_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """dtype of a server the run starts itself."""
     server_args: list[str] = field(default_factory=list)
@@ -174,6 +182,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> "Config":
+        if self.optimizer.cpu_offload and (self.distributed.device != "cuda" or not self.optimizer.distributed_optimizer):
+            raise ConfigError("optimizer.cpu_offload: needs distributed.device 'cuda' and optimizer.distributed_optimizer")
         if self.model.spec == "te" and self.distributed.device != "cuda":
             raise ConfigError("model.spec: 'te' (Transformer Engine) needs distributed.device 'cuda'")
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel"):
@@ -181,7 +191,7 @@ class Config:
                 raise ConfigError(f"distributed.{name}: must be >= 1")
         for section, name in (("train", "steps"), ("train", "rollout_batch_size"), ("train", "group_size"),
                               ("train", "num_minibatches"), ("train", "ppo_epochs"),
-                              ("train", "max_tokens_per_microbatch"), ("rollout", "num_servers"),
+                              ("train", "max_tokens_per_microbatch"), ("rollout", "num_servers"), ("rollout", "engine_tp"),
                               ("rollout", "max_new_tokens"), ("rollout", "max_attempts"), ("weight_sync", "bucket_mb")):
             if getattr(getattr(self, section), name) < 1:
                 raise ConfigError(f"{section}.{name}: must be >= 1")

@@ -37,6 +37,10 @@ def setup_training(model, cfg: OptimizerConfig):
             bf16=config.bf16,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=cfg.distributed_optimizer,
+            # Megatron-LM's pairing for offload: the whole state on the host, the
+            # precision-aware path, copies overlapped with compute. GPU only (never run here).
+            **(dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True,
+                    overlap_cpu_optimizer_d2h_h2d=True, decoupled_weight_decay=True) if cfg.cpu_offload else {}),
         ),
         [ddp],
     )

@@ -57,7 +57,7 @@ def start_servers(config: Config, output_dir: Path, stack: ExitStack) -> list[st
         port = _free_port()
         cmd = sglang_command(config.model.hf_dir, port, device="cpu" if cpu else "cuda",
                              dtype=config.rollout.engine_dtype, max_total_tokens=config.rollout.max_total_tokens,
-                             max_running_requests=config.rollout.max_running_requests,
+                             max_running_requests=config.rollout.max_running_requests, tp=config.rollout.engine_tp,
                              extra_args=tuple(config.rollout.server_args))
         url = f"http://127.0.0.1:{port}"
         server = ManagedServer(cmd, url, output_dir / "logs" / f"sglang_{index}.log",

@@ -16,7 +16,7 @@ from gspo_mcore.errors import InputError
 
 def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", device: str = "cpu",
                    dtype: str = "bfloat16", max_total_tokens: int = 8192, max_running_requests: int = 16,
-                   extra_args: tuple[str, ...] = ()) -> list[str]:
+                   tp: int = 1, extra_args: tuple[str, ...] = ()) -> list[str]:
     """`python -m sglang.launch_server ...` for a trainer-driven server: token ids in and out
     (no tokenizer), a bounded KV cache (unbounded, the CPU server took 14.5 GB)."""
     from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
@@ -29,7 +29,8 @@ def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", devic
         )
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--device", device, "--dtype", dtype, "--skip-tokenizer-init",
-           "--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests)]
+           "--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests),
+           "--tp-size", str(tp)]
     if device == "cpu":
         # --sleep-on-idle: without it the idle scheduler busy-polls a core (measured 92% CPU),
         # which a CPU trainer on the same machine would lose.

@@ -77,6 +77,11 @@ def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: Distributed
         expert_model_parallel_size=dist.expert_parallel,
         expert_tensor_parallel_size=dist.expert_tensor_parallel,
         sequence_parallel=dist.tensor_parallel > 1,
+        # RL microbatches differ in length and size: the pipeline sends shapes first.
+        variable_seq_lengths=dist.pipeline_parallel > 1,
+        # Memory: keep only each layer's input and recompute the layer in backward.
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+           if model.recompute == "full" else {}),
         # dtype / device
         params_dtype=dtype,
         pipeline_dtype=dtype,

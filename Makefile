@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean docker
 
 SGLANG_CPU := gspo_mcore/rollout/sglang_cpu
 
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The GPU image (see Dockerfile); needs docker and network access to the base image.
+docker:
+	docker build -t gspo-mcore:gpu .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -22,6 +22,9 @@ class ConfigError(InputError):
 class ModelConfig:
     hf_dir: str = ""
     """Hugging Face checkpoint directory (config.json + safetensors) of a Qwen3-MoE model."""
+    mcore_dir: str | None = None
+    """Initial weights from this torch_dist checkpoint (`checkpoint_convert hf-to-mcore`) instead
+    of hf_dir's safetensors; hf_dir still gives the config and tokenizer."""
     spec: Literal["local", "te"] = "local"
     """Module set: `te` = Transformer Engine with grouped GEMM (GPU); `local` = pure torch (CPU)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -128,7 +131,8 @@ class WeightSyncConfig:
     safetensors on a shared file system + /update_weights_from_disk."""
     bucket_mb: int = 512
     master_address: str = "127.0.0.1"
-    """Address of this trainer node as the SGLang servers see it (distributed method)."""
+    """Address of this trainer node as the SGLang servers see it (distributed method);
+    `auto`: the node's own address (multi-node, where owner ranks sit on several nodes)."""
     disk_dir: str | None = None
     """disk method: where to write the checkpoint (shared file system); None: OUTPUT_DIR/weights_sync."""
     colocate: bool = False

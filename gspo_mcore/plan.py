@@ -188,6 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-config", help="the model's config.json (default: model.hf_dir/config.json)")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the FLOPs bound")
+    parser.add_argument("--shell", action="store_true", help="print KEY=value lines for the launch scripts")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     import warnings
@@ -199,6 +200,13 @@ def main(argv=None) -> int:
     arch = load_hf_config(args.hf_config or Path(config.model.hf_dir) / "config.json")
     result = plan(config, arch, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.prompt_tokens)
     d = config.distributed
+    if args.shell:  # validated above: the scripts start nothing for a layout that cannot work
+        r = config.rollout
+        for key, value in (("TRAINER_GPUS", result["trainer_gpus"]), ("ROLLOUT_GPUS", result["rollout_gpus"]),
+                           ("NUM_SERVERS", r.num_servers), ("ENGINE_TP", r.engine_tp),
+                           ("COLOCATE", int(config.weight_sync.colocate)), ("EXTERNAL_SERVERS", int(bool(r.urls)))):
+            print(f"GSPO_{key}={value}")
+        return 0
     print(f"{result['gpus']} GPUs: {result['trainer_gpus']} trainer (TP {d.tensor_parallel} x PP {d.pipeline_parallel}"
           f" x DP {result['data_parallel']}; experts EP {d.expert_parallel} x ETP {d.expert_tensor_parallel} x "
           f"expert-DP {result['expert_data_parallel']}), {result['rollout_gpus']} SGLang"

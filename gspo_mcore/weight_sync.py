@@ -12,6 +12,7 @@ bounded size, streamed. Two paths to SGLang:
 from __future__ import annotations
 
 import math
+import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -102,6 +103,8 @@ class DistributedWeightSync:
                  master_address: str, bucket_bytes: int, dtype: torch.dtype, group_timeout_s: float = 600.0):
         from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan
 
+        if master_address == "auto":  # multi-node: each owner rank hosts its groups' store
+            master_address = socket.gethostbyname(socket.getfqdn())
         self.model, self.arch, self.spec, self.control = model, arch, spec, control
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.owner = bool(owned_hf_plan(model, arch, spec))

@@ -134,11 +134,15 @@ def test_plots_for_one_run_and_an_overlay(default_run, tmp_path):
 
 
 def test_expert_parallel_run_with_recompute_disk_sync_and_checks(toy, server, tmp_path):
-    """2 ranks, EP=2 (experts split, dense layers data-parallel): the old log-probs recomputed
+    """2 ranks, EP=2 (experts split, dense layers data-parallel), started from the converter's
+    torch_dist output: the old log-probs recomputed
     by the trainer make the on-policy ratio 1 up to float noise; weights go through the disk
     path and the colocated release/resume; the engine is checked against the trainer every step."""
     out = tmp_path / "ep2"
-    _train(out, [*_toy_overrides(toy), f"rollout.urls=[{server}]", "distributed.expert_parallel=2", "train.steps=3",
+    # Initial weights from a torch_dist checkpoint made by the converter (model.mcore_dir).
+    mcore = tmp_path / "mcore"
+    run_module(["-m", "checkpoint_convert", "hf-to-mcore", "--hf-dir", str(toy / "model"), "--output-dir", str(mcore)])
+    _train(out, [*_toy_overrides(toy), f"model.mcore_dir={mcore}", f"rollout.urls=[{server}]", "distributed.expert_parallel=2", "train.steps=3",
                  "train.recompute_old_logprobs=true", "weight_sync.method=disk", "weight_sync.colocate=true",
                  "weight_sync.check_every=1", "train.save_every=0", "train.export_hf=false"], nproc=2)
     rows = _metrics(out)

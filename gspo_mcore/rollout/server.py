@@ -116,3 +116,36 @@ class ManagedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv=None) -> int:
+    """`python -m gspo_mcore.rollout.server --config FILE --port P [--host H] [key=value ...]`:
+    exec the SGLang server a config describes (the launch scripts' way to start one)."""
+    import argparse
+
+    from gspo_mcore.config import load_config
+
+    parser = argparse.ArgumentParser(prog="python -m gspo_mcore.rollout.server")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+    config = load_config(args.config, args.overrides)
+    r = config.rollout
+    cmd = sglang_command(config.model.hf_dir, args.port, host=args.host, device=config.distributed.device,
+                         dtype=r.engine_dtype, max_total_tokens=r.max_total_tokens,
+                         max_running_requests=r.max_running_requests, tp=r.engine_tp, extra_args=tuple(r.server_args))
+    env = server_process_env()
+    if config.distributed.device == "cpu":
+        from gspo_mcore.rollout.sglang_cpu import server_env
+
+        env = server_env(env)
+    os.execvpe(cmd[0], cmd, env)
+    return 0
+
+
+if __name__ == "__main__":
+    from gspo_mcore.errors import run_cli
+
+    sys.exit(run_cli(main))

@@ -18,6 +18,10 @@ def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3M
     check_layout(arch, config.distributed)
     init_distributed(config.distributed)
     model = build_model(arch, config.model, config.distributed)
-    if load_weights:
+    if load_weights and config.model.mcore_dir:
+        from gspo_mcore.checkpointing import load_model_weights
+
+        load_model_weights(model, config.model.mcore_dir)
+    elif load_weights:
         load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(config.model.hf_dir).__getitem__)
     return arch, model

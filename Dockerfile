@@ -1,0 +1,37 @@
+# GPU image for gspo-mcore (8xH100 nodes): CUDA + torch + Transformer Engine + apex +
+# megatron-core 0.16.1 + SGLang 0.5.23 + this package.     make docker
+#
+# Base: SGLang's own release image. SGLang pins its torch (2.14.1, CUDA 12.9) and its CUDA
+# kernels (sgl-kernel, flashinfer) are built against exactly that torch, so starting from
+# it keeps SGLang's pin intact; Transformer Engine and apex are then compiled against the
+# same torch (--no-build-isolation), never pulling another torch, and megatron-core and this
+# package are installed with --no-deps on top. (Not built on this project's CPU machines.)
+FROM lmsysorg/sglang:v0.5.23-cu129
+
+ARG TE_VERSION=2.10.0
+ARG APEX_COMMIT=25.09
+ENV PIP_NO_CACHE_DIR=1 \
+    NVTE_FRAMEWORK=pytorch \
+    MAX_JOBS=16
+
+RUN apt-get update && apt-get install -y --no-install-recommends curl git shellcheck \
+    && rm -rf /var/lib/apt/lists/*
+
+# Transformer Engine, built against the image's torch (grouped GEMM for the MoE experts).
+RUN pip install --no-build-isolation "transformer-engine[pytorch]==${TE_VERSION}"
+
+# apex: fused Adam / norms used by Megatron when present.
+RUN git clone --depth 1 --branch "${APEX_COMMIT}" https://github.com/NVIDIA/apex /tmp/apex \
+    && pip install --no-build-isolation --config-settings "--build-option=--cpp_ext" \
+       --config-settings "--build-option=--cuda_ext" /tmp/apex \
+    && rm -rf /tmp/apex
+
+# megatron-core and the pure-Python pins of setup.py, without touching torch.
+COPY setup.py README.md /opt/gspo-mcore/
+RUN pip install --no-deps megatron-core==0.16.1 safetensors==0.8.0 pyyaml==6.0.3 \
+    math-verify==0.9.0 pyarrow==26.0.1 tensorboard==2.20.0 matplotlib==3.11.2 psutil==7.2.2
+
+COPY . /opt/gspo-mcore
+RUN pip install --no-deps -e /opt/gspo-mcore \
+    && python -c "import megatron.core, transformer_engine, sglang, gspo_mcore.train"
+WORKDIR /opt/gspo-mcore

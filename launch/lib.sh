@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Shared by the launch scripts: start processes in their own process groups, wait for an
+# HTTP /health, and tear everything down on exit or failure (no orphaned servers).
+# Source it, then `trap gspo_teardown EXIT INT TERM`.
+
+GSPO_PIDS=()
+
+gspo_log() {
+    printf '[%s] %s\n' "$(date '+%H:%M:%S')" "$*" >&2
+}
+
+# gspo_start LOGFILE CMD [ARGS...]: run CMD in the background in a new session (its own
+# process group), stdout+stderr to LOGFILE; remembers the PID for gspo_teardown.
+gspo_start() {
+    local logfile=$1
+    shift
+    mkdir -p "$(dirname "$logfile")"
+    setsid "$@" >"$logfile" 2>&1 &
+    GSPO_PIDS+=("$!")
+    gspo_log "started pid $! ($1), log: $logfile"
+}
+
+# gspo_wait_healthy URL TIMEOUT_S [PID]: poll URL/health until it answers 200; fail with a
+# message naming the URL when TIMEOUT_S passes or when PID (the server) exits first.
+gspo_wait_healthy() {
+    local url=$1 timeout=$2 pid=${3:-}
+    local deadline=$((SECONDS + timeout))
+    while ((SECONDS < deadline)); do
+        if [[ -n $pid ]] && ! kill -0 "$pid" 2>/dev/null; then
+            gspo_log "error: server $url exited while starting"
+            return 1
+        fi
+        if curl -sf -o /dev/null --max-time 5 "$url/health"; then
+            gspo_log "server $url is healthy"
+            return 0
+        fi
+        sleep 1
+    done
+    gspo_log "error: server $url not healthy after ${timeout}s"
+    return 1
+}
+
+# gspo_teardown: SIGTERM every started process group, SIGKILL what is left after 10 s.
+gspo_teardown() {
+    local status=$? pid
+    trap - EXIT INT TERM
+    for pid in "${GSPO_PIDS[@]}"; do
+        kill -TERM -- "-$pid" 2>/dev/null || true
+    done
+    for _ in $(seq 10); do
+        local alive=0
+        for pid in "${GSPO_PIDS[@]}"; do
+            if kill -0 "$pid" 2>/dev/null; then alive=1; fi
+        done
+        ((alive)) || break
+        sleep 1
+    done
+    for pid in "${GSPO_PIDS[@]}"; do
+        kill -KILL -- "-$pid" 2>/dev/null || true
+    done
+    GSPO_PIDS=()
+    exit "$status"
+}

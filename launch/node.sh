@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One node of a multi-node GSPO job (run once per node by srun; see slurm/gspo_multi_node.sbatch).
+#
+#   launch/node.sh CONFIG OUTPUT_DIR [key=value ...]
+#
+# Environment (set by the sbatch template): GSPO_NODES (all hostnames, space-separated, trainer
+# nodes first), GSPO_TRAINER_NODES (how many of them train), GSPO_NODE_RANK (this node's
+# index; default SLURM_NODEID), MASTER_ADDR, MASTER_PORT, GSPO_PYTHON, GSPO_BASE_PORT (30000), GSPO_SERVER_TIMEOUT.
+# Rollout nodes (index >= GSPO_TRAINER_NODES) serve SGLang on all their GPUs; with no rollout
+# nodes (colocated configs) every node serves and trains. Trainer nodes wait for every
+# server, then join torchrun's rendezvous at MASTER_ADDR:MASTER_PORT.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=launch/lib.sh
+source "$here/lib.sh"
+
+config=$1 out=$2
+shift 2
+py=${GSPO_PYTHON:-python}
+gpus=${GSPO_GPUS_PER_NODE:-8}
+base_port=${GSPO_BASE_PORT:-30000}
+timeout=${GSPO_SERVER_TIMEOUT:-1800}
+read -r -a nodes <<<"$GSPO_NODES"
+trainer_nodes=$GSPO_TRAINER_NODES
+rank=${GSPO_NODE_RANK:-$SLURM_NODEID}
+host=${nodes[$rank]}
+trap gspo_teardown EXIT INT TERM
+
+eval "$("$py" -m gspo_mcore.plan --config "$config" --nodes "$trainer_nodes" --gpus-per-node "$gpus" --shell "$@" \
+    weight_sync.colocate="$([[ ${#nodes[@]} -eq $trainer_nodes ]] && echo true || echo false)" rollout.urls='[]')"
+# Servers per node: on every node when colocated, else on the rollout nodes only.
+per_node=$((gpus / GSPO_ENGINE_TP))
+serving=()
+if ((${#nodes[@]} == trainer_nodes)); then serving=("${nodes[@]}"); else serving=("${nodes[@]:trainer_nodes}"); fi
+urls=()
+for node in "${serving[@]}"; do
+    for ((i = 0; i < per_node; i++)); do urls+=("http://$node:$((base_port + i))"); done
+done
+mkdir -p "$out/logs/$host"
+
+if [[ " ${serving[*]} " == *" $host "* ]]; then
+    for ((i = 0; i < per_node; i++)); do
+        first=$((i * GSPO_ENGINE_TP))
+        CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
+            gspo_start "$out/logs/$host/sglang_$i.log" "$py" -m gspo_mcore.rollout.server --config "$config" \
+            --port $((base_port + i)) "$@"
+    done
+fi
+if ((rank >= trainer_nodes)); then
+    wait  # a rollout node serves until the job ends
+    exit 0
+fi
+for url in "${urls[@]}"; do
+    gspo_wait_healthy "$url" "$timeout"
+done
+resume=()
+if [[ -f $out/checkpoints/latest ]]; then resume=(--resume); fi
+"$py" -m torch.distributed.run --nnodes "$trainer_nodes" --node-rank "$rank" --nproc_per_node "$gpus" \
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-gspo}" \
+    --log-dir "$out/logs/$host/torchrun" --redirects 3 --tee 3 \
+    -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" \
+    "rollout.urls=[$(IFS=,; echo "${urls[*]}")]" weight_sync.master_address=auto

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# GSPO on one 8xH100 node: SGLang server(s) + the Megatron-Core trainer under torchrun.
+#
+#   launch/train_8xh100.sh CONFIG OUTPUT_DIR [key=value ...]
+#
+# The mode follows the config (checked by `python -m gspo_mcore.plan` before any GPU is used):
+# - colocated (weight_sync.colocate: true): rollout.num_servers x rollout.engine_tp servers
+#   tile all GPUs; they release their memory while the trainer trains on all GPUs and
+#   resume it for the weight push;
+# - split (colocate: false): the servers take the first num_servers x engine_tp GPUs, the
+#   trainer the rest.
+# Logs: OUTPUT_DIR/logs/sglang_<i>.log, OUTPUT_DIR/logs/torchrun/ (one per rank).
+# A checkpoint in OUTPUT_DIR means --resume. Everything started here is stopped on exit.
+# Environment: GSPO_PYTHON (python), GSPO_GPUS_PER_NODE (8), GSPO_BASE_PORT (30000),
+# GSPO_SERVER_TIMEOUT (900 s).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=launch/lib.sh
+source "$here/lib.sh"
+
+if (($# < 2)); then
+    echo "usage: $0 CONFIG OUTPUT_DIR [key=value ...]" >&2
+    exit 2
+fi
+config=$1 out=$2
+shift 2
+py=${GSPO_PYTHON:-python}
+gpus=${GSPO_GPUS_PER_NODE:-8}
+base_port=${GSPO_BASE_PORT:-30000}
+timeout=${GSPO_SERVER_TIMEOUT:-900}
+trap gspo_teardown EXIT INT TERM
+
+plan=$("$py" -m gspo_mcore.plan --config "$config" --gpus-per-node "$gpus" --shell "$@")
+eval "$plan"
+mkdir -p "$out/logs"
+
+urls=()
+if ((GSPO_EXTERNAL_SERVERS == 0)); then
+    for ((i = 0; i < GSPO_NUM_SERVERS; i++)); do
+        first=$((i * GSPO_ENGINE_TP))
+        port=$((base_port + i))
+        CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
+            gspo_start "$out/logs/sglang_$i.log" "$py" -m gspo_mcore.rollout.server --config "$config" \
+            --port "$port" "$@"
+        urls+=("http://127.0.0.1:$port")
+    done
+    for i in "${!urls[@]}"; do
+        gspo_wait_healthy "${urls[$i]}" "$timeout" "${GSPO_PIDS[$i]}"
+    done
+fi
+
+if ((GSPO_COLOCATE)); then
+    trainer_devices=$(seq -s, 0 $((gpus - 1)))
+else
+    trainer_devices=$(seq -s, "$GSPO_ROLLOUT_GPUS" $((gpus - 1)))
+fi
+resume=()
+if [[ -f $out/checkpoints/latest ]]; then
+    resume=(--resume)
+fi
+server_list=()
+if ((${#urls[@]})); then
+    server_list=("rollout.urls=[$(IFS=,; echo "${urls[*]}")]")
+fi
+
+gspo_log "trainer on GPUs $trainer_devices"
+CUDA_VISIBLE_DEVICES=$trainer_devices "$py" -m torch.distributed.run --standalone \
+    --nproc_per_node "$GSPO_TRAINER_GPUS" --log-dir "$out/logs/torchrun" --redirects 3 --tee 3 \
+    -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" "${server_list[@]}"

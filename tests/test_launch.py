@@ -1,0 +1,128 @@
+"""Launch scripts as far as a CPU machine can check them: shellcheck, bash -n, rendered
+sbatch templates, the wait-for-server / teardown logic against local processes, and the
+single-node script end to end with the CPU config (a real SGLang server + the trainer)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
+TEMPLATES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
+SHELLCHECK = str(Path(sys.executable).parent / "shellcheck")
+VALUES = {"JOB_NAME": "gspo-test", "TIME": "04:00:00", "OUTPUT_DIR": "/scratch/runs/a b", "REPO": "/opt/gspo-mcore",
+          "PYTHON": "python", "CONFIG": "configs/qwen3_30b_a3b_gspo_2node.yaml",
+          "OVERRIDES": "train.steps=10 optimizer.lr=2e-6"}
+
+
+def _render(template: Path, **values) -> subprocess.CompletedProcess:
+    args = [f"{k}={v}" for k, v in values.items()]
+    return subprocess.run([sys.executable, "launch/slurm/render.py", str(template), *args], capture_output=True,
+                          text=True, cwd=REPO)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_are_shellcheck_clean(script):
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    proc = subprocess.run([SHELLCHECK, "-x", "-P", str(REPO), str(script)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+def test_sbatch_templates_render_and_check(template, tmp_path):
+    values = dict(VALUES, **({"TRAINER_NODES": "2", "ROLLOUT_NODES": "1"} if "multi" in template.name else {}))
+    proc = _render(template, **values)
+    assert proc.returncode == 0, proc.stderr
+    rendered = tmp_path / template.name
+    rendered.write_text(proc.stdout)
+    assert "{{" not in proc.stdout
+    assert "#SBATCH --job-name=gspo-test" in proc.stdout and "#SBATCH --requeue" in proc.stdout
+    assert "'/scratch/runs/a b'/logs" in proc.stdout  # paths are quoted shell words
+    assert "train.steps=10 optimizer.lr=2e-6" in proc.stdout
+    if "multi" in template.name:
+        assert "#SBATCH --nodes=3" in proc.stdout and "GSPO_TRAINER_NODES=2" in proc.stdout
+    assert subprocess.run(["bash", "-n", str(rendered)]).returncode == 0
+    check = subprocess.run([SHELLCHECK, "-s", "bash", str(rendered)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+
+
+def test_render_names_a_missing_or_unknown_value():
+    proc = _render(REPO / "launch/slurm/gspo_single_node.sbatch", **{k: v for k, v in VALUES.items() if k != "TIME"})
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("missing value for TIME") and proc.stdout == ""
+    proc = _render(REPO / "launch/slurm/gspo_single_node.sbatch", **VALUES, NODES_PER_JOB="2")
+    assert proc.returncode == 2 and "NODES_PER_JOB: not a field of this template" in proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bash(script: str, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f"set -euo pipefail; source launch/lib.sh; {script}"], capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout)
+
+
+def test_wait_for_a_local_server_then_teardown_leaves_no_process(tmp_path):
+    (tmp_path / "health").write_text("ok")
+    port = _free_port()
+    pid_file = tmp_path / "pid"
+    proc = _bash(f"trap gspo_teardown EXIT; gspo_start {tmp_path}/server.log {sys.executable} -m http.server {port} "
+                 f"--bind 127.0.0.1 --directory {tmp_path}; echo ${{GSPO_PIDS[0]}} > {pid_file}; "
+                 f"gspo_wait_healthy http://127.0.0.1:{port} 30 ${{GSPO_PIDS[0]}}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"server http://127.0.0.1:{port} is healthy" in proc.stderr
+    pid = int(pid_file.read_text())
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # torn down on exit
+
+
+def test_wait_fails_in_bounded_time_and_on_an_early_exit(tmp_path):
+    port = _free_port()
+    start = time.monotonic()
+    proc = _bash(f"gspo_wait_healthy http://127.0.0.1:{port} 2")
+    assert proc.returncode == 1 and f"error: server http://127.0.0.1:{port} not healthy after 2s" in proc.stderr
+    assert time.monotonic() - start < 10
+    proc = _bash(f"trap gspo_teardown EXIT; gspo_start {tmp_path}/x.log {sys.executable} -c 'raise SystemExit(3)'; "
+                 f"gspo_wait_healthy http://127.0.0.1:{port} 30 ${{GSPO_PIDS[0]}}")
+    assert proc.returncode == 1 and "exited while starting" in proc.stderr
+
+
+def test_failure_mid_run_tears_down_the_started_servers(tmp_path):
+    (tmp_path / "health").write_text("ok")
+    port = _free_port()
+    proc = _bash(f"trap gspo_teardown EXIT; gspo_start {tmp_path}/s.log {sys.executable} -m http.server {port} "
+                 f"--bind 127.0.0.1 --directory {tmp_path}; echo ${{GSPO_PIDS[0]}} > {tmp_path}/pid; "
+                 f"gspo_wait_healthy http://127.0.0.1:{port} 30; false")
+    assert proc.returncode == 1
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
+def test_single_node_script_end_to_end_on_cpu(tmp_path):
+    """launch/train_8xh100.sh with the CPU config, split mode on a pretend 2-GPU node: the
+    planner's layout, a real SGLang server on the first 'GPU', the trainer on the second."""
+    from gspo_mcore.toy_task import make_toy_task
+
+    toy = make_toy_task(tmp_path / "toy", seed=0)
+    out = tmp_path / "run"
+    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "2", "GSPO_BASE_PORT": str(_free_port()),
+           "GSPO_SERVER_TIMEOUT": "300", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(["launch/train_8xh100.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
+                           f"data.path={toy}/prompts.jsonl", "train.steps=2", "train.save_every=0",
+                           "train.export_hf=false", "weight_sync.check_every=1"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer on GPUs 1" in proc.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (out / "logs" / "sglang_0.log").stat().st_size > 0
+    assert list((out / "logs" / "torchrun").rglob("stdout.log"))

@@ -1,12 +1,13 @@
 # GPU image for gspo-mcore (8xH100 nodes): CUDA + torch + Transformer Engine + apex +
 # megatron-core 0.16.1 + SGLang 0.5.23 + this package.     make docker
 #
-# Base: SGLang's own release image. SGLang pins its torch (2.14.1, CUDA 12.9) and its CUDA
+# Base: SGLang's own release image (CUDA 13: SGLang's install guide says its CUDA 12 images
+# end with v0.5.19-cu129). SGLang pins its torch (2.14.1) and its CUDA
 # kernels (sgl-kernel, flashinfer) are built against exactly that torch, so starting from
 # it keeps SGLang's pin intact; Transformer Engine and apex are then compiled against the
 # same torch (--no-build-isolation), never pulling another torch, and megatron-core and this
 # package are installed with --no-deps on top. (Not built on this project's CPU machines.)
-FROM lmsysorg/sglang:v0.5.23-cu129
+FROM lmsysorg/sglang:v0.5.23
 
 ARG TE_VERSION=2.10.0
 ARG APEX_COMMIT=25.09

@@ -13,8 +13,6 @@ if (($# != 2)); then
 fi
 hf=$1 out=$2
 py=${GSPO_PYTHON:-python}
-"$py" -m gspo_mcore.plan --config "$(dirname "$0")/../configs/qwen3_30b_a3b_gspo.yaml" \
-    --hf-config "$hf/config.json" "model.hf_dir=$hf" >/dev/null
 "$py" -m checkpoint_convert hf-to-mcore --hf-dir "$hf" --output-dir "$out" --dtype bf16 --spec te
 if [[ ${GSPO_SKIP_VERIFY:-0} != 1 ]]; then
     "$py" -m checkpoint_convert verify --hf-dir "$hf" --mcore-dir "$out"

@@ -26,12 +26,23 @@ rank=${GSPO_NODE_RANK:-$SLURM_NODEID}
 host=${nodes[$rank]}
 trap gspo_teardown EXIT INT TERM
 
-eval "$("$py" -m gspo_mcore.plan --config "$config" --nodes "$trainer_nodes" --gpus-per-node "$gpus" --shell "$@" \
-    weight_sync.colocate="$([[ ${#nodes[@]} -eq $trainer_nodes ]] && echo true || echo false)" rollout.urls='[]')"
-# Servers per node: on every node when colocated, else on the rollout nodes only.
+eval "$("$py" -m gspo_mcore.plan --config "$config" --nodes "${#nodes[@]}" --gpus-per-node "$gpus" --shell "$@")"
+# Colocated configs: every node serves and trains. Split: the rollout nodes serve.
+rollout_nodes=$((${#nodes[@]} - trainer_nodes))
+if ((GSPO_COLOCATE)); then
+    if ((rollout_nodes)); then
+        gspo_log "error: weight_sync.colocate is true but $rollout_nodes rollout node(s) were allocated"
+        exit 2
+    fi
+    serving=("${nodes[@]}")
+else
+    if ((GSPO_ROLLOUT_GPUS != rollout_nodes * gpus)); then
+        gspo_log "error: rollout.num_servers x engine_tp = $GSPO_ROLLOUT_GPUS GPUs, but $rollout_nodes rollout node(s) have $((rollout_nodes * gpus))"
+        exit 2
+    fi
+    serving=("${nodes[@]:trainer_nodes}")
+fi
 per_node=$((gpus / GSPO_ENGINE_TP))
-serving=()
-if ((${#nodes[@]} == trainer_nodes)); then serving=("${nodes[@]}"); else serving=("${nodes[@]:trainer_nodes}"); fi
 urls=()
 for node in "${serving[@]}"; do
     for ((i = 0; i < per_node; i++)); do urls+=("http://$node:$((base_port + i))"); done
@@ -55,7 +66,7 @@ for url in "${urls[@]}"; do
 done
 resume=()
 if [[ -f $out/checkpoints/latest ]]; then resume=(--resume); fi
-"$py" -m torch.distributed.run --nnodes "$trainer_nodes" --node-rank "$rank" --nproc_per_node "$gpus" \
+"$py" -m torch.distributed.run --nnodes "$trainer_nodes" --node-rank "$rank" --nproc_per_node $((GSPO_TRAINER_GPUS / trainer_nodes)) \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-gspo}" \
     --log-dir "$out/logs/$host/torchrun" --redirects 3 --tee 3 \
     -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" \

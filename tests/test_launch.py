@@ -2,6 +2,7 @@
 sbatch templates, the wait-for-server / teardown logic against local processes, and the
 single-node script end to end with the CPU config (a real SGLang server + the trainer)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -126,3 +127,55 @@ def test_single_node_script_end_to_end_on_cpu(tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert (out / "logs" / "sglang_0.log").stat().st_size > 0
     assert list((out / "logs" / "torchrun").rglob("stdout.log"))
+
+
+def test_multi_node_script_colocated_on_one_cpu_node(tmp_path):
+    """launch/node.sh as the multi-node template runs it, with a one-node allocation and a
+    colocated config: the node serves SGLang and trains (torchrun's c10d rendezvous at
+    MASTER_ADDR:MASTER_PORT), the weight-sync groups use the node's own address (auto)."""
+    from gspo_mcore.toy_task import make_toy_task
+
+    toy = make_toy_task(tmp_path / "toy", seed=0)
+    out = tmp_path / "run"
+    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1",
+           "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "GSPO_BASE_PORT": str(_free_port()), "GSPO_SERVER_TIMEOUT": "300",
+           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
+                           f"data.path={toy}/prompts.jsonl", "weight_sync.colocate=true", "train.steps=1",
+                           "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=1"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and "sync_check_median" in rows[0]
+    assert (out / "logs" / "127.0.0.1" / "sglang_0.log").stat().st_size > 0
+
+
+def test_convert_script_on_a_small_checkpoint(tmp_path):
+    """launch/convert_qwen3_30b.sh as a user runs it (conversion + verify), on the toy model."""
+    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", seed=0)
+    env = {**os.environ, "GSPO_PYTHON": sys.executable, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(["launch/convert_qwen3_30b.sh", str(hf), str(tmp_path / "mcore")], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "mcore" / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is True
+    proc = subprocess.run(["launch/convert_qwen3_30b.sh", str(hf)], capture_output=True, text=True, cwd=REPO, env=env)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+def test_dockerfile_pins_agree_with_setup_py():
+    """The image installs what setup.py pins (it cannot be built here: no GPU, no Docker)."""
+    import re
+
+    setup = (REPO / "setup.py").read_text()
+    docker = (REPO / "Dockerfile").read_text()
+    pins = dict(re.findall(r'"([A-Za-z0-9_.\-\[\]]+)==([0-9.]+)"', setup))
+    image = dict(re.findall(r"\b([a-z][a-z0-9\-]+)==([0-9.]+)", docker))
+    assert image, "no pinned packages found in the Dockerfile"
+    for name, version in image.items():
+        assert pins.get(name) == version, (name, version, pins.get(name))
+    assert re.search(r"^FROM lmsysorg/sglang:v" + re.escape(pins["sglang"]) + r"\b", docker, re.M)
+    assert 'TE_VERSION=' + pins["transformer-engine[pytorch]"] in docker

@@ -17,7 +17,7 @@ from gspo_mcore.errors import CheckpointError
 
 
 class TrainState:
-    """Megatron distributed checkpoints (model + optimizer, any layout) with the step and the
+    """Megatron distributed checkpoints (model + optimizer + RNG states) with the step and the
     data position, under OUTPUT_DIR/checkpoints/step_NNNNNN. Written to a temporary directory
     and renamed; `latest` is replaced atomically afterwards, so a kill during a save leaves the
     previous checkpoint as the one a resume takes."""
@@ -31,7 +31,8 @@ class TrainState:
         # (fully_sharded_model_space) fails with "flattened_range is not supported".
         metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
         return {"model": model_sd,
-                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)}
+                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata),
+                "rng_state": _rng_state()}
 
     def save(self, ddp, optimizer, step: int, extra: dict) -> Path:
         from megatron.core import dist_checkpointing
@@ -71,11 +72,33 @@ class TrainState:
         sharded = self._sharded(ddp, optimizer, loading=True)
         loaded = dist_checkpointing.load(sharded, str(path))
         ddp.module.load_state_dict(loaded["model"])
+        _set_rng_state(loaded["rng_state"])
         with torch.no_grad():  # float32 main params are views of the model's leaf parameters
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer, loaded["optimizer"])
         state = json.loads((path / "trainer_state.json").read_text())
         return state.pop("step"), state
+
+
+def _rng_state():
+    """This rank's random states (torch, CUDA, Megatron's model-parallel tracker), one
+    entry per rank as Megatron-LM saves them."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _init_optimizer_states(optimizer) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,7 +67,9 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     config = load_config(None, [f"model.hf_dir={hf_dir}"])
     arch, model = model_from_config(config)
     bucket_bytes = bucket_mb << 20
-    port = _free_port()
+    from gspo_mcore.parallel import free_port
+
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     timings: dict[str, list[float]] = {"distributed": [], "disk": [], "copy": []}
     with ManagedServer(sglang_command(str(hf_dir), port), url, work / "sglang.log", env=server_env()):
@@ -105,12 +106,6 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     median = {k: statistics.median(v) for k, v in timings.items()}
     return {"size": size, "bytes": nbytes, **{f"{k}_s": round(v, 3) for k, v in median.items()},
             **{f"{k}_MBps": round(nbytes / v / 1e6, 1) for k, v in median.items()}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

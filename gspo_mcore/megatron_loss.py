@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 
 from gspo_mcore.config import LossConfig
 from gspo_mcore.logprobs import token_logprobs
-from gspo_mcore.loss import Normalizer, aggregate, kl_penalty, policy_loss
+from gspo_mcore.loss import Normalizer, aggregate, kl_penalty, policy_loss, sequence_log_ratio
 
 
 def global_normalizer(microbatch_masks: list[torch.Tensor]) -> Normalizer:
@@ -58,6 +58,8 @@ def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, nu
                            cfg.aggregation or "seq-mean-token-mean", normalizer)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["kl"] = kl.detach()
+        # Per sequence, so the trainer can combine figures over microbatches and ranks exactly.
+        metrics["seq_log_ratio"] = sequence_log_ratio(logprobs.detach(), microbatch["old_logprobs"], microbatch["mask"])
         # `loss` is this microbatch's share of the global loss; report it unscaled.
         return loss * scale, {"loss": loss.detach().clone(), **metrics}
 

@@ -14,7 +14,8 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from gspo_mcore.config import ConfigError, DistributedConfig
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free right now on this host (for rendezvous and local servers)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -33,7 +34,7 @@ def init_distributed(cfg: DistributedConfig, seed: int = 1234) -> None:
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo" if cfg.device == "cpu" else "nccl", timeout=timedelta(minutes=30))
     world = dist.get_world_size()
     model_parallel = cfg.tensor_parallel * cfg.pipeline_parallel

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 import time
 from contextlib import ExitStack
@@ -33,36 +32,22 @@ from gspo_mcore import advantages as adv
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import InputError, run_cli
 from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
+from gspo_mcore.models.qwen3_moe.model import DTYPES
 from gspo_mcore.packing import balance_across_ranks, pack_microbatches, split_minibatches
 from gspo_mcore.parity import position_ids_for
 from gspo_mcore.rollout.response import Rollout, collate
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_servers(config: Config, output_dir: Path, stack: ExitStack) -> list[str]:
     """The CPU default / tests: SGLang servers for model.hf_dir that the run owns (rank 0)."""
-    from gspo_mcore.rollout.server import ManagedServer, sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.parallel import free_port
+    from gspo_mcore.rollout.server import ManagedServer, server_for_config
 
-    cpu = config.distributed.device == "cpu"
     urls = []
     for index in range(config.rollout.num_servers):
-        port = _free_port()
-        cmd = sglang_command(config.model.hf_dir, port, device="cpu" if cpu else "cuda",
-                             dtype=config.rollout.engine_dtype, max_total_tokens=config.rollout.max_total_tokens,
-                             max_running_requests=config.rollout.max_running_requests, tp=config.rollout.engine_tp,
-                             extra_args=tuple(config.rollout.server_args))
+        port = free_port()
+        cmd, env = server_for_config(config, port)
         url = f"http://127.0.0.1:{port}"
-        server = ManagedServer(cmd, url, output_dir / "logs" / f"sglang_{index}.log",
-                               env=server_env() if cpu else None)
-        stack.enter_context(server)
+        stack.enter_context(ManagedServer(cmd, url, output_dir / "logs" / f"sglang_{index}.log", env=env))
         urls.append(url)
     return urls
 
@@ -121,8 +106,8 @@ class RolloutSource:
                               cfg.advantage_clip)
         keep = adv.informative_groups(rewards, group_ids) if cfg.drop_zero_std_groups else torch.ones_like(rewards, dtype=torch.bool)
         # Oversampling: the first `rollout_batch_size` groups that carry signal.
-        kept_groups = sorted(set(group_ids[keep].tolist()))[: cfg.rollout_batch_size]
-        selected = [i for i in range(len(rollouts)) if int(group_ids[i]) in set(kept_groups)]
+        kept_groups = set(sorted(set(group_ids[keep].tolist()))[: cfg.rollout_batch_size])
+        selected = [i for i, g in enumerate(group_ids.tolist()) if g in kept_groups]
         lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
         metrics = {
             "reward_mean": rewards.mean().item(),
@@ -242,12 +227,9 @@ def recompute_logprobs(ddp, rollouts, advantages, config: Config) -> None:
         for out in outputs:
             for row, i in enumerate(out["index"].tolist()):
                 found.append((i, out["logprobs"][row][out["mask"][row].bool()].tolist()))
-    # Every stage needs them (the loss runs on the last stage, but keep ranks consistent).
-    last = [None]
-    if parallel_state.is_pipeline_last_stage():
-        last = [_gather_dp(found)]
-    else:
-        _gather_dp([])
+    # Every stage needs them (the loss runs on the last stage, but keep ranks consistent);
+    # only the last stage found any, the broadcast below hands them to the others.
+    last = [_gather_dp(found)]
     src = parallel_state.get_pipeline_model_parallel_last_rank()
     dist.broadcast_object_list(last, src=src, group=parallel_state.get_pipeline_model_parallel_group())
     for i, values in last[0]:
@@ -273,20 +255,7 @@ def train_on_batch(ddp, optimizer, rollouts, advantages, config: Config, step: i
             normalizer = global_normalizer([mb["mask"] for mb in microbatches])
 
             def loss_for(mb):
-                inner = make_loss_func(mb, normalizer, config.loss, len(microbatches))
-
-                def loss_func(logits):
-                    from gspo_mcore.loss import sequence_log_ratio
-                    from gspo_mcore.logprobs import token_logprobs
-
-                    loss, metrics = inner(logits)
-                    with torch.no_grad():  # per-sequence figures, combined exactly below
-                        lp, _ = token_logprobs(logits.detach(), mb["targets"], temperature=config.loss.temperature,
-                                               group=parallel_state.get_tensor_model_parallel_group())
-                        metrics["seq_log_ratio"] = sequence_log_ratio(lp, mb["old_logprobs"], mb["mask"])
-                        metrics["seq_adv"] = mb["advantages"]
-                    return loss, metrics
-                return loss_func
+                return make_loss_func(mb, normalizer, config.loss, len(microbatches))
 
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
@@ -295,8 +264,9 @@ def train_on_batch(ddp, optimizer, rollouts, advantages, config: Config, step: i
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             if parallel_state.is_pipeline_last_stage():
                 tag = (epoch, number)
-                per_seq += [(tag, lr, a) for out in outputs for lr, a in
-                            zip(out["seq_log_ratio"].tolist(), out["seq_adv"].tolist())]
+                # Each microbatch's outputs in schedule order, so its advantages come from it.
+                per_seq += [(tag, lr, a) for out, mb in zip(outputs, microbatches) for lr, a in
+                            zip(out["seq_log_ratio"].tolist(), mb["advantages"].tolist())]
                 losses.append(sum(out["loss"].item() for out in outputs))
     metrics = [None]
     last = dist.get_world_size() - 1

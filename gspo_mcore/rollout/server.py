@@ -52,6 +52,22 @@ def server_process_env(env: dict | None = None) -> dict:
     return env
 
 
+def server_for_config(config, port: int, host: str = "127.0.0.1") -> tuple[list[str], dict]:
+    """The SGLang command and environment a run config describes (section `rollout`, the
+    model, the device): one definition for servers a run starts and the launch scripts'."""
+    r = config.rollout
+    device = config.distributed.device
+    cmd = sglang_command(config.model.hf_dir, port, host=host, device=device, dtype=r.engine_dtype,
+                         max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
+                         tp=r.engine_tp, extra_args=tuple(r.server_args))
+    env = server_process_env()
+    if device == "cpu":
+        from gspo_mcore.rollout.sglang_cpu import server_env
+
+        env = server_env(env)
+    return cmd, env
+
+
 class ManagedServer:
     """A server subprocess in its own process group, its output streamed to `log_file`.
     `with ManagedServer(...) as server:` starts it, waits for /health, and always stops it."""
@@ -131,16 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
-    config = load_config(args.config, args.overrides)
-    r = config.rollout
-    cmd = sglang_command(config.model.hf_dir, args.port, host=args.host, device=config.distributed.device,
-                         dtype=r.engine_dtype, max_total_tokens=r.max_total_tokens,
-                         max_running_requests=r.max_running_requests, tp=r.engine_tp, extra_args=tuple(r.server_args))
-    env = server_process_env()
-    if config.distributed.device == "cpu":
-        from gspo_mcore.rollout.sglang_cpu import server_env
-
-        env = server_env(env)
+    cmd, env = server_for_config(load_config(args.config, args.overrides), args.port, args.host)
     os.execvpe(cmd[0], cmd, env)
     return 0
 

@@ -12,7 +12,7 @@ from gspo_mcore.config import DistributedConfig, ModelConfig
 from gspo_mcore.models.qwen3_moe.hf_config import HFConfigError, Qwen3MoeArch
 from gspo_mcore.models.qwen3_moe.layer_spec import decoder_block_spec
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_layout(arch: Qwen3MoeArch, dist: DistributedConfig) -> None:
@@ -36,7 +36,7 @@ def check_layout(arch: Qwen3MoeArch, dist: DistributedConfig) -> None:
 
 def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig) -> TransformerConfig:
     check_layout(arch, dist)
-    dtype = _DTYPES[model.dtype]
+    dtype = DTYPES[model.dtype]
     on_gpu = model.spec == "te"
     return TransformerConfig(
         # shapes

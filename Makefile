@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean docker
+.PHONY: demo test install clean docker shellcheck
 
 SGLANG_CPU := gspo_mcore/rollout/sglang_cpu
 
@@ -25,8 +25,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m gspo_mcore.demo
 
-test: $(STAMP)
+test: $(STAMP) shellcheck
 	$(PY) -m pytest -q tests
+
+# The launch scripts' linter, from Debian's packages (the tests run it).
+shellcheck:
+	@command -v shellcheck >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; \
+	  else echo "make: shellcheck is missing: install the Debian package shellcheck" >&2; exit 1; fi; \
+	  $$SUDO apt-get install -y -q shellcheck >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q shellcheck >/dev/null; }; }
 
 # The GPU image (see Dockerfile); needs docker and network access to the base image.
 docker:

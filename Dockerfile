@@ -19,7 +19,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends curl git shellc
     && rm -rf /var/lib/apt/lists/*
 
 # Transformer Engine, built against the image's torch (grouped GEMM for the MoE experts).
-RUN pip install --no-build-isolation "transformer-engine[pytorch]==${TE_VERSION}"
+# megatron-core 0.16.1 asks for transformer-engine[core_cu13,pytorch] >=2.9,<2.12; naming
+# core_cu13 makes a CUDA 12 base fail here instead of at import (transformer_engine_torch
+# picks its core library from torch.version.cuda).
+RUN pip install --no-build-isolation "transformer-engine[core_cu13,pytorch]==${TE_VERSION}"
 
 # apex: fused Adam / norms used by Megatron when present.
 RUN git clone --depth 1 --branch "${APEX_COMMIT}" https://github.com/NVIDIA/apex /tmp/apex \

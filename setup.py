@@ -27,7 +27,7 @@ setup(
     package_data={"gspo_mcore": ["data/samples/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        "gpu": ["transformer-engine[pytorch]==2.10.0", "sglang==0.5.23"],
+        "gpu": ["transformer-engine[core_cu13,pytorch]==2.10.0", "sglang==0.5.23"],
         "test": ["pytest==9.2.0"],
     },
 )

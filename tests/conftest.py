@@ -44,3 +44,55 @@ def run_module(args: list[str], nproc: int = 1, timeout: int = 300) -> subproces
 
 def last_json_line(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+# ------------------------------------------------------------ one torchrun launch per layout
+# A launch costs ~9 s of imports here. Test modules plan their multi-rank jobs at import
+# (collection) with plan_layout_job; the first test that asks layout_output for a layout runs
+# every job planned for it in one launch (tests/workers/jobs.py) and the rest read the results.
+_PLANNED: dict[str, dict[str, dict]] = {}  # layout -> job name -> job
+
+
+def plan_layout_job(name: str, kind: str, layouts, options=(), batch=None) -> None:
+    """kind: a job of tests/workers/jobs.py; options: config overrides besides the layout's;
+    batch: hf_dir -> dict of tensors, train_step's global batch."""
+    for layout in layouts:
+        assert layout in LAYOUTS and name not in _PLANNED.get(layout, {}), (name, layout)
+        _PLANNED.setdefault(layout, {})[name] = {"kind": kind, "options": list(options), "batch": batch}
+
+
+def run_jobs(jobs: list[dict], nproc: int, spec_dir: Path, timeout: int = 600) -> None:
+    spec = spec_dir / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    run_module(["tests/workers/jobs.py", str(spec)], nproc=nproc, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def layout_output(tiny_hf_dir, tmp_path_factory):
+    """layout_output(layout, job name) -> that job's output directory."""
+    import torch
+
+    runs: dict[str, Path | str] = {}  # layout -> its output root, or why its launch failed
+
+    def get(layout: str, name: str) -> Path:
+        if layout not in runs:
+            root = tmp_path_factory.mktemp(f"layout-{layout}")
+            nproc, overrides = LAYOUTS[layout]
+            jobs = []
+            for job_name, job in _PLANNED[layout].items():
+                spec = {"kind": job["kind"], "hf_dir": str(tiny_hf_dir), "out_dir": str(root / job_name),
+                        "overrides": [*job["options"], *overrides]}
+                if job["batch"] is not None:
+                    spec["batch_file"] = str(root / f"{job_name}.batch.pt")
+                    torch.save(job["batch"](tiny_hf_dir), spec["batch_file"])
+                jobs.append(spec)
+            try:
+                run_jobs(jobs, nproc, root)
+                runs[layout] = root
+            except pytest.fail.Exception as failure:
+                runs[layout] = str(failure)
+        if isinstance(runs[layout], str):
+            pytest.fail(runs[layout], pytrace=False)
+        return runs[layout] / name
+
+    return get

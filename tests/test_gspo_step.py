@@ -2,13 +2,14 @@
 layout: 1 rank x 4 microbatches, DP=2 x 2, PP=2, EP=2, TP=2+SP give the loss, gradient norm
 and updated weights of the same step taken by the Hugging Face model with policy_loss."""
 
+import functools
 import math
 
 import pytest
 import torch
 
 from checkpoint_convert.safetensors_io import HFCheckpointReader
-from conftest import LAYOUTS, run_module
+from conftest import LAYOUTS, plan_layout_job
 from gspo_mcore.loss import aggregate, kl_penalty, policy_loss
 
 ADAM = dict(lr=1.0, eps=1.0)  # first step w - g / (|g| + 1): the weights compare gradients
@@ -28,8 +29,8 @@ def options(level, aggregation, kl_coef):
     return opts + ([f"loss.aggregation={aggregation}"] if aggregation else [])
 
 
-@pytest.fixture(scope="module")
-def rollout_batch(tiny_hf_dir):
+@functools.cache
+def rollout_batch(hf_dir) -> dict:
     """8 sequences of 17 tokens: a prompt, then a response of varying length (one empty),
     with 'engine' log-probs = the model's own plus noise, and per-sequence advantages."""
     from transformers import AutoModelForCausalLM
@@ -40,13 +41,22 @@ def rollout_batch(tiny_hf_dir):
     response = torch.tensor([12, 4, 9, 0, 13, 7, 11, 2])
     position = torch.arange(16)[None, :]  # position t predicts token t + 1
     mask = ((position >= prompt[:, None] - 1) & (position < prompt[:, None] - 1 + response[:, None])).float()
-    model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():
         logp = model(input_ids=tokens[:, :-1]).logits.log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
     old = logp + 0.03 * torch.randn(logp.shape, generator=g)
     advantages = torch.randn(8, generator=g)
     ref = logp + 0.1 * torch.randn(logp.shape, generator=g)  # a reference policy for the KL case
     return {"tokens": tokens, "old_logprobs": old, "advantages": advantages, "mask": mask, "ref_logprobs": ref}
+
+
+def _plan_jobs():
+    for case, (level, aggregation, kl_coef, layouts) in CASES.items():
+        plan_layout_job(f"gspo_step-{case}", "train_step", layouts, options(level, aggregation, kl_coef),
+                        batch=rollout_batch)
+
+
+_plan_jobs()
 
 
 def hf_step(hf_dir, batch, level, aggregation, kl_coef, out_dir):
@@ -69,18 +79,15 @@ def hf_step(hf_dir, batch, level, aggregation, kl_coef, out_dir):
 
 
 @pytest.mark.parametrize("case, layout", [(c, l) for c, (*_, ls) in CASES.items() for l in ls])
-def test_gspo_step_is_layout_invariant(tiny_hf_dir, rollout_batch, tmp_path, case, layout):
+def test_gspo_step_is_layout_invariant(tiny_hf_dir, layout_output, tmp_path, case, layout):
     level, aggregation, kl_coef, _ = CASES[case]
-    ref_loss, ref_norm, metrics, ref_weights = hf_step(tiny_hf_dir, rollout_batch, level, aggregation, kl_coef,
-                                                       tmp_path / "hf")
+    ref_loss, ref_norm, metrics, ref_weights = hf_step(tiny_hf_dir, rollout_batch(tiny_hf_dir), level, aggregation,
+                                                       kl_coef, tmp_path / "hf")
     if level == "sequence":  # the band really splits the batch, so clipping is exercised
         assert 0 < metrics["clip_fraction_sequences"] < 1
-    batch_file = tmp_path / "batch.pt"
-    torch.save(rollout_batch, batch_file)
-    nproc, overrides = LAYOUTS[layout]
-    run_module(["tests/workers/train_step.py", str(tiny_hf_dir), str(batch_file), str(tmp_path),
-                *options(level, aggregation, kl_coef), *overrides], nproc=nproc)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)]
+    nproc, _ = LAYOUTS[layout]
+    out = layout_output(layout, f"gspo_step-{case}")
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
     losses = [r["loss"] for r in ranks if r["loss"] is not None]
     assert losses and all(abs(loss - ref_loss) < 1e-6 for loss in losses), (losses, ref_loss)
     for r in ranks:

@@ -1,21 +1,20 @@
 """HF Qwen3-MoE vs the Megatron-Core model loaded through the mapping: same logits, and
 the weights exported back from the sharded model are bitwise the checkpoint's."""
 
+import json
+
 import pytest
 
-from conftest import LAYOUTS, last_json_line, run_module
+from conftest import LAYOUTS, plan_layout_job
 
 TOLERANCE = 1e-4
+plan_layout_job("parity", "parity", LAYOUTS)  # 4 sequences of 16 tokens (gspo_mcore.parity.run)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_logits_match_hf(tiny_hf_dir, layout):
-    nproc, overrides = LAYOUTS[layout]
-    proc = run_module(
-        ["-m", "gspo_mcore.parity", "--batch", "4", "--seq-len", "16", f"model.hf_dir={tiny_hf_dir}", *overrides],
-        nproc=nproc,
-    )
-    figures = last_json_line(proc.stdout)
+def test_logits_match_hf(layout_output, layout):
+    nproc, _ = LAYOUTS[layout]
+    figures = json.loads((layout_output(layout, "parity") / "figures.json").read_text())
     assert f"world={nproc}" in figures["layout"]
     # The comparison is meaningful only if logits are of order one.
     assert figures["logit_std"] > 0.3

@@ -80,16 +80,18 @@ def _engine_vs_forward(url, hf_dir, weight_version) -> torch.Tensor:
 def test_weight_sync_from_disk_twice(sglang_server, tmp_path):
     """Trainer weights (EP=2 under torchrun) written with save_hf_checkpoint and loaded by the
     server: afterwards its log-probs are those of the new weights, tagged with the new version."""
-    from conftest import run_module
+    from conftest import run_jobs
     from gspo_mcore.rollout.engine_control import EngineControl
     from gspo_mcore.weight_sync import push_from_disk
 
     server, _ = sglang_server
-    for step, seed in ((1, 11), (2, 12)):
-        source = make_tiny_checkpoint(tmp_path / f"trainer-{step}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
-        exported = tmp_path / f"sync-{step}"
-        run_module(["tests/workers/save_hf.py", str(source), str(exported), "distributed.expert_parallel=2"], nproc=2)
-        push_from_disk(EngineControl([server.url]), exported, weight_version=f"step-{step}")
+    sources = {step: make_tiny_checkpoint(tmp_path / f"trainer-{step}", seed=seed, dtype=torch.bfloat16,
+                                          mlp_only_layers=[]) for step, seed in ((1, 11), (2, 12))}
+    # Both exports in one launch; each is pushed and checked in turn.
+    run_jobs([{"kind": "save_hf", "hf_dir": str(source), "out_dir": str(tmp_path / f"sync-{step}"),
+               "overrides": ["distributed.expert_parallel=2"]} for step, source in sources.items()], 2, tmp_path)
+    for step, source in sources.items():
+        push_from_disk(EngineControl([server.url]), tmp_path / f"sync-{step}" / "hf", weight_version=f"step-{step}")
         assert_close_logprobs(_engine_vs_forward(server.url, source, f"step-{step}"))
 
 

@@ -2,6 +2,7 @@
 schedule) under each parallel layout gives the same loss, gradient norm and updated weights
 as the same SGD step taken by the Hugging Face model on the same global batch."""
 
+import functools
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint_convert.safetensors_io import HFCheckpointReader
-from conftest import LAYOUTS, run_module
+from conftest import LAYOUTS, plan_layout_job
 
 # Adam's first step is w - lr * g / (|g| + eps). With eps = 1 it is a smooth function of the
 # gradient (not ~sign(g), which would amplify float noise), so updated weights compare gradients.
@@ -18,20 +19,20 @@ OPTIMIZER = ["optimizer.name=adam", f"optimizer.lr={ADAM['lr']}", f"optimizer.ad
              "optimizer.clip_grad=1e6"]
 
 
-@pytest.fixture(scope="module")
-def global_batch(tiny_hf_dir, tmp_path_factory):
-    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(3))
-    path = tmp_path_factory.mktemp("batch") / "tokens.pt"
-    torch.save({"tokens": tokens}, path)
-    return tokens, path
+@functools.cache
+def global_batch(hf_dir) -> dict:
+    return {"tokens": torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(3))}
+
+
+plan_layout_job("train_step", "train_step", LAYOUTS, OPTIMIZER, batch=global_batch)
 
 
 @pytest.fixture(scope="module")
-def hf_reference(tiny_hf_dir, global_batch, tmp_path_factory):
+def hf_reference(tiny_hf_dir, tmp_path_factory):
     """The same step by transformers + torch Adam: loss, grad norm, updated weights (HF names)."""
     from transformers import AutoModelForCausalLM
 
-    tokens, _ = global_batch
+    tokens = global_batch(tiny_hf_dir)["tokens"]
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32)
     logits = model(input_ids=tokens[:, :-1]).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
@@ -45,15 +46,11 @@ def hf_reference(tiny_hf_dir, global_batch, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_step_matches_hf(tiny_hf_dir, global_batch, hf_reference, layout, tmp_path):
-    nproc, overrides = LAYOUTS[layout]
-    _, tokens_path = global_batch
-    run_module(
-        ["tests/workers/train_step.py", str(tiny_hf_dir), str(tokens_path), str(tmp_path), *OPTIMIZER, *overrides],
-        nproc=nproc,
-    )
+def test_step_matches_hf(tiny_hf_dir, hf_reference, layout_output, layout):
+    nproc, _ = LAYOUTS[layout]
+    out = layout_output(layout, "train_step")
     ref_loss, ref_grad_norm, ref_weights = hf_reference
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(nproc)]
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
     assert all(r["update_ok"] for r in ranks)
     losses = [r["loss"] for r in ranks if r["loss"] is not None]
     assert losses and all(abs(loss - ref_loss) < 1e-5 for loss in losses), (losses, ref_loss)

@@ -5,20 +5,24 @@ import pytest
 import torch
 
 from checkpoint_convert.safetensors_io import HFCheckpointReader
-from conftest import LAYOUTS, run_module
+from conftest import LAYOUTS, plan_layout_job
 from gspo_mcore.weight_sync import bucketed
 
-BUCKET_BYTES = 100_000  # as in tests/workers/export_owned.py
+BUCKET_BYTES = 100_000  # as in tests/workers/jobs.py
+EXPORT_LAYOUTS = ["EP2", "PP2", "TP2-SP", "TP2-SP-ETP2", "DP2"]
+SAVE_LAYOUTS = ["EP2", "PP2", "TP2-SP"]
+plan_layout_job("export_owned", "export_owned", EXPORT_LAYOUTS)
+plan_layout_job("save_hf", "save_hf", SAVE_LAYOUTS)
 
 
-@pytest.mark.parametrize("layout", ["EP2", "PP2", "TP2-SP", "TP2-SP-ETP2", "DP2"])
-def test_each_tensor_exported_once(tiny_hf_dir, tmp_path, layout):
-    nproc, overrides = LAYOUTS[layout]
-    run_module(["tests/workers/export_owned.py", str(tiny_hf_dir), str(tmp_path), *overrides], nproc=nproc)
+@pytest.mark.parametrize("layout", EXPORT_LAYOUTS)
+def test_each_tensor_exported_once(tiny_hf_dir, layout_output, layout):
+    nproc, _ = LAYOUTS[layout]
+    out = layout_output(layout, "export_owned")
     reader = HFCheckpointReader(tiny_hf_dir)
     names = []
     for rank in range(nproc):
-        for bucket in torch.load(tmp_path / f"rank{rank}.pt"):
+        for bucket in torch.load(out / f"rank{rank}.pt"):
             sizes = [t.numel() * t.element_size() for _, t in bucket]
             assert sum(sizes) <= BUCKET_BYTES or len(bucket) == 1
             for name, tensor in bucket:
@@ -34,13 +38,11 @@ def test_bucketed_keeps_order_and_bound():
     assert [pair for b in buckets for pair in b] == tensors
 
 
-@pytest.mark.parametrize("layout", ["EP2", "PP2", "TP2-SP"])
-def test_save_hf_checkpoint_from_sharded_model(tiny_hf_dir, tmp_path, layout):
-    nproc, overrides = LAYOUTS[layout]
-    out = tmp_path / "exported"
-    run_module(["tests/workers/save_hf.py", str(tiny_hf_dir), str(out), *overrides], nproc=nproc)
+@pytest.mark.parametrize("layout", SAVE_LAYOUTS)
+def test_save_hf_checkpoint_from_sharded_model(tiny_hf_dir, layout_output, layout):
+    out = layout_output(layout, "save_hf") / "hf"
     original, exported = HFCheckpointReader(tiny_hf_dir), HFCheckpointReader(out)
     assert sorted(exported.keys()) == sorted(original.keys())
     assert all(torch.equal(exported[n], original[n]) for n in original.keys())
     assert (out / "config.json").read_text() == (tiny_hf_dir / "config.json").read_text()
-    assert not list(tmp_path.glob("*.tmp-*"))
+    assert not list(out.parent.glob("*.tmp-*"))

@@ -165,6 +165,9 @@ class TrainConfig:
     """Dynamic sampling: drop groups whose rewards are all equal (no signal)."""
     oversample: float = 1.0
     """Dynamic sampling: ask for this many times more prompts, keep the first informative ones."""
+    max_sampling_rounds: int = 1
+    """Dynamic sampling: generation rounds per step until rollout_batch_size groups with signal
+    are kept (DAPO); a step that still has fewer trains on those (metric groups_kept)."""
     recompute_old_logprobs: bool = False
     """Comparison runs: pi_old from a trainer forward instead of the engine's log-probs."""
     save_every: int = 0
@@ -194,7 +197,7 @@ class Config:
             if getattr(self.distributed, name) < 1:
                 raise ConfigError(f"distributed.{name}: must be >= 1")
         for section, name in (("train", "steps"), ("train", "rollout_batch_size"), ("train", "group_size"),
-                              ("train", "num_minibatches"), ("train", "ppo_epochs"),
+                              ("train", "num_minibatches"), ("train", "ppo_epochs"), ("train", "max_sampling_rounds"),
                               ("train", "max_tokens_per_microbatch"), ("rollout", "num_servers"), ("rollout", "engine_tp"),
                               ("rollout", "max_new_tokens"), ("rollout", "max_attempts"), ("weight_sync", "bucket_mb")):
             if getattr(getattr(self, section), name) < 1:

@@ -6,7 +6,8 @@
 Each step:
 1. rank 0 asks the engine for `group_size` responses to each of `rollout_batch_size`
    prompts; the engine returns token ids and per-token log-probs (GSPO's pi_old);
-2. rewards, group-normalised advantages, groups without signal dropped (dynamic sampling);
+2. rewards, group-normalised advantages, groups without signal dropped (dynamic sampling,
+   with more rounds of generation until the batch is full, up to `max_sampling_rounds`);
 3. the batch is split into `num_minibatches`, each balanced across data-parallel ranks and
    packed into microbatches by a token budget; one optimizer step per minibatch with the GSPO
    loss against the engine's log-probs: no old-policy forward, no routing replay;
@@ -84,43 +85,71 @@ class RolloutSource:
                                    max_attempts=self.config.rollout.max_attempts)
 
     def collect(self, step: int, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
+        """Rounds of generation until `rollout_batch_size` groups with signal are kept (at most
+        `max_sampling_rounds`; each asks for `oversample` x the groups still missing). Metrics
+        are over everything generated this step."""
+        cfg = self.config.train
+        rollouts, advantages, rounds = [], [], []
+        for _ in range(cfg.max_sampling_rounds):
+            missing = cfg.rollout_batch_size - sum(r["groups_kept"] for r in rounds)
+            if missing <= 0:
+                break
+            kept, kept_advantages, figures = self._round(step, weight_version, missing,
+                                                         offset=sum(r["requests"] for r in rounds))
+            rollouts += kept
+            advantages += kept_advantages
+            rounds.append(figures)
+        rewards = torch.cat([r["rewards"] for r in rounds])
+        lengths = torch.cat([r["lengths"] for r in rounds])
+        metrics = {
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std(unbiased=False).item(),
+            "response_length_mean": lengths.mean().item(),
+            "response_length_max": lengths.max().item(),
+            "truncated_fraction": sum(r["truncated"] for r in rounds) / len(lengths),
+            "groups_kept": sum(r["groups_kept"] for r in rounds),
+            "groups_total": sum(r["groups_total"] for r in rounds),
+            "sampling_rounds": len(rounds),
+            "reward_errors": sum(r["reward_errors"] for r in rounds),
+            "reward_timeouts": sum(r["reward_timeouts"] for r in rounds),
+        }
+        return rollouts, advantages, metrics
+
+    def _round(self, step: int, weight_version: str, wanted: int, offset: int) -> tuple[list, list, dict]:
+        """One generation round: `wanted` x oversample prompts; keeps at most `wanted` groups.
+        `offset`: requests already made this step (their seeds are taken)."""
         from gspo_mcore.data import chat_prompt_ids
 
         cfg = self.config.train
-        num_prompts = math.ceil(cfg.rollout_batch_size * cfg.oversample)
+        num_prompts = math.ceil(wanted * cfg.oversample)
         samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
         prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
         requests = [p for p in prompts for _ in range(cfg.group_size)]
         params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.loss.temperature}
         # Seeds from (run seed, step, request): with a deterministic server, a resumed run
         # samples what the uninterrupted one did.
-        seeds = [(cfg.seed * 1_000_003 + step) * 100_003 + i for i in range(len(requests))]
+        base = (cfg.seed * 1_000_003 + step) * 100_003 + offset
+        seeds = [base + i for i in range(len(requests))]
         rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds)
         texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
         answers = [s.answer for s in samples for _ in range(cfg.group_size)]
         scores, stats = self.rewards.score(texts, answers)
         rewards = torch.tensor(scores, dtype=torch.float32)
         group_ids = torch.arange(len(samples)).repeat_interleave(cfg.group_size)
+        # reward_norm "batch" / "running": over this round's rewards / updated by each round.
         normed = adv.normalize_rewards(rewards, group_ids, cfg.reward_norm, self.running)
         advantages = adv.clip(adv.group_advantages(normed, group_ids, normalize_std=cfg.advantage_std_norm),
                               cfg.advantage_clip)
         keep = adv.informative_groups(rewards, group_ids) if cfg.drop_zero_std_groups else torch.ones_like(rewards, dtype=torch.bool)
-        # Oversampling: the first `rollout_batch_size` groups that carry signal.
-        kept_groups = set(sorted(set(group_ids[keep].tolist()))[: cfg.rollout_batch_size])
+        kept_groups = set(sorted(set(group_ids[keep].tolist()))[:wanted])  # the first ones with signal
         selected = [i for i, g in enumerate(group_ids.tolist()) if g in kept_groups]
-        lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
-        metrics = {
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std(unbiased=False).item(),
-            "response_length_mean": lengths.mean().item(),
-            "response_length_max": lengths.max().item(),
-            "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
-            "groups_kept": len(kept_groups),
-            "groups_total": len(samples),
-            "reward_errors": stats.errors,
-            "reward_timeouts": stats.timeouts,
+        figures = {
+            "rewards": rewards, "lengths": torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32),
+            "truncated": sum(r.truncated for r in rollouts), "groups_kept": len(kept_groups),
+            "groups_total": len(samples), "requests": len(requests),
+            "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
         }
-        return [rollouts[i] for i in selected], [advantages[i].item() for i in selected], metrics
+        return [rollouts[i] for i in selected], [advantages[i].item() for i in selected], figures
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "running": self.running.state_dict()}

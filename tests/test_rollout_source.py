@@ -1,0 +1,113 @@
+"""Dynamic sampling in the trainer's rollout source (train.RolloutSource), against a scripted
+engine: groups without signal are dropped, and further generation rounds (fresh prompts,
+fresh seeds) refill the batch up to `train.max_sampling_rounds`."""
+
+import re
+
+import pytest
+import torch
+
+from gspo_mcore.config import load_config
+from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.toy_task import make_prompts, make_tokenizer
+from gspo_mcore.train import RolloutSource
+
+GROUP = 4
+
+
+class ScriptedEngine:
+    """A prompt asking for a color gets a right answer from its even members only (a group with
+    signal); every other prompt gets a wrong answer from all members (no signal)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.calls = []  # (categories asked, seeds) per generate call
+
+    def generate(self, prompts, params, weight_version=None, seeds=None):
+        categories = [re.search(r"name an? (\w+)", self.tokenizer.decode(p)).group(1) for p in prompts]
+        self.calls.append((categories, seeds))
+        out = []
+        for i, (prompt, category) in enumerate(zip(prompts, categories)):
+            right = category == "color" and i % GROUP % 2 == 0
+            word = f"{category}_0" if right else ("animal_0" if category == "color" else "color_0")
+            ids = self.tokenizer.convert_tokens_to_ids([word, "<eos>"])
+            out.append(Rollout(prompt, ids, [-1.0, -0.5], "stop", weight_version))
+        return out
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task")
+    make_tokenizer(root / "tokenizer")
+    make_prompts(root / "prompts.jsonl", 400, seed=0)
+    return root
+
+
+def source_for(task, **train) -> tuple[RolloutSource, ScriptedEngine]:
+    overrides = [f"data.path={task / 'prompts.jsonl'}", f"data.tokenizer_dir={task / 'tokenizer'}",
+                 "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1", f"train.group_size={GROUP}",
+                 *(f"train.{k}={v}" for k, v in train.items())]
+    source = RolloutSource(load_config(None, overrides))
+    source.client = engine = ScriptedEngine(source.tokenizer)
+    return source, engine
+
+
+def test_rounds_refill_the_batch_with_informative_groups(task):
+    source, engine = source_for(task, rollout_batch_size=6, oversample=2.0, max_sampling_rounds=50)
+    try:
+        rollouts, advantages, metrics = source.collect(step=3, weight_version="step-3")
+    finally:
+        source.close()
+    asked = [c for categories, _ in engine.calls for c in categories[::GROUP]]
+    assert len(engine.calls) == metrics["sampling_rounds"] > 1
+    assert metrics["groups_kept"] == 6 and metrics["groups_total"] == len(asked)
+    # Each round asks oversample x the groups still missing, for fresh prompts.
+    missing = 6
+    for categories, _ in engine.calls:
+        assert len(categories) == 2 * missing * GROUP
+        missing -= min(missing, categories[::GROUP].count("color"))
+    assert missing == 0
+    assert source.sampler.state_dict()["position"] == len(asked)
+    # Seeds never repeat within the step: each round continues where the previous one stopped.
+    seeds = [s for _, round_seeds in engine.calls for s in round_seeds]
+    assert seeds == list(range(seeds[0], seeds[0] + len(seeds)))
+    # Only groups with signal, whole, with group-normalised advantages.
+    assert len(rollouts) == 6 * GROUP
+    for g in range(6):
+        members = rollouts[g * GROUP : (g + 1) * GROUP]
+        assert len({tuple(r.prompt_ids) for r in members}) == 1
+        assert "color" in source.tokenizer.decode(members[0].prompt_ids)
+        group_adv = torch.tensor(advantages[g * GROUP : (g + 1) * GROUP])
+        assert group_adv.sum().abs() < 1e-5 and group_adv[0] > 0 > group_adv[1]
+    # The reward over everything generated: half of each color group is right.
+    assert metrics["reward_mean"] == pytest.approx(asked.count("color") * GROUP / 2 / (len(asked) * GROUP))
+
+
+def test_rounds_stop_at_the_limit_and_the_step_trains_on_fewer(task):
+    source, engine = source_for(task, rollout_batch_size=40, max_sampling_rounds=2)
+    try:
+        rollouts, _, metrics = source.collect(step=0, weight_version="step-0")
+    finally:
+        source.close()
+    colors = [categories[::GROUP].count("color") for categories, _ in engine.calls]
+    assert metrics["sampling_rounds"] == len(engine.calls) == 2
+    assert len(engine.calls[1][0]) == (40 - colors[0]) * GROUP
+    assert metrics["groups_kept"] == sum(colors) < 40 and len(rollouts) == sum(colors) * GROUP
+
+
+def test_one_round_without_dropping_keeps_every_group(task):
+    source, engine = source_for(task, rollout_batch_size=5, drop_zero_std_groups="false", max_sampling_rounds=3)
+    try:
+        rollouts, advantages, metrics = source.collect(step=0, weight_version="step-0")
+    finally:
+        source.close()
+    assert len(engine.calls) == metrics["sampling_rounds"] == 1
+    assert metrics["groups_kept"] == 5 and len(rollouts) == 5 * GROUP
+    assert all(a == 0 for a, r in zip(advantages, rollouts) if "color" not in source.tokenizer.decode(r.prompt_ids))
+
+
+def test_max_sampling_rounds_must_be_positive():
+    from gspo_mcore.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.max_sampling_rounds: must be >= 1"):
+        load_config(None, ["train.max_sampling_rounds=0"])

@@ -147,7 +147,7 @@ class HFCheckpointWriter:
             raise ValueError(f"tensor {name} {tensor.dtype} {list(tensor.shape)} out of plan (expected {expected})")
         if self._file is None or self._left_in_shard == 0:
             self._open_next_shard()
-        self._file.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+        self._file.write(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
         self._left_in_shard -= 1
         self._next += 1
 

@@ -126,8 +126,10 @@ class RolloutConfig:
 
 @dataclass
 class WeightSyncConfig:
-    method: Literal["distributed", "disk"] = "distributed"
-    """distributed: process groups trainer -> SGLang (gloo on CPU, NCCL on GPU); disk: HF
+    method: Literal["distributed", "tensor", "disk"] = "distributed"
+    """distributed: process groups trainer -> SGLang (gloo on CPU, NCCL on GPU), servers on
+    other GPUs; tensor: colocated servers read each bucket from the trainer rank on their GPU
+    (CUDA IPC; shared memory on CPU), needs expert_tensor_parallel 1; disk: HF
     safetensors on a shared file system + /update_weights_from_disk."""
     bucket_mb: int = 512
     master_address: str = "127.0.0.1"
@@ -202,6 +204,14 @@ class Config:
                               ("rollout", "max_new_tokens"), ("rollout", "max_attempts"), ("weight_sync", "bucket_mb")):
             if getattr(getattr(self, section), name) < 1:
                 raise ConfigError(f"{section}.{name}: must be >= 1")
+        ws, d = self.weight_sync, self.distributed
+        if ws.method == "distributed" and ws.colocate and d.device == "cuda":
+            raise ConfigError("weight_sync.method: 'distributed' cannot reach colocated servers (NCCL refuses two ranks "
+                              "on one GPU): use 'tensor' (or 'disk')")
+        if ws.method == "tensor" and not ws.colocate:
+            raise ConfigError("weight_sync.method: 'tensor' needs weight_sync.colocate (the servers on the trainer's GPUs)")
+        if ws.method == "tensor" and d.expert_tensor_parallel != 1:
+            raise ConfigError("weight_sync.method: 'tensor' needs distributed.expert_tensor_parallel 1")
         if self.train.oversample < 1:
             raise ConfigError("train.oversample: must be >= 1")
         return self

@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 
 from gspo_mcore.config import LossConfig
 from gspo_mcore.logprobs import token_logprobs
+from gspo_mcore.parallel import device
 from gspo_mcore.loss import Normalizer, aggregate, kl_penalty, policy_loss, sequence_log_ratio
 
 
@@ -25,7 +26,7 @@ def global_normalizer(microbatch_masks: list[torch.Tensor]) -> Normalizer:
     over data-parallel ranks. Every rank of a pipeline must call it (it is collective)."""
     local = torch.tensor(
         [sum(m.shape[0] for m in microbatch_masks), sum(float(m.sum()) for m in microbatch_masks)],
-        dtype=torch.float64,
+        dtype=torch.float64, device=device(),
     )
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:

@@ -14,6 +14,20 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from gspo_mcore.config import ConfigError, DistributedConfig
 
 
+_DEVICE = torch.device("cpu")
+
+
+def device() -> torch.device:
+    """Where this rank's model, its inputs and our collectives' tensors live (set by
+    init_distributed): the GPU under NCCL, which takes no CPU tensors; the CPU under gloo."""
+    return _DEVICE
+
+
+def to_device(batch: dict) -> dict:
+    """A microbatch's tensors on device() (they are built on the CPU from the rollouts)."""
+    return {k: v.to(_DEVICE, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def free_port() -> int:
     """A TCP port free right now on this host (for rendezvous and local servers)."""
     with socket.socket() as sock:
@@ -23,6 +37,7 @@ def free_port() -> int:
 
 def init_distributed(cfg: DistributedConfig, seed: int = 1234) -> None:
     """Join the process group (torchrun's env, or a world of one) and set up TP/PP/EP/DP."""
+    global _DEVICE
     if cfg.device == "cpu":
         from gspo_mcore import cpu_bridge
 
@@ -31,6 +46,7 @@ def init_distributed(cfg: DistributedConfig, seed: int = 1234) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("distributed.device: 'cuda', but this machine has no usable CUDA device")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        _DEVICE = torch.device("cuda", torch.cuda.current_device())
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")

@@ -22,21 +22,22 @@ from gspo_mcore.errors import run_cli
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
+from gspo_mcore.parallel import device
 
 
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
 
 @torch.no_grad()
 def megatron_logits(model, tokens: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor | None:
-    """Full-vocabulary logits [B, T, V] through the real pipeline schedule (forward only).
-    Returns them on the last pipeline stage, None elsewhere."""
+    """Full-vocabulary logits [B, T, V] (on device()) through the real pipeline schedule
+    (forward only). Returns them on the last pipeline stage, None elsewhere."""
     microbatches = list(tokens.split(micro_batch_size))
     batches = iter(microbatches)
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        batch = next(data_iterator).to(device())
         output = model(batch, position_ids_for(batch), None)
 
         def collect(output_tensor):
@@ -94,7 +95,7 @@ def run(config: Config, tokens: torch.Tensor, mcore_dir: str | None = None) -> d
     model.eval()
     reader = HFCheckpointReader(config.model.hf_dir)
     logits = megatron_logits(model, tokens)
-    figures = compare(hf_logits(config.model.hf_dir, tokens), logits) if logits is not None else None
+    figures = compare(hf_logits(config.model.hf_dir, tokens), logits.cpu()) if logits is not None else None
     # Export back (gathering TP shards): bitwise equal to the file, and all ranks together
     # give back every tensor of the checkpoint.
     exported, identical = set(), True

@@ -35,6 +35,7 @@ from gspo_mcore.errors import InputError, run_cli
 from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
 from gspo_mcore.models.qwen3_moe.model import DTYPES
 from gspo_mcore.packing import balance_across_ranks, pack_microbatches, split_minibatches
+from gspo_mcore.parallel import device, to_device
 from gspo_mcore.parity import position_ids_for
 from gspo_mcore.rollout.response import Rollout, collate
 
@@ -169,7 +170,8 @@ class RouterLoad:
     """Tokens per expert per layer, counted by hooks on the routers during training forwards."""
 
     def __init__(self, model, num_layers: int, num_experts: int):
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        # On device(): a per-layer .cpu() in the hook would synchronise the GPU every forward.
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device())
         for layer in model.decoder.layers:
             router = getattr(getattr(layer, "mlp", None), "router", None)
             if router is not None:
@@ -179,7 +181,7 @@ class RouterLoad:
         def hook(module, inputs, output):
             if module.training:
                 routing_map = output[1]  # [tokens, experts] bool
-                self.counts[index] += routing_map.detach().sum(0).double().cpu()
+                self.counts[index] += routing_map.detach().sum(0).double()
         return hook
 
     def reset(self) -> None:
@@ -210,7 +212,7 @@ def _run_schedule(ddp, microbatches: list[dict], loss_for, forward_only: bool) -
     data = iter(microbatches)
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = to_device(next(data_iterator))
         output = model(mb["inputs"], position_ids_for(mb["inputs"]), None)
         return output, loss_for(mb)
 
@@ -301,7 +303,7 @@ def train_on_batch(ddp, optimizer, rollouts, advantages, config: Config, step: i
     last = dist.get_world_size() - 1
     if parallel_state.is_pipeline_last_stage():
         per_seq = _gather_dp(per_seq)
-        loss_total = torch.tensor(losses, dtype=torch.float64)
+        loss_total = torch.tensor(losses, dtype=torch.float64, device=device())
         dist.all_reduce(loss_total, group=parallel_state.get_data_parallel_group())
         if dist.get_rank() == last:
             metrics = [_update_metrics(per_seq, loss_total.tolist(), grad_norms, config)]
@@ -355,7 +357,8 @@ def run(config: Config, output_dir: Path, resume: bool) -> dict:
     from gspo_mcore.optimizer import setup_training
     from gspo_mcore.rollout.engine_control import EngineControl
     from gspo_mcore.run_io import Progress, RunLog, TrainState
-    from gspo_mcore.weight_sync import DistributedWeightSync, check_sync, push_from_disk, save_hf_checkpoint
+    from gspo_mcore.weight_sync import (DistributedWeightSync, TensorWeightSync, check_sync, push_from_disk,
+                                       save_hf_checkpoint)
 
     torch.manual_seed(config.train.seed)
     arch, model = model_from_config(config)
@@ -392,6 +395,9 @@ def run(config: Config, output_dir: Path, resume: bool) -> dict:
                                          master_address=config.weight_sync.master_address,
                                          bucket_bytes=config.weight_sync.bucket_mb << 20, dtype=engine_dtype)
             stack.callback(sync.close)
+        elif config.weight_sync.method == "tensor":
+            sync = TensorWeightSync(model, arch, config.model.spec, control,
+                                    bucket_bytes=config.weight_sync.bucket_mb << 20, dtype=engine_dtype)
 
         def push(version: str):
             if sync is not None:

@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,13 @@ def run_module(args: list[str], nproc: int = 1, timeout: int = 300) -> subproces
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    # Output through files, not pipes: a daemon the job leaves behind (torch_shm_manager, kept
+    # by a server that mapped shared tensors) would hold a pipe open and block the read.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        returncode = subprocess.run(cmd, stdout=out, stderr=err, text=True, timeout=timeout, env=env,
+                                    cwd=REPO).returncode
+        out.seek(0), err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, returncode, out.read(), err.read())
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

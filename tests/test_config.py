@@ -34,6 +34,10 @@ def test_yaml_and_overrides(tmp_path):
         (["train.num_minibatches=0"], "train.num_minibatches: must be >= 1"),
         (["train.oversample=0.5"], "train.oversample: must be >= 1"),
         (["weight_sync.method=nfs"], "weight_sync.method: 'nfs' is not one of"),
+        (["weight_sync.colocate=true", "distributed.device=cuda"], "'distributed' cannot reach colocated servers"),
+        (["weight_sync.method=tensor"], "'tensor' needs weight_sync.colocate"),
+        (["weight_sync.method=tensor", "weight_sync.colocate=true", "distributed.expert_tensor_parallel=2"],
+         "'tensor' needs distributed.expert_tensor_parallel 1"),
     ],
 )
 def test_bad_values_name_the_field(overrides, message):

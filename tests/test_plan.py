@@ -57,11 +57,11 @@ def test_one_node_30b_needs_the_offload_and_two_nodes_do_not():
      "8 trainer GPUs are not divisible by tensor_parallel x pipeline_parallel = 16"),
     (["train.rollout_batch_size=2", "train.group_size=8", "rollout.num_servers=4"], 2,
      "16 sequences cannot give each of 4 minibatches one per data-parallel rank"),
-    (["weight_sync.colocate=false", "rollout.num_servers=2", "rollout.engine_tp=4"], 1,
+    (["weight_sync.colocate=false", "weight_sync.method=distributed", "rollout.num_servers=2", "rollout.engine_tp=4"], 1,
      "servers x engine_tp 4 = 8 GPUs leave none of the 8 for training"),
     (["rollout.engine_tp=16"], 1, "rollout.engine_tp 16 exceeds the 8 GPUs of a node"),
     (["rollout.num_servers=1"], 1, "weight_sync.colocate: 1 servers x rollout.engine_tp 4 must cover the 8 GPUs"),
-    (["rollout.engine_tp=3", "rollout.num_servers=1", "weight_sync.colocate=false"], 1,
+    (["rollout.engine_tp=3", "rollout.num_servers=1", "weight_sync.colocate=false", "weight_sync.method=distributed"], 1,
      "rollout.engine_tp 3 does not split num_key_value_heads 4"),
 ])
 def test_impossible_layouts_name_the_field(overrides, nodes, message):
@@ -72,7 +72,7 @@ def test_impossible_layouts_name_the_field(overrides, nodes, message):
 
 def test_split_mode_reports_sglang_kv_capacity():
     cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo_2node.yaml",
-                      ["weight_sync.colocate=false", "rollout.num_servers=2", "rollout.engine_tp=4",
+                      ["weight_sync.colocate=false", "weight_sync.method=distributed", "rollout.num_servers=2", "rollout.engine_tp=4",
                        "distributed.expert_parallel=4", "optimizer.cpu_offload=true"])
     result = plan(cfg, load_hf_config(HF_30B), 2, 8, 80.0, 512)
     assert (result["trainer_gpus"], result["rollout_gpus"]) == (8, 8)

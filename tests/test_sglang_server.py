@@ -105,7 +105,7 @@ def test_weight_sync_distributed_twice_with_check(sglang_server, tmp_path):
     server, _ = sglang_server
     sources = [make_tiny_checkpoint(tmp_path / f"trainer-{seed}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
                for seed in (21, 22)]
-    proc = run_module(["tests/workers/sync_distributed.py", server.url, *map(str, sources),
+    proc = run_module(["tests/workers/sync_push.py", "distributed", server.url, *map(str, sources),
                        "distributed.expert_parallel=2"], nproc=2, timeout=600)
     pushes = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [p["version"] for p in pushes] == ["step-1", "step-2"]
@@ -115,6 +115,34 @@ def test_weight_sync_distributed_twice_with_check(sglang_server, tmp_path):
     assert "differ from the trainer's" in pushes[1]["stale"]
     assert last_json_line(proc.stdout)["version"] == "step-2"
     assert_close_logprobs(_engine_vs_forward(server.url, sources[1], "step-2"))
+
+
+def test_weight_sync_tensor_colocated_two_servers(sglang_server, tmp_path):
+    """The colocated path: two servers (TP 1 each) stand for the GPUs of trainer ranks 0 and 1
+    (EP=2 and TP=2 + SP: experts from both ranks, dense tensors gathered over TP); each rank's
+    full copy of every bucket goes to "its" server through shared memory (CUDA IPC on GPUs).
+    Both servers then generate with the new weights, and the check passes."""
+    from conftest import last_json_line, run_module
+
+    server, served = sglang_server
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    second = ManagedServer(sglang_command(str(served), port, extra_args=("--disable-radix-cache",)),
+                           f"http://127.0.0.1:{port}", tmp_path / "sglang-2.log", env=server_env(), startup_timeout_s=300)
+    sources = [make_tiny_checkpoint(tmp_path / f"trainer-{seed}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
+               for seed in (31, 32)]
+    with second:
+        proc = run_module(["tests/workers/sync_push.py", "tensor", f"{server.url},{second.url}", *map(str, sources),
+                           "distributed.expert_parallel=2", "distributed.tensor_parallel=2"], nproc=2, timeout=600)
+        pushes = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert [p["version"] for p in pushes] == ["step-1", "step-2"]
+        for push in pushes:
+            assert push["sync_check_median"] < 0.03 and push["bytes_sent_rank0"] > 0, push
+        assert "differ from the trainer's" in pushes[1]["stale"]
+        assert last_json_line(proc.stdout)["version"] == "step-2"
+        for url in (server.url, second.url):  # each server loaded its own rank's copies
+            assert_close_logprobs(_engine_vs_forward(url, sources[1], "step-2"))
 
 
 def test_real_server_killed_mid_batch_and_restarted_then_gone(tmp_path):

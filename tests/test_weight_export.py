@@ -46,3 +46,25 @@ def test_save_hf_checkpoint_from_sharded_model(tiny_hf_dir, layout_output, layou
     assert all(torch.equal(exported[n], original[n]) for n in original.keys())
     assert (out / "config.json").read_text() == (tiny_hf_dir / "config.json").read_text()
     assert not list(out.parent.glob("*.tmp-*"))
+
+
+def test_colocated_servers_read_from_the_trainer_rank_on_their_gpu():
+    """The tensor method's map (server TP rank -> trainer rank on the same GPU), whatever order
+    the rendezvous gave the trainer ranks, and one-line errors for layouts it cannot serve."""
+    from gspo_mcore.rollout.engine_control import WeightSyncError
+    from gspo_mcore.weight_sync import colocated_readers
+
+    # Two 8-GPU hosts; the rendezvous numbered node-b's ranks first.
+    ranks = [({"node-b"}, gpu) for gpu in range(8)] + [({"node-a", "10.0.0.1"}, gpu) for gpu in range(8)]
+    urls = ["http://node-a:30000", "http://node-a:30001", "http://node-b:30000", "http://node-b:30001"]
+    assert colocated_readers(urls, [4] * 4, ranks) == [[8, 9, 10, 11], [12, 13, 14, 15], [0, 1, 2, 3], [4, 5, 6, 7]]
+    # By address as well as by name; on one host the loopback address is that host.
+    assert colocated_readers(["http://10.0.0.1:1", "http://10.0.0.1:2"], [4, 4], ranks[8:]) == [[0, 1, 2, 3],
+                                                                                                [4, 5, 6, 7]]
+    assert colocated_readers(["http://127.0.0.1:1"], [8], ranks[8:]) == [list(range(8))]
+    with pytest.raises(WeightSyncError, match="no trainer rank has LOCAL_RANK 8 there"):
+        colocated_readers(["http://node-a:1", "http://node-a:2", "http://node-a:3"], [4, 4, 4], ranks[8:])
+    with pytest.raises(WeightSyncError, match="loopback address but the trainer spans 2 hosts"):
+        colocated_readers(["http://127.0.0.1:1"], [8], ranks)
+    with pytest.raises(WeightSyncError, match="do not cover the 8 trainer ranks"):
+        colocated_readers(["http://node-a:1"], [4], ranks[8:])

@@ -34,7 +34,8 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        where = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=where))
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ def export_hf_weights(model, arch: Qwen3MoeArch, spec: str) -> Iterator[tuple[st
         yield from zip(rule.hf, split(rule, arch, full))
 
 
-def _owns(hf_name: str) -> bool:
+def owns(hf_name: str) -> bool:
     """One canonical holder of each tensor among its replicas: TP rank 0 and DP rank 0
     (expert-TP / expert-DP rank 0 for experts)."""
     if _is_expert(hf_name):
@@ -115,7 +115,7 @@ def owned_hf_weights(model, arch: Qwen3MoeArch, spec: str) -> Iterator[tuple[str
     job: together the ranks give every Hugging Face tensor once (weight sync, HF export).
     Collective like `export_hf_weights`: every rank must iterate it."""
     for name, tensor in export_hf_weights(model, arch, spec):
-        if _owns(name):
+        if owns(name):
             yield name, tensor
 
 
@@ -126,5 +126,5 @@ def owned_hf_plan(model, arch: Qwen3MoeArch, spec: str) -> list[tuple[str, torch
     for param, rule, _ in _named_rules(model, arch, spec):
         if arch.tie_word_embeddings and rule.mcore == "output_layer.weight":
             continue
-        plan += [(name, param.dtype, hf_shape(arch, name)) for name in rule.hf if _owns(name)]
+        plan += [(name, param.dtype, hf_shape(arch, name)) for name in rule.hf if owns(name)]
     return plan

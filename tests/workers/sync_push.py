@@ -1,6 +1,7 @@
-"""Push trainer weights into a running SGLang server over process groups (gloo), twice, and
-check each push with check_sync; also check that a stale engine is caught.
-argv: URL HF_DIR_1 HF_DIR_2 [overrides]. Prints one JSON line per push."""
+"""Push trainer weights into running SGLang servers, twice, and check each push with
+check_sync; also check that a stale engine is caught. METHOD: distributed (process groups,
+gloo) or tensor (the colocated path: each rank's copy through shared memory).
+argv: METHOD URL[,URL...] HF_DIR_1 HF_DIR_2 [overrides]. Prints one JSON line per push."""
 
 import json
 import sys
@@ -13,18 +14,21 @@ from gspo_mcore.config import load_config
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
 from gspo_mcore.rollout.engine_control import EngineControl, WeightSyncError
-from gspo_mcore.weight_sync import DistributedWeightSync, check_sync
+from gspo_mcore.weight_sync import DistributedWeightSync, TensorWeightSync, check_sync
 
 PROBES = [[1, 5, 9, 33, 7, 2, 90, 14], [200, 3, 4, 5, 6, 7, 8], [42, 42, 17, 250, 31]]
 
 
-def main(url: str, first: str, second: str, overrides: list[str]) -> None:
+def main(method: str, urls: str, first: str, second: str, overrides: list[str]) -> None:
     config = load_config(None, [f"model.hf_dir={first}", *overrides])
     arch, model = model_from_config(config)
-    control = EngineControl([url])
+    control = EngineControl(urls.split(","))
     # 64 KiB buckets: many buckets per push, and tensors larger than a bucket.
-    sync = DistributedWeightSync(model, arch, config.model.spec, control, backend="gloo",
-                                 master_address="127.0.0.1", bucket_bytes=64 << 10, dtype=torch.bfloat16, group_timeout_s=120)
+    if method == "distributed":
+        sync = DistributedWeightSync(model, arch, config.model.spec, control, backend="gloo", master_address="127.0.0.1",
+                                     bucket_bytes=64 << 10, dtype=torch.bfloat16, group_timeout_s=120)
+    else:
+        sync = TensorWeightSync(model, arch, config.model.spec, control, bucket_bytes=64 << 10, dtype=torch.bfloat16)
     for version, hf_dir in (("step-1", first), ("step-2", second)):
         load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(hf_dir).__getitem__)
         if version == "step-2":  # the engine still has step-1's weights: the check must see it
@@ -38,9 +42,10 @@ def main(url: str, first: str, second: str, overrides: list[str]) -> None:
         if dist.get_rank() == 0:
             print(json.dumps({"version": version, "bytes_sent_rank0": sent, **stats,
                               **({"stale": stale} if version == "step-2" else {})}), flush=True)
-    sync.close()
+    if method == "distributed":
+        sync.close()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])

@@ -134,7 +134,8 @@ def test_single_node_script_end_to_end_on_cpu(tmp_path):
 def test_multi_node_script_colocated_on_one_cpu_node(tmp_path):
     """launch/node.sh as the multi-node template runs it, with a one-node allocation and a
     colocated config: the node serves SGLang and trains (torchrun's c10d rendezvous at
-    MASTER_ADDR:MASTER_PORT), the weight-sync groups use the node's own address (auto)."""
+    MASTER_ADDR:MASTER_PORT), and the weights go to the server on the trainer's own "GPU"
+    (method tensor, the colocated configs' path; shared memory on CPU)."""
     from gspo_mcore.toy_task import make_toy_task
 
     toy = make_toy_task(tmp_path / "toy", seed=0)
@@ -144,7 +145,7 @@ def test_multi_node_script_colocated_on_one_cpu_node(tmp_path):
            "MASTER_PORT": str(_free_port()), "GSPO_BASE_PORT": str(_free_port()), "GSPO_SERVER_TIMEOUT": "300",
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
-                           f"data.path={toy}/prompts.jsonl", "weight_sync.colocate=true", "train.steps=1",
+                           f"data.path={toy}/prompts.jsonl", "weight_sync.colocate=true", "weight_sync.method=tensor", "train.steps=1",
                            "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=1"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -50,16 +50,33 @@ def checkpoint_key(rule: Rule) -> tuple[str, int | None]:
     return rule.mcore, None
 
 
-def extra_state_keys(arch: Qwen3MoeArch, layer: int) -> list[str]:
-    """Megatron saves each linear module's `_extra_state` (None unless FP8) as an object."""
+def extra_state_keys(arch: Qwen3MoeArch, layer: int | None) -> list[str]:
+    """Megatron saves each linear module's `_extra_state` (None unless FP8) as an object;
+    layer None: the non-layer group's. Plus `te_norm_extra_state_keys`."""
+    if layer is None:
+        return te_norm_extra_state_keys(arch, None)
     prefix = f"decoder.layers.{layer}."
     keys = [f"{prefix}self_attention.linear_proj._extra_state/shard_0_1",
             f"{prefix}self_attention.linear_qkv._extra_state/shard_0_1"]
     if not arch.moe_layers[layer]:
-        return keys + [f"{prefix}mlp.linear_fc1._extra_state/shard_0_1", f"{prefix}mlp.linear_fc2._extra_state/shard_0_1"]
-    n = arch.num_experts
-    return keys + [f"{prefix}mlp.experts.experts.linear_{fc}._extra_state/shard_{e}_{n}"
-                   for fc in ("fc1", "fc2") for e in range(n)]
+        keys += [f"{prefix}mlp.linear_fc1._extra_state/shard_0_1", f"{prefix}mlp.linear_fc2._extra_state/shard_0_1"]
+    else:
+        n = arch.num_experts
+        keys += [f"{prefix}mlp.experts.experts.linear_{fc}._extra_state/shard_{e}_{n}"
+                 for fc in ("fc1", "fc2") for e in range(n)]
+    return keys + te_norm_extra_state_keys(arch, layer)
+
+
+def te_norm_extra_state_keys(arch: Qwen3MoeArch, layer: int | None) -> list[str]:
+    """The Transformer Engine spec's standalone norms (TENorm: te.pytorch.RMSNorm, which has an
+    `_extra_state`) that the local spec's RMSNorm lacks: the final norm, the q/k norms and an
+    MoE layer's pre-MLP norm (the other norms are fused into the next linear, whose extra
+    state is above). A te-spec model asks for them on load; the local one ignores them."""
+    if layer is None:
+        return ["decoder.final_layernorm._extra_state/shard_0_1"]
+    prefix = f"decoder.layers.{layer}."
+    keys = [f"{prefix}self_attention.{qk}_layernorm._extra_state/shard_0_1" for qk in ("q", "k")]
+    return keys + ([f"{prefix}pre_mlp_layernorm._extra_state/shard_0_1"] if arch.moe_layers[layer] else [])
 
 
 def groups(arch: Qwen3MoeArch) -> list[tuple[int | None, list[Rule]]]:
@@ -145,7 +162,7 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
                     writer.write_tensor(key, (arch.num_experts, *fused.shape), (expert, 0, 0), fused.unsqueeze(0))
                 progress.update(len(rule.hf), sum(sizes[name] for name in rule.hf))
                 reader.release()  # unmap what was read: mapped pages count toward RSS
-            for key in extra_state_keys(arch, layer) if layer is not None else ():
+            for key in extra_state_keys(arch, layer):
                 writer.write_object(key, None)
         writer.finish({"checkpoint_version": 3.0, "iteration": 0})
         (tmp / TRACKER).write_text(RELEASE)

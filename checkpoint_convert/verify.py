@@ -6,11 +6,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
 
 from checkpoint_convert.dcp_io import DCPReader
 from checkpoint_convert.safetensors_io import HFCheckpointReader
 from gspo_mcore.checkpointing import checkpoint_dir, load_model_weights
 from gspo_mcore.config import DistributedConfig, ModelConfig
+from gspo_mcore.errors import InputError
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 
 TOLERANCE = 1e-4  # max |logit difference|; both sides run float32 on identical weights
@@ -23,6 +25,8 @@ def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
     from gspo_mcore.parallel import init_distributed
     from gspo_mcore.parity import compare, hf_logits, megatron_logits, sample_tokens
 
+    if torch.cuda.is_available():
+        raise InputError("verify runs on the CPU (the local spec, float32): start it with CUDA_VISIBLE_DEVICES=''")
     hf_dir = Path(hf_dir)
     arch = load_hf_config(hf_dir)
     ckpt = checkpoint_dir(mcore_dir)

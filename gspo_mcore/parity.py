@@ -101,7 +101,7 @@ def run(config: Config, tokens: torch.Tensor, mcore_dir: str | None = None) -> d
     exported, identical = set(), True
     for name, tensor in export_hf_weights(model, arch, config.model.spec):
         exported.add(name)
-        identical &= torch.equal(tensor, reader[name])
+        identical &= torch.equal(tensor.cpu(), reader[name])
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (figures, exported, identical))
     figures = next(f for f, _, _ in gathered if f is not None)  # from a last pipeline stage

@@ -121,10 +121,14 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
     """The loaded Adam step count (bias correction) per chained optimizer. Measured with
     megatron-core 0.16.1 (no Apex/TE, dp_reshardable): after load_state_dict the per-parameter
     `step` was the placeholder's, not the checkpoint's; the resume test compares re-saved
-    checkpoints bitwise, so this is checked."""
+    checkpoints bitwise, so this is checked. Only torch's Adam keeps `step` per parameter:
+    Transformer Engine's / Apex's FusedAdam keep it in the param groups (and refuse a state
+    key they do not know), the host-offload optimizer restores its own."""
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     parts = [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]
     for opt, part in zip(chained, parts):
+        if not isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
         steps = {g.get("step") for g in part["optimizer"]["param_groups"]} - {None}
         if len(steps) == 1:
             step = torch.tensor(float(steps.pop()))

@@ -256,8 +256,9 @@ def recompute_logprobs(ddp, rollouts, advantages, config: Config) -> None:
     found = []
     if parallel_state.is_pipeline_last_stage():
         for out in outputs:
+            logprobs, mask = out["logprobs"].cpu(), out["mask"].cpu().bool()  # one copy, not one per row
             for row, i in enumerate(out["index"].tolist()):
-                found.append((i, out["logprobs"][row][out["mask"][row].bool()].tolist()))
+                found.append((i, logprobs[row][mask[row]].tolist()))
     # Every stage needs them (the loss runs on the last stage, but keep ranks consistent);
     # only the last stage found any, the broadcast below hands them to the others.
     last = [_gather_dp(found)]

@@ -15,5 +15,6 @@ hf=$1 out=$2
 py=${GSPO_PYTHON:-python}
 "$py" -m checkpoint_convert hf-to-mcore --hf-dir "$hf" --output-dir "$out" --dtype bf16 --spec te
 if [[ ${GSPO_SKIP_VERIFY:-0} != 1 ]]; then
-    "$py" -m checkpoint_convert verify --hf-dir "$hf" --mcore-dir "$out"
+    # verify compares logits with transformers on the CPU (local spec): keep it off the GPUs.
+    CUDA_VISIBLE_DEVICES="" "$py" -m checkpoint_convert verify --hf-dir "$hf" --mcore-dir "$out"
 fi

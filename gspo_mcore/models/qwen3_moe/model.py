@@ -113,6 +113,12 @@ def build_model(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig)
         rotary_base=arch.rope_theta,
         parallel_output=True,
     )
+    if model.spec == "te":
+        # TEGroupedLinear hides expert-TP from Transformer Engine (parallel_mode None), which
+        # then marks every weight partition_dim 0; fc2 is row-parallel: split on its input.
+        for name, param in gpt.named_parameters():
+            if ".mlp.experts.linear_fc2.weight" in name:
+                param.partition_dim = 1
     if dist.expert_parallel == 1 and dist.expert_tensor_parallel != dist.tensor_parallel:
         # Megatron marks expert weights `allreduce=False` (-> reduced over the expert-data-
         # parallel group) only when EP > 1. With EP = 1 and ETP < TP, each TP rank runs its

@@ -235,9 +235,8 @@ class TensorWeightSync:
     a host runs its TP rank k on that host's GPU i * tp + k (as the colocated launch places
     them) and reads each bucket from the copy of the trainer rank with that LOCAL_RANK on that
     host (`/update_weights_from_tensor`, SGLang's flattened bucket; CUDA IPC on GPUs, shared
-    memory files on CPU). NCCL cannot do this: a
-    communicator refuses two ranks on one GPU. Every trainer rank needs every bucket, so
-    each is first broadcast from its owner. Each round every rank takes one bucket of its
+    memory files on CPU). NCCL cannot do this: a communicator refuses two ranks on one GPU.
+    Every trainer rank needs every bucket, so each is first broadcast from its owner. Each round every rank takes one bucket of its
     full export stream (`export_hf_weights`) and keeps what it owns: the ranks of a TP group
     hold tensors of the same shapes in the same order, so their buckets end at the same
     tensor and the TP gathers inside stay in step (expert-TP 1: experts need no gather).

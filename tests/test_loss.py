@@ -110,6 +110,24 @@ def test_paper_defaults_and_metrics():
     assert metrics["ratio_above_band"] + metrics["ratio_below_band"] <= 1
 
 
+def test_sequence_metrics_count_only_sequences_with_tokens():
+    """Empty responses (a zero mask row) do not count in the per-sequence figures; a batch of
+    only empty responses reads ratio 1 and fractions 0."""
+    logp, old, adv, mask = make_batch(seed=7)
+    mask[1] = 0
+    mask[3] = 0
+    _, metrics = policy_loss(logp, old, adv, mask)
+    kept = mask.sum(-1) > 0
+    ratios = torch.exp(((logp - old) * mask).sum(-1)[kept] / mask.sum(-1)[kept])
+    assert abs(metrics["ratio_mean"].item() - ratios.mean().item()) < 1e-12
+    assert metrics["ratio_min"].item() == ratios.min().item() and metrics["ratio_max"].item() == ratios.max().item()
+    assert abs(metrics["ratio_above_band"].item() - (ratios > 1 + 4e-4).double().mean().item()) < 1e-12
+    assert abs(metrics["abs_log_ratio_mean"].item() - ratios.log().abs().mean().item()) < 1e-12
+    _, empty = policy_loss(logp, old, adv, torch.zeros_like(mask))
+    assert empty["ratio_mean"] == empty["ratio_min"] == empty["ratio_max"] == 1.0
+    assert empty["abs_log_ratio_mean"] == empty["clip_fraction_sequences"] == empty["ratio_below_band"] == 0
+
+
 def test_on_policy_ratio_is_one_and_nothing_is_clipped():
     logp, _, adv, mask = make_batch(seed=6)
     loss, metrics = policy_loss(logp, logp.detach(), adv, mask)

@@ -169,10 +169,15 @@ def test_real_server_killed_mid_batch_and_restarted_then_gone(tmp_path):
     # Backoff 1, 2, 4, ..., 64 s: long enough for a restart (about 25 s here).
     client = SGLangClient([url], 256, max_attempts=8, backoff_s=1.0, request_timeout_s=120)
     result = {}
+    # ignore_eos: every response is 128 tokens long, so the batch outlives its first prefill.
     worker = threading.Thread(target=lambda: result.update(
-        rollouts=client.generate(prompts, {"max_new_tokens": 48, "temperature": 1.0})))
+        rollouts=client.generate(prompts, {"max_new_tokens": 128, "temperature": 1.0, "ignore_eos": True})))
+    log = tmp_path / "sglang.log"
+    served_before = log.read_text().count("Prefill batch")
     worker.start()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 60
+    while log.read_text().count("Prefill batch") == served_before and time.monotonic() < deadline:
+        time.sleep(0.05)  # kill once the server is working on the batch
     assert worker.is_alive(), "the batch finished before the kill: make it longer"
     first.stop(grace_s=0)
     second = server()

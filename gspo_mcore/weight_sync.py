@@ -18,6 +18,7 @@ import os
 import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -89,6 +90,21 @@ def push_from_disk(control: EngineControl, hf_dir, weight_version: str) -> None:
 def _flatten(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """SGLang's "flattened_bucket" layout: the tensors' bytes, concatenated in order."""
     return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+
+
+@contextmanager
+def update_session(control: EngineControl, weight_version: str):
+    """SGLang's weight-update session around a push by all trainer ranks (collective): rank 0
+    opens it once every rank is ready and closes it, tagging `weight_version`, once every rank
+    has sent."""
+    if dist.get_rank() == 0:
+        control.begin_update()
+    dist.barrier()
+    yield
+    dist.barrier()
+    if dist.get_rank() == 0:
+        control.end_update(weight_version)
+    dist.barrier()
 
 
 class DistributedWeightSync:
@@ -168,18 +184,12 @@ class DistributedWeightSync:
         Returns the bytes this rank sent (per server)."""
         from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_weights
 
-        if dist.get_rank() == 0:
-            self.control.begin_update()
-        dist.barrier()
         sent = 0
-        # Every rank iterates: the export gathers TP shards collectively.
-        for bucket in bucketed(owned_hf_weights(self.model, self.arch, self.spec), self.bucket_bytes, self.dtype):
-            self._send(bucket)
-            sent += sum(t.numel() for _, t in bucket) * self.dtype.itemsize
-        dist.barrier()
-        if dist.get_rank() == 0:
-            self.control.end_update(weight_version)
-        dist.barrier()
+        with update_session(self.control, weight_version):
+            # Every rank iterates: the export gathers TP shards collectively.
+            for bucket in bucketed(owned_hf_weights(self.model, self.arch, self.spec), self.bucket_bytes, self.dtype):
+                self._send(bucket)
+                sent += sum(t.numel() for _, t in bucket) * self.dtype.itemsize
         return sent
 
 
@@ -272,47 +282,42 @@ class TensorWeightSync:
                 "flush_cache": False})
         dist.barrier()  # every server has loaded it: the buffers may go
 
+    def _share(self, src: int, layout: list[tuple[str, tuple[int, ...]]], bucket: list) -> int:
+        """Rank `src`'s bucket (names and shapes `layout`; the tensors `bucket` on `src`) on every
+        rank, then loaded by every server. Returns the bytes this rank contributed."""
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        from gspo_mcore.parallel import device
+
+        metadata, start = [], 0
+        for name, shape in layout:
+            size = math.prod(shape) * self.dtype.itemsize
+            metadata.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=self.dtype,
+                                                    start_idx=start, end_idx=start + size, numel=size))
+            start += size
+        mine = dist.get_rank() == src
+        flat = _flatten(bucket) if mine else torch.empty(start, dtype=torch.uint8, device=device())
+        dist.broadcast(flat, src=src)
+        self._load_everywhere(flat, metadata)
+        return start if mine else 0
+
     def push(self, weight_version: str) -> int:
         """Send every weight; afterwards the servers generate with them, tagged `weight_version`.
         Returns the bytes this rank owned."""
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
         from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owns
-        from gspo_mcore.parallel import device
 
-        if dist.get_rank() == 0:
-            self.control.begin_update()
-        dist.barrier()
-        stream = bucketed(export_hf_weights(self.model, self.arch, self.spec), self.bucket_bytes, self.dtype)
         sent, exhausted = 0, False
-        while True:
-            taken = next(stream, None)
-            exhausted |= taken is None
-            bucket = [(name, t.to(self.dtype)) for name, t in taken or [] if owns(name)]
-            rounds = [None] * dist.get_world_size()
-            dist.all_gather_object(rounds, (exhausted, [(name, tuple(t.shape)) for name, t in bucket]))
-            if all(done for done, _ in rounds):
-                break
-            for src, (_, layout) in enumerate(rounds):
-                if not layout:
-                    continue
-                metadata, start = [], 0
-                for name, shape in layout:
-                    size = math.prod(shape) * self.dtype.itemsize
-                    metadata.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=self.dtype,
-                                                            start_idx=start, end_idx=start + size, numel=size))
-                    start += size
-                if dist.get_rank() == src:
-                    flat = _flatten(bucket)
-                    sent += flat.numel()
-                else:
-                    flat = torch.empty(start, dtype=torch.uint8, device=device())
-                dist.broadcast(flat, src=src)
-                self._load_everywhere(flat, metadata)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            self.control.end_update(weight_version)
-        dist.barrier()
+        with update_session(self.control, weight_version):
+            stream = bucketed(export_hf_weights(self.model, self.arch, self.spec), self.bucket_bytes, self.dtype)
+            while True:
+                taken = next(stream, None)
+                exhausted |= taken is None
+                bucket = [(name, t.to(self.dtype)) for name, t in taken or [] if owns(name)]
+                rounds = [None] * dist.get_world_size()
+                dist.all_gather_object(rounds, (exhausted, [(name, tuple(t.shape)) for name, t in bucket]))
+                if all(done for done, _ in rounds):
+                    break
+                sent += sum(self._share(src, layout, bucket) for src, (_, layout) in enumerate(rounds) if layout)
         return sent
 
 

@@ -5,7 +5,6 @@ single-node script end to end with the CPU config (a real SGLang server + the tr
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from gspo_mcore.parallel import free_port
 
 SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
 TEMPLATES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
@@ -62,12 +62,6 @@ def test_render_names_a_missing_or_unknown_value():
     assert proc.returncode == 2 and "NODES_PER_JOB: not a field of this template" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _bash(script: str, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", f"set -euo pipefail; source launch/lib.sh; {script}"], capture_output=True,
                           text=True, cwd=REPO, timeout=timeout)
@@ -75,7 +69,7 @@ def _bash(script: str, timeout=60) -> subprocess.CompletedProcess:
 
 def test_wait_for_a_local_server_then_teardown_leaves_no_process(tmp_path):
     (tmp_path / "health").write_text("ok")
-    port = _free_port()
+    port = free_port()
     pid_file = tmp_path / "pid"
     proc = _bash(f"trap gspo_teardown EXIT; gspo_start {tmp_path}/server.log {sys.executable} -m http.server {port} "
                  f"--bind 127.0.0.1 --directory {tmp_path}; echo ${{GSPO_PIDS[0]}} > {pid_file}; "
@@ -89,7 +83,7 @@ def test_wait_for_a_local_server_then_teardown_leaves_no_process(tmp_path):
 
 
 def test_wait_fails_in_bounded_time_and_on_an_early_exit(tmp_path):
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     proc = _bash(f"gspo_wait_healthy http://127.0.0.1:{port} 2")
     assert proc.returncode == 1 and f"error: server http://127.0.0.1:{port} not healthy after 2s" in proc.stderr
@@ -101,7 +95,7 @@ def test_wait_fails_in_bounded_time_and_on_an_early_exit(tmp_path):
 
 def test_failure_mid_run_tears_down_the_started_servers(tmp_path):
     (tmp_path / "health").write_text("ok")
-    port = _free_port()
+    port = free_port()
     proc = _bash(f"trap gspo_teardown EXIT; gspo_start {tmp_path}/s.log {sys.executable} -m http.server {port} "
                  f"--bind 127.0.0.1 --directory {tmp_path}; echo ${{GSPO_PIDS[0]}} > {tmp_path}/pid; "
                  f"gspo_wait_healthy http://127.0.0.1:{port} 30; false")
@@ -118,7 +112,7 @@ def test_single_node_script_end_to_end_on_cpu(tmp_path):
 
     toy = make_toy_task(tmp_path / "toy", seed=0)
     out = tmp_path / "run"
-    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "2", "GSPO_BASE_PORT": str(_free_port()),
+    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "2", "GSPO_BASE_PORT": str(free_port()),
            "GSPO_SERVER_TIMEOUT": "300", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(["launch/train_8xh100.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
                            f"data.path={toy}/prompts.jsonl", "train.steps=2", "train.save_every=0",
@@ -142,7 +136,7 @@ def test_multi_node_script_colocated_on_one_cpu_node(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1",
            "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "GSPO_BASE_PORT": str(_free_port()), "GSPO_SERVER_TIMEOUT": "300",
+           "MASTER_PORT": str(free_port()), "GSPO_BASE_PORT": str(free_port()), "GSPO_SERVER_TIMEOUT": "300",
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
                            f"data.path={toy}/prompts.jsonl", "weight_sync.colocate=true", "weight_sync.method=tensor", "train.steps=1",

@@ -2,7 +2,6 @@
 (tests/fixtures/fake_engine.py) that can fail, die mid-batch and come back."""
 
 import json
-import socket
 import sys
 import threading
 import time
@@ -11,18 +10,13 @@ import pytest
 
 from conftest import REPO
 from gspo_mcore.errors import InputError
+from gspo_mcore.parallel import free_port
 from gspo_mcore.rollout.client import SGLangClient, check_sampling_params
 from gspo_mcore.rollout.response import RolloutError
 from gspo_mcore.rollout.server import ManagedServer, sglang_command
 
 PARAMS = {"max_new_tokens": 4, "temperature": 1.0}
 PROMPTS = [[i, i + 1, 3] for i in range(12)]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_server(tmp_path, port, *flags):

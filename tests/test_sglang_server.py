@@ -2,12 +2,12 @@
 log-probs of what it generated are those of a forward pass of the same weights."""
 
 import json
-import socket
 
 import pytest
 import torch
 
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+from gspo_mcore.parallel import free_port
 from gspo_mcore.rollout.client import SGLangClient
 from gspo_mcore.rollout.server import ManagedServer, sglang_command
 from gspo_mcore.rollout.sglang_cpu import server_env
@@ -32,9 +32,7 @@ def sglang_server(tmp_path_factory):
     # The radix (prefix) cache is off: with it, log-probs of cached prompts moved by up to
     # 0.17 at temperature 0.7 in bf16 (measured), beyond the tolerance below.
     hf_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("served"), seed=0, dtype=torch.bfloat16, mlp_only_layers=[])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = ManagedServer(sglang_command(str(hf_dir), port, extra_args=("--disable-radix-cache",)), f"http://127.0.0.1:{port}",
                            tmp_path_factory.mktemp("logs") / "sglang.log", env=server_env(), startup_timeout_s=300)
     with server:
@@ -125,9 +123,7 @@ def test_weight_sync_tensor_colocated_two_servers(sglang_server, tmp_path):
     from conftest import last_json_line, run_module
 
     server, served = sglang_server
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     second = ManagedServer(sglang_command(str(served), port, extra_args=("--disable-radix-cache",)),
                            f"http://127.0.0.1:{port}", tmp_path / "sglang-2.log", env=server_env(), startup_timeout_s=300)
     sources = [make_tiny_checkpoint(tmp_path / f"trainer-{seed}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
@@ -155,9 +151,7 @@ def test_real_server_killed_mid_batch_and_restarted_then_gone(tmp_path):
     from gspo_mcore.rollout.response import RolloutError
 
     hf_dir = make_tiny_checkpoint(tmp_path / "model", seed=3, dtype=torch.bfloat16, mlp_only_layers=[])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
 
     def server():

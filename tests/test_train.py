@@ -37,14 +37,11 @@ def _metrics(out) -> list[dict]:
 def server(toy, tmp_path_factory):
     """One engine for the runs below (the default run starts its own): each run pushes its
     initial weights first, so a previous run's weights do not leak in."""
-    import socket
-
+    from gspo_mcore.parallel import free_port
     from gspo_mcore.rollout.server import ManagedServer, sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
                          extra_args=("--disable-radix-cache",))
     with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",

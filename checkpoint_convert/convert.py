@@ -8,9 +8,7 @@ renamed to OUT only when complete.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import re
 import shutil
 from pathlib import Path
@@ -22,6 +20,7 @@ from checkpoint_convert.progress import Progress
 from checkpoint_convert.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
 from gspo_mcore.checkpointing import RELEASE, TRACKER, checkpoint_dir
 from gspo_mcore.errors import CheckpointError, InputError
+from gspo_mcore.files import atomic_output
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
 from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
     COPY,
@@ -95,23 +94,15 @@ def fused_shape(arch: Qwen3MoeArch, rule: Rule) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), shapes[0][1])
 
 
-@contextlib.contextmanager
-def atomic_output(out: Path, overwrite: bool):
-    """Yield a temporary sibling of `out`; it becomes `out` only if the block completes."""
+def checked_output(out: Path, overwrite: bool):
+    """`atomic_output(out)` as a directory, after refusing an existing `out` (unless
+    `overwrite`) or a missing parent before anything is written."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"{out}: output directory exists (pass --overwrite to replace it)")
     if not out.parent.is_dir():
         raise InputError(f"{out.parent}: parent directory of the output does not exist")
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return atomic_output(out, directory=True)
 
 
 def check_disk_space(out: Path, needed: int) -> None:
@@ -145,7 +136,7 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
     sizes = {name: math.prod(hf_shape(arch, name)) * (cast or reader.dtype(name)).itemsize for name in names}
     total = sum(sizes.values())
     check_disk_space(output_dir, total)
-    with atomic_output(output_dir, overwrite) as tmp:
+    with checked_output(output_dir, overwrite) as tmp:
         writer = DCPWriter(tmp / RELEASE)
         progress = Progress("hf-to-mcore", len(names), total, quiet)
         for layer, rules in groups(arch):
@@ -193,7 +184,7 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
             count += len(rule.hf)
             shard_plan += [(name, dtype, hf_shape(arch, name)) for name in rule.hf]
     check_disk_space(output_dir, total)
-    with atomic_output(output_dir, overwrite) as tmp:
+    with checked_output(output_dir, overwrite) as tmp:
         writer = HFCheckpointWriter(tmp, shard_plan)
         progress = Progress("mcore-to-hf", count, total, quiet)
         for _, rules in plan:

@@ -23,7 +23,8 @@ def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
     from gspo_mcore.models.qwen3_moe.model import build_model
     from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
     from gspo_mcore.parallel import init_distributed
-    from gspo_mcore.parity import compare, hf_logits, megatron_logits, sample_tokens
+    from gspo_mcore.models.qwen3_moe.forward import megatron_logits
+    from gspo_mcore.parity import compare, hf_logits, sample_tokens
 
     if torch.cuda.is_available():
         raise InputError("verify runs on the CPU (the local spec, float32): start it with CUDA_VISIBLE_DEVICES=''")

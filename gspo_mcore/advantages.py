@@ -42,19 +42,24 @@ def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     return std > 0
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
-    """Zero mean, unit variance over the (masked) entries."""
-    selected = values if mask is None else values[mask.bool()]
-    return (values - selected.mean()) / (selected.std(unbiased=False) + eps)
+def all_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Keep every response (no dynamic sampling)."""
+    return torch.ones_like(rewards, dtype=torch.bool)
+
+
+# `train.group_filter`: which responses' groups a step keeps; any `module:function(rewards,
+# group_ids) -> bool mask [N]` too (a group is kept when any of its responses is).
+GROUP_FILTERS = {"informative": informative_groups, "all": all_groups}
+
+
+def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Zero mean, unit variance."""
+    return (values - values.mean()) / (values.std(unbiased=False) + eps)
 
 
 def clip(values: torch.Tensor, bound: float | None) -> torch.Tensor:
     """Symmetric clip to [-bound, bound] (advantage or reward clipping); None: unchanged."""
     return values if bound is None else values.clamp(-bound, bound)
-
-
-def shift_scale(rewards: torch.Tensor, shift: float = 0.0, scale: float = 1.0) -> torch.Tensor:
-    return (rewards + shift) * scale
 
 
 class RunningMoments:

@@ -1,8 +1,15 @@
-"""Megatron-Core distributed checkpoints (torch_dist) of the model: where they are, loading."""
+"""Megatron-Core distributed checkpoints (torch_dist): the model's initial weights, and a run's
+training state (save, resume, retention)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from gspo_mcore.errors import CheckpointError
 
@@ -30,3 +37,140 @@ def load_model_weights(model, path) -> None:
     sharded = model.sharded_state_dict()
     loaded = dist_checkpointing.load(sharded, str(checkpoint_dir(path)))  # also holds common.pt's entries
     model.load_state_dict({key: loaded[key] for key in sharded})
+
+
+class Checkpointer:
+    """A run's checkpoints: every stateful part of training in one place. Megatron distributed
+    checkpoints of the model, the optimizer and each rank's RNG states, with the step and the
+    rollout state (data sampler position, running reward moments), under
+    OUTPUT_DIR/checkpoints/step_NNNNNN. Written to a temporary directory and renamed; `latest`
+    is replaced atomically afterwards, so a kill during a save leaves the previous checkpoint
+    as the one a resume takes. Only the newest `keep` are kept (one 30B-A3B checkpoint with
+    Adam states is ~400 GB): older ones go once a newer one is complete and `latest` names it."""
+
+    def __init__(self, output_dir: Path, ddp, optimizer, keep: int = 0):
+        self.root = Path(output_dir) / "checkpoints"
+        self.ddp, self.optimizer, self.keep = ddp, optimizer, keep
+
+    def _sharded(self, loading: bool) -> dict:
+        ddp, optimizer = self.ddp, self.optimizer
+        model_sd = ddp.module.sharded_state_dict()
+        # dp_reshardable: Megatron-LM's default; megatron-core 0.16.1's own default
+        # (fully_sharded_model_space) fails with "flattened_range is not supported".
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        return {"model": model_sd,
+                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata),
+                "rng_state": _rng_state()}
+
+    def save(self, step: int, rollout_state: dict | None) -> Path:
+        """Collective; `rollout_state` from rank 0's rollout source (None on other ranks)."""
+        from megatron.core import dist_checkpointing
+
+        path = self.root / f"step_{step:06d}"
+        tmp = path.with_name(path.name + ".tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded(loading=False), str(tmp))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "rollout": rollout_state}))
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+            latest = self.root / "latest.tmp"
+            latest.write_text(path.name)
+            os.replace(latest, self.root / "latest")
+            self._prune(path)
+        dist.barrier()
+        return path
+
+    def _prune(self, latest: Path) -> None:
+        if self.keep < 1:
+            return
+        complete = sorted(p for p in self.root.glob("step_*") if p.is_dir() and (p / "trainer_state.json").is_file())
+        for old in complete[: max(0, len(complete) - self.keep)]:
+            if old != latest:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def latest(self) -> Path:
+        pointer = self.root / "latest"
+        if not pointer.is_file():
+            raise CheckpointError(f"{pointer}: no checkpoint to resume from")
+        path = self.root / pointer.read_text().strip()
+        if not (path / "trainer_state.json").is_file():
+            raise CheckpointError(f"{path}: incomplete checkpoint (no trainer_state.json)")
+        return path
+
+    def load(self) -> tuple[int, dict | None]:
+        """(step, rollout state) of the latest checkpoint, the model, optimizer and RNG restored. Collective."""
+        ddp, optimizer = self.ddp, self.optimizer
+        from megatron.core import dist_checkpointing
+
+        path = self.latest()
+        _init_optimizer_states(optimizer)
+        sharded = self._sharded(loading=True)
+        loaded = dist_checkpointing.load(sharded, str(path))
+        ddp.module.load_state_dict(loaded["model"])
+        _set_rng_state(loaded["rng_state"])
+        with torch.no_grad():  # float32 main params are views of the model's leaf parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer, loaded["optimizer"])
+        state = json.loads((path / "trainer_state.json").read_text())
+        return state["step"], state.get("rollout")
+
+
+def _rng_state():
+    """This rank's random states (torch, CUDA, Megatron's model-parallel tracker), one
+    entry per rank as Megatron-LM saves them."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _init_optimizer_states(optimizer) -> None:
+    """Give a fresh optimizer its per-parameter states (one step on zero gradients; the load
+    then overwrites them). Without them megatron-core 0.16.1's distributed optimizer cannot
+    describe its checkpoint when neither Apex nor Transformer Engine is installed
+    (`assert len(steps) == 1` on an empty state)."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        if inner.state:
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        inner.step()
+        inner.zero_grad()
+
+
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """The loaded Adam step count (bias correction) per chained optimizer. Measured with
+    megatron-core 0.16.1 (no Apex/TE, dp_reshardable): after load_state_dict the per-parameter
+    `step` was the placeholder's, not the checkpoint's; the resume test compares re-saved
+    checkpoints bitwise, so this is checked. Only torch's Adam keeps `step` per parameter:
+    Transformer Engine's / Apex's FusedAdam keep it in the param groups (and refuse a state
+    key they do not know), the host-offload optimizer restores its own."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]
+    for opt, part in zip(chained, parts):
+        if not isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        steps = {g.get("step") for g in part["optimizer"]["param_groups"]} - {None}
+        if len(steps) == 1:
+            step = torch.tensor(float(steps.pop()))
+            for state in opt.optimizer.state.values():
+                state["step"] = step.clone()

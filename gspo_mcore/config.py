@@ -78,11 +78,18 @@ class LossConfig:
     """Lower bound c * A for negative advantages (c > 1); None: off."""
     temperature: float = 1.0
     """The engine's sampling temperature; the trainer divides its logits by it too."""
+    horizon: int | None = None
+    """seq-mean-token-sum-norm's constant divisor (the same on every rank and minibatch);
+    None: rollout.max_new_tokens."""
     kl_loss_coef: float = 0.0
-    """KL penalty to a reference policy; off in the paper's setup."""
+    """KL penalty to the reference policy (the initial weights, frozen; a second model whose
+    log-probs are computed before each step's updates); off in the paper's setup."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus this times the policy entropy (aggregated like the loss)."""
     log_entropy: bool = False
-    """Compute the policy entropy (a metric; costs one more pass over the logits)."""
+    """Report the policy entropy (`entropy` in metrics.jsonl; one more pass over the logits).
+    Always reported when entropy_coef > 0."""
 
 
 @dataclass
@@ -158,13 +165,15 @@ class TrainConfig:
     ppo_epochs: int = 1
     max_tokens_per_microbatch: int = 8192
     """Token budget per microbatch per GPU (padded length x sequences); a longer sequence goes alone."""
-    reward_norm: Literal["none", "batch", "running"] = "none"
-    """Reward normalisation before the group advantages."""
+    reward_norm: Literal["none", "batch", "group", "running"] = "none"
+    """Reward normalisation before the group advantages: over the batch, per prompt group, or
+    by running moments across steps."""
     advantage_std_norm: bool = True
     """Divide by the group's reward std (GRPO/GSPO); false: centre only (Dr. GRPO)."""
     advantage_clip: float | None = None
-    drop_zero_std_groups: bool = True
-    """Dynamic sampling: drop groups whose rewards are all equal (no signal)."""
+    group_filter: str = "informative"
+    """Dynamic sampling: which groups a step keeps. `informative`: drop groups whose rewards are
+    all equal (no signal); `all`; or `module:function(rewards, group_ids) -> bool mask`."""
     oversample: float = 1.0
     """Dynamic sampling: ask for this many times more prompts, keep the first informative ones."""
     max_sampling_rounds: int = 1
@@ -174,6 +183,8 @@ class TrainConfig:
     """Comparison runs: pi_old from a trainer forward instead of the engine's log-probs."""
     save_every: int = 0
     """Checkpoint (model, optimizer, RNG, data position, step) every N steps; 0: only at the end."""
+    keep_checkpoints: int = 3
+    """Keep the newest N checkpoints (older ones are removed once a newer one is complete); 0: all."""
     export_hf: bool = True
     """Write the final weights as a Hugging Face checkpoint (OUTPUT_DIR/hf)."""
 
@@ -214,7 +225,21 @@ class Config:
             raise ConfigError("weight_sync.method: 'tensor' needs distributed.expert_tensor_parallel 1")
         if self.train.oversample < 1:
             raise ConfigError("train.oversample: must be >= 1")
+        if self.train.group_size < 2:
+            raise ConfigError("train.group_size: must be >= 2 (a group of one has no advantage to learn from)")
+        if self.loss.horizon is not None and self.loss.horizon < 1:
+            raise ConfigError("loss.horizon: must be >= 1")
+        for name in ("kl_loss_coef", "entropy_coef", "temperature"):
+            if getattr(self.loss, name) < 0:
+                raise ConfigError(f"loss.{name}: must be >= 0")
+        if self.train.keep_checkpoints < 0:
+            raise ConfigError("train.keep_checkpoints: must be >= 0")
         return self
+
+    @property
+    def horizon(self) -> int:
+        """seq-mean-token-sum-norm's divisor: loss.horizon, else the longest response allowed."""
+        return self.loss.horizon or self.rollout.max_new_tokens
 
 
 def _convert(tp, value, where: str):

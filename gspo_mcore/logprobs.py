@@ -50,23 +50,26 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             if with_entropy:  # H = logsumexp(z) - sum_j p_j z_j
                 p_dot_z = _all_reduce((exp * z).sum(-1), dist.ReduceOp.SUM, group) / sum_exp
                 entropy[rows] = lse[rows] - p_dot_z
-        ctx.save_for_backward(logits, target, lse)
+        ctx.save_for_backward(logits, target, lse, entropy if with_entropy else lse)
         ctx.temperature, ctx.group, ctx.chunk_rows, ctx.start_id = temperature, group, chunk_rows, start_id
-        if with_entropy:
-            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        # d log p(y) / d z_j = (1[j = y] - p_j) / temperature, on this rank's vocabulary slice.
-        logits, target, lse = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, grad_entropy):
+        # d log p(y) / d z_j = (1[j = y] - p_j) / temperature, on this rank's vocabulary slice;
+        # d H / d z_j = -p_j (z_j - E_p[z]) / temperature, with E_p[z] = logsumexp(z) - H.
+        logits, target, lse, entropy = ctx.saved_tensors
         vocab_local = logits.shape[-1]
         grad = torch.empty_like(logits)
         for begin in range(0, logits.shape[0], ctx.chunk_rows):
             rows = slice(begin, min(begin + ctx.chunk_rows, logits.shape[0]))
             g_out = grad_logprobs[rows].float() / ctx.temperature
             z = logits[rows].float() / ctx.temperature
-            g = (z - lse[rows, None]).exp_().mul_(-g_out[:, None])
+            p = (z - lse[rows, None]).exp_()
+            g = p * -g_out[:, None]
+            if grad_entropy is not None:
+                mean_z = (lse[rows] - entropy[rows])[:, None]
+                g -= p * (z - mean_z) * (grad_entropy[rows].float() / ctx.temperature)[:, None]
             t = target[rows] - ctx.start_id
             here = (t >= 0) & (t < vocab_local)
             g.scatter_add_(1, t.clamp(0, vocab_local - 1)[:, None], (g_out * here)[:, None])
@@ -85,7 +88,7 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[target] for logits [..., V_local] (this rank's
     vocabulary slice when `group` is the tensor-parallel group) and target [...] global ids.
-    Returns (log-probs float32 [...], entropy float32 [...] or None; entropy carries no grad).
+    Returns (log-probs float32 [...], entropy float32 [...] or None), both differentiable.
     The engine's log-probs use the same temperature, so the ratio compares like with like."""
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {list(logits.shape)} and target {list(target.shape)} do not match")

@@ -131,11 +131,28 @@ def policy_loss(
     loss = -aggregate(objective, mask_f, aggregation, normalizer)
 
     with torch.no_grad():
-        metrics = _metrics(ratio, seq_ratio, seq_log_ratio, adv, mask_f, clip_low, clip_high, level, entropy)
+        token_log_ratio = (_wide(logprobs) - _wide(old_logprobs)) * mask_f
+        metrics = _metrics(ratio, seq_ratio, seq_log_ratio, token_log_ratio, adv, mask_f, clip_low, clip_high, level,
+                           entropy)
     return loss, metrics
 
 
-def _metrics(ratio, seq_ratio, seq_log_ratio, adv, mask, clip_low, clip_high, level, entropy):
+# How each metric of `policy_loss` combines over microbatches and data-parallel ranks
+# (gspo_mcore.metrics.combine): "tokens" / "sequences" are means weighted by the microbatch's
+# `num_tokens` / `num_sequences` (sequences with response tokens), "min" / "max" extremes,
+# "sum" totals. Combined this way they equal the metric of the whole minibatch exactly.
+METRIC_KINDS = {
+    "num_tokens": "sum", "num_sequences": "sum",
+    "clip_fraction": "tokens", "clip_fraction_low": "tokens", "clip_fraction_high": "tokens",
+    "clip_fraction_sequences": "sequences",
+    "ratio_mean": "sequences", "ratio_min": "min", "ratio_max": "max",
+    "abs_log_ratio_mean": "sequences", "abs_log_ratio_max": "max", "abs_log_ratio_token_mean": "tokens",
+    "ratio_above_band": "sequences", "ratio_below_band": "sequences",
+    "entropy": "tokens",
+}
+
+
+def _metrics(ratio, seq_ratio, seq_log_ratio, token_log_ratio, adv, mask, clip_low, clip_high, level, entropy):
     # Masked reductions only: no Python branch on a tensor, so no GPU sync per microbatch.
     # Over the sequences with response tokens; with none, ratios read 1 and fractions 0.
     has_tokens = mask.sum(-1) > 0
@@ -146,26 +163,39 @@ def _metrics(ratio, seq_ratio, seq_log_ratio, adv, mask, clip_low, clip_high, le
         return torch.where(count > 0, (values.to(weight.dtype) * weight).sum() / count.clamp(min=1),
                            torch.full_like(count, empty))
 
-    def seq_extreme(reduce, fill: float):
-        return torch.where(count > 0, reduce(torch.where(has_tokens, seq_ratio, fill)), torch.ones_like(count))
+    def seq_extreme(values, reduce, fill: float, empty: float):
+        return torch.where(count > 0, reduce(torch.where(has_tokens, values, fill)), torch.full_like(count, empty))
 
-    # Clipped = the min() took the clipped branch, so the sample gives no gradient.
-    clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
     tokens = mask.bool()
-    num_tokens = tokens.sum().clamp(min=1)
+    num_tokens = tokens.sum().to(weight.dtype)
+
+    def token_mean(values):
+        return (values.to(weight.dtype) * mask).sum() / num_tokens.clamp(min=1)
+
+    # Clipped = the min() took the clipped branch, so the token gives no gradient: the share of
+    # response tokens, the same quantity at every level (the paper's Figure 2 compares it).
+    clipped_high = (adv > 0) & (ratio > 1 + clip_high)
+    clipped_low = (adv < 0) & (ratio < 1 - clip_low)
+    abs_log_ratio = seq_log_ratio.abs()
     metrics = {
-        "clip_fraction_tokens": (clipped & tokens).sum() / num_tokens,
+        "num_tokens": num_tokens, "num_sequences": count,
+        "clip_fraction": token_mean(clipped_high | clipped_low),
+        "clip_fraction_high": token_mean(clipped_high),
+        "clip_fraction_low": token_mean(clipped_low),
         "ratio_mean": seq_mean(seq_ratio, 1.0),
-        "ratio_min": seq_extreme(torch.min, float("inf")),
-        "ratio_max": seq_extreme(torch.max, float("-inf")),
-        "abs_log_ratio_mean": seq_mean(seq_log_ratio.abs(), 0.0),
+        "ratio_min": seq_extreme(seq_ratio, torch.min, float("inf"), 1.0),
+        "ratio_max": seq_extreme(seq_ratio, torch.max, float("-inf"), 1.0),
+        "abs_log_ratio_mean": seq_mean(abs_log_ratio, 0.0),
+        "abs_log_ratio_max": seq_extreme(abs_log_ratio, torch.max, 0.0, 0.0),
+        # Per token, before length normalisation: eq. 7's average shrinks it by ~sqrt(|y|).
+        "abs_log_ratio_token_mean": token_mean(token_log_ratio.abs()),
         "ratio_above_band": seq_mean(seq_ratio > 1 + clip_high, 0.0),
         "ratio_below_band": seq_mean(seq_ratio < 1 - clip_low, 0.0),
     }
     if level == "sequence":
-        metrics["clip_fraction_sequences"] = seq_mean(clipped[:, 0], 0.0)
+        metrics["clip_fraction_sequences"] = seq_mean((clipped_high | clipped_low)[:, 0], 0.0)
     if entropy is not None:
-        metrics["entropy"] = (_wide(entropy) * mask).sum() / num_tokens
+        metrics["entropy"] = token_mean(_wide(entropy.detach()))
     return metrics
 
 

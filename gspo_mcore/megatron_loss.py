@@ -18,28 +18,32 @@ from megatron.core import parallel_state
 from gspo_mcore.config import LossConfig
 from gspo_mcore.logprobs import token_logprobs
 from gspo_mcore.parallel import device
-from gspo_mcore.loss import Normalizer, aggregate, kl_penalty, policy_loss, sequence_log_ratio
+from gspo_mcore.loss import Normalizer, aggregate, kl_penalty, policy_loss
 
 
-def global_normalizer(microbatch_masks: list[torch.Tensor]) -> Normalizer:
-    """Sequence and token counts of the whole minibatch: this rank's microbatches, summed
-    over data-parallel ranks. Every rank of a pipeline must call it (it is collective)."""
+def global_normalizer(microbatches: list[dict], horizon: float) -> Normalizer:
+    """Sequence and token counts of the whole minibatch: this rank's microbatches (their real
+    `sequences`; filler microbatches count none), summed over data-parallel ranks, and the
+    constant `horizon` of seq-mean-token-sum-norm. Collective over the DP group."""
     local = torch.tensor(
-        [sum(m.shape[0] for m in microbatch_masks), sum(float(m.sum()) for m in microbatch_masks)],
+        [sum(float(mb["sequences"].sum()) for mb in microbatches), sum(float(mb["mask"].sum()) for mb in microbatches)],
         dtype=torch.float64, device=device(),
     )
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(local, group=group)
-    horizon = max(m.shape[1] for m in microbatch_masks)
     return Normalizer(num_sequences=local[0].item(), num_tokens=local[1].item(), horizon=float(horizon))
 
 
 def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, num_microbatches: int):
     """A `loss_func(logits)` for one microbatch. `microbatch` holds `targets` [b, T] (the
     next tokens), `old_logprobs` [b, T] (the engine's), `advantages` [b] or [b, T], `mask`
-    [b, T], and `ref_logprobs` [b, T] when a KL penalty is on."""
+    [b, T], and `ref_logprobs` [b, T] when a KL penalty is on. Its metrics are per microbatch,
+    for gspo_mcore.metrics.combine; `loss` and `kl` are this microbatch's shares of the global
+    minibatch figures (they sum)."""
     scale = num_microbatches * parallel_state.get_data_parallel_world_size()
+    aggregation = cfg.aggregation or "seq-mean-token-mean"
+    with_entropy = cfg.log_entropy or cfg.entropy_coef > 0
 
     def loss_func(logits: torch.Tensor):
         logprobs, entropy = token_logprobs(
@@ -47,7 +51,7 @@ def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, nu
             microbatch["targets"],
             temperature=cfg.temperature,
             group=parallel_state.get_tensor_model_parallel_group(),
-            with_entropy=cfg.log_entropy,
+            with_entropy=with_entropy,
         )
         loss, metrics = policy_loss(
             logprobs, microbatch["old_logprobs"], microbatch["advantages"], microbatch["mask"],
@@ -56,11 +60,11 @@ def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, nu
         )
         if cfg.kl_loss_coef > 0:
             kl = aggregate(kl_penalty(logprobs, microbatch["ref_logprobs"], cfg.kl_estimator), microbatch["mask"],
-                           cfg.aggregation or "seq-mean-token-mean", normalizer)
+                           aggregation, normalizer)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["kl"] = kl.detach()
-        # Per sequence, so the trainer can combine figures over microbatches and ranks exactly.
-        metrics["seq_log_ratio"] = sequence_log_ratio(logprobs.detach(), microbatch["old_logprobs"], microbatch["mask"])
+        if cfg.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
+            loss = loss - cfg.entropy_coef * aggregate(entropy, microbatch["mask"], aggregation, normalizer)
         # `loss` is this microbatch's share of the global loss; report it unscaled.
         return loss * scale, {"loss": loss.detach().clone(), **metrics}
 

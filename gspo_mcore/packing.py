@@ -1,4 +1,4 @@
-"""Sequences -> minibatches -> data-parallel shards -> microbatches, as pure functions.
+"""Sequences -> minibatches -> data-parallel shards -> microbatches -> tensors, as pure functions.
 
 Every sequence stays whole inside one microbatch. A microbatch costs its padded size
 (sequences x longest length), which `max_tokens` bounds; a sequence longer than the budget
@@ -6,6 +6,10 @@ travels alone.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
+
+import torch
 
 
 def split_minibatches(num_samples: int, num_minibatches: int) -> list[list[int]]:
@@ -48,3 +52,73 @@ def pack_microbatches(indices: list[int], lengths: list[int], max_tokens: int) -
             microbatches.append([i])
             longest.append(lengths[i])
     return microbatches
+
+
+def sequence_lengths(rollouts) -> list[int]:
+    """Model input length of each rollout (prompt + response, minus the last token)."""
+    return [len(r.prompt_ids) + len(r.response_ids) - 1 for r in rollouts]
+
+
+def response_aligned(rollouts, values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """Per-response-token values [B, width] at the positions that predict those tokens
+    (position t predicts token t + 1), zero elsewhere."""
+    out = torch.zeros(len(rollouts), width)
+    for i, (r, v) in enumerate(zip(rollouts, values)):
+        first = len(r.prompt_ids) - 1
+        out[i, first : first + len(r.response_ids)] = torch.tensor(v, dtype=torch.float32)
+    return out
+
+
+def collate(rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded training tensors. `tokens` [B, L + 1] holds prompt + response; position
+    t of `old_logprobs` / `mask` [B, L] belongs to the token at t + 1 (the one predicted
+    from positions <= t), so mask is 1 exactly where a response token is predicted."""
+    length = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+    tokens = torch.full((len(rollouts), length), pad_id, dtype=torch.long)
+    for i, r in enumerate(rollouts):
+        tokens[i, : len(r.prompt_ids) + len(r.response_ids)] = torch.tensor(r.prompt_ids + r.response_ids)
+    return {"tokens": tokens,
+            "old_logprobs": response_aligned(rollouts, [r.logprobs for r in rollouts], length - 1),
+            "mask": response_aligned(rollouts, [[1.0] * len(r.response_ids) for r in rollouts], length - 1)}
+
+
+def microbatch_tensors(rollouts, advantages: Sequence[float], members: list[int], pad_multiple: int = 1,
+                       extra: dict[str, Sequence[Sequence[float]]] | None = None) -> dict[str, torch.Tensor]:
+    """The model inputs and loss tensors of one microbatch: `inputs` / `targets` [b, T], the
+    engine's `old_logprobs`, `mask`, `advantages` [b], `index` [b] (positions in `rollouts`),
+    `sequences` [b] (1: a real sequence). T is padded to a multiple of `pad_multiple` (sequence
+    parallelism splits it over the TP ranks; right padding, masked, does not change a causal
+    model's outputs before it). `extra`: per-rollout, per-response-token values (e.g.
+    `ref_logprobs`), laid out like the log-probs."""
+    chosen = [rollouts[i] for i in members]
+    batch = collate(chosen)
+    tokens = batch.pop("tokens")
+    for name, values in (extra or {}).items():
+        batch[name] = response_aligned(chosen, [values[i] for i in members], tokens.shape[1] - 1)
+    pad = -(tokens.shape[1] - 1) % pad_multiple
+    if pad:
+        tokens = torch.nn.functional.pad(tokens, (0, pad))
+        batch = {k: torch.nn.functional.pad(v, (0, pad)) for k, v in batch.items()}
+    return {**batch, "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "advantages": torch.tensor([float(advantages[i]) for i in members]),
+            "index": torch.tensor(members), "sequences": torch.ones(len(members))}
+
+
+def filler_microbatch(template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A microbatch of one padding sequence, fully masked, shaped like `template` with one row:
+    it runs a forward and backward (and, under expert parallelism, every all-to-all its peers
+    wait in) and contributes nothing to the loss, the gradient or the counts."""
+    out = {}
+    for key, value in template.items():
+        out[key] = torch.zeros_like(value[:1])
+    out["index"] = torch.full_like(template["index"][:1], -1)
+    return out
+
+
+def equalize_count(microbatches: list[dict], count: int) -> list[dict]:
+    """Append filler microbatches up to `count`: data-parallel ranks must run the same number of
+    microbatches, or under expert parallelism one goes on to the gradient reduce while its peers
+    wait for it in an all-to-all (a hang)."""
+    if len(microbatches) > count:
+        raise ValueError(f"{len(microbatches)} microbatches exceed the agreed count {count}")
+    return microbatches + [filler_microbatch(microbatches[0]) for _ in range(count - len(microbatches))]

@@ -13,51 +13,14 @@ import sys
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from gspo_mcore.checkpointing import load_model_weights
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import run_cli
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.models.qwen3_moe.forward import megatron_logits
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
-from gspo_mcore.parallel import device
-
-
-def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-
-
-@torch.no_grad()
-def megatron_logits(model, tokens: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor | None:
-    """Full-vocabulary logits [B, T, V] (on device()) through the real pipeline schedule
-    (forward only). Returns them on the last pipeline stage, None elsewhere."""
-    microbatches = list(tokens.split(micro_batch_size))
-    batches = iter(microbatches)
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator).to(device())
-        output = model(batch, position_ids_for(batch), None)
-
-        def collect(output_tensor):
-            logits = gather_from_tensor_model_parallel_region(output_tensor)
-            return output_tensor.new_zeros(()), {"logits": logits}
-
-        return output, collect
-
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=batches,
-        model=[model],
-        num_microbatches=len(microbatches),
-        seq_length=tokens.shape[1],
-        micro_batch_size=micro_batch_size,
-        forward_only=True,
-    )
-    if not parallel_state.is_pipeline_last_stage():
-        return None
-    return torch.cat([out["logits"] for out in outputs])
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from gspo_mcore.errors import InputError, run_cli
+from gspo_mcore.files import atomic_output
 
 FIGURES = {
     "reward": ("reward_mean", "mean reward"),
@@ -81,11 +82,10 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = No
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    tmp = path.with_name(path.stem + ".tmp.png")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=100)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")  # the temporary's name has no .png to go by
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 

@@ -67,26 +67,24 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
             f.write(json.dumps({"prompt": prompt, "answer": category}) + "\n")
 
 
-def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024) -> Path:
-    """OUT_DIR/model (random all-MoE tiny model + tokenizer) and OUT_DIR/prompts.jsonl, written
+def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024, write_prompts=make_prompts) -> Path:
+    """OUT_DIR/model (random all-MoE tiny model + tokenizer) and OUT_DIR/prompts.jsonl (by
+    `write_prompts(path, count, seed)`: this task's, or another task's on the same model), written
     to a temporary sibling first; an existing complete OUT_DIR is left as is."""
-    import shutil
-
     import torch
 
+    from gspo_mcore.files import atomic_output
     from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 
     out_dir = Path(out_dir)
     if (out_dir / "prompts.jsonl").is_file():
         return out_dir
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see rollout.server).
-    make_tiny_checkpoint(tmp / "model", seed=seed, dtype=torch.float32, mlp_only_layers=[],
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
-    make_tokenizer(tmp / "model")
-    make_prompts(tmp / "prompts.jsonl", num_prompts, seed)
-    tmp.rename(out_dir)
+    with atomic_output(out_dir, directory=True) as tmp:
+        # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see rollout.server).
+        make_tiny_checkpoint(tmp / "model", seed=seed, dtype=torch.float32, mlp_only_layers=[],
+                             eos_token_id=1, pad_token_id=0, bos_token_id=None)
+        make_tokenizer(tmp / "model")
+        write_prompts(tmp / "prompts.jsonl", num_prompts, seed)
     return out_dir
 
 

@@ -21,6 +21,14 @@ LAYOUTS = {
 }
 
 
+def pytest_collection_modifyitems(items):
+    """Tests that need a parallel layout's torchrun launch are slow (`pytest -m "not slow"`
+    skips them); modules that start torchrun or SGLang otherwise mark themselves."""
+    for item in items:
+        if "layout_output" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> Path:
     """A random tiny Qwen3-MoE (float32) in Hugging Face format."""

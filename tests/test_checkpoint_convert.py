@@ -19,6 +19,8 @@ from conftest import REPO, last_json_line, run_module
 from gspo_mcore.errors import InputError
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # runs the converter CLI in subprocesses (and torchrun)
+
 
 def cli(*args, check=True):
     proc = subprocess.run([sys.executable, "-m", "checkpoint_convert", *args], capture_output=True, text=True,

@@ -8,6 +8,8 @@ import pytest
 from conftest import REPO
 from gspo_mcore.errors import InputError
 
+pytestmark = pytest.mark.slow  # runs the CLIs in subprocesses (and torchrun)
+
 
 def test_gpu_modules_do_not_import_the_cpu_bridge():
     code = (

@@ -1,6 +1,10 @@
-"""The GSPO loss in Megatron's schedule is exactly the global minibatch loss, whatever the
-layout: 1 rank x 4 microbatches, DP=2 x 2, PP=2, EP=2, TP=2+SP give the loss, gradient norm
-and updated weights of the same step taken by the Hugging Face model with policy_loss."""
+"""The trainer's GSPO update (gspo_mcore.learner.Learner.update: packing by a token budget,
+equal microbatch counts over DP ranks, the Megatron schedule, the exact global normalisation)
+is the global minibatch loss's step, whatever the layout: 1 rank x 7 microbatches, DP=2 with
+4 and 3 microbatches, PP=2, EP=2 (uneven counts: an all-to-all hang before fillers), TP=2+SP
+give the loss, gradient norm and updated weights of the same step taken by the Hugging Face
+model with policy_loss. The KL case uses the trainer's own reference model (the initial
+weights); the entropy case the vocabulary-parallel entropy gradient."""
 
 import functools
 import math
@@ -15,17 +19,22 @@ from gspo_mcore.loss import aggregate, kl_penalty, policy_loss
 ADAM = dict(lr=1.0, eps=1.0)  # first step w - g / (|g| + 1): the weights compare gradients
 CLIP = 0.005  # a band the noisy old log-probs below fall on both sides of
 KL_COEF = 0.5
-CASES = {  # name -> (level, aggregation, KL coefficient, layouts)
-    "gspo": ("sequence", None, 0.0, ["single", "DP2", "PP2", "EP2", "TP2-SP"]),
-    "token-mean": ("token", "token-mean", 0.0, ["single", "DP2"]),
-    "gspo-kl": ("sequence", None, KL_COEF, ["DP2"]),
+ENTROPY_COEF = 0.1
+TOKEN_BUDGET = 20  # 7 microbatches on one rank; 4 and 3 on two DP ranks (asserted below)
+HORIZON = 16
+CASES = {  # name -> (level, aggregation, KL coefficient, entropy coefficient, layouts)
+    "gspo": ("sequence", None, 0.0, 0.0, ["single", "DP2", "PP2", "EP2", "TP2-SP"]),
+    "token-mean": ("token", "token-mean", 0.0, 0.0, ["single", "DP2"]),
+    "gspo-kl": ("sequence", None, KL_COEF, 0.0, ["DP2"]),
+    "gspo-entropy-sum-norm": ("sequence", "seq-mean-token-sum-norm", 0.0, ENTROPY_COEF, ["TP2-SP"]),
 }
 
 
-def options(level, aggregation, kl_coef):
+def options(level, aggregation, kl_coef, entropy_coef):
     opts = ["optimizer.name=adam", f"optimizer.lr={ADAM['lr']}", f"optimizer.adam_eps={ADAM['eps']}",
             "optimizer.clip_grad=1e6", f"loss.level={level}", f"loss.clip_low={CLIP}", f"loss.clip_high={CLIP}",
-            f"loss.kl_loss_coef={kl_coef}"]
+            f"loss.kl_loss_coef={kl_coef}", "loss.kl_estimator=k1", f"loss.entropy_coef={entropy_coef}",
+            f"loss.horizon={HORIZON}", "train.num_minibatches=1", f"train.max_tokens_per_microbatch={TOKEN_BUDGET}"]
     return opts + ([f"loss.aggregation={aggregation}"] if aggregation else [])
 
 
@@ -46,30 +55,46 @@ def rollout_batch(hf_dir) -> dict:
         logp = model(input_ids=tokens[:, :-1]).logits.log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
     old = logp + 0.03 * torch.randn(logp.shape, generator=g)
     advantages = torch.randn(8, generator=g)
-    ref = logp + 0.1 * torch.randn(logp.shape, generator=g)  # a reference policy for the KL case
-    return {"tokens": tokens, "old_logprobs": old, "advantages": advantages, "mask": mask, "ref_logprobs": ref}
+    return {"tokens": tokens, "old_logprobs": old, "advantages": advantages, "mask": mask,
+            "prompt_lengths": prompt, "response_lengths": response}
 
 
 def _plan_jobs():
-    for case, (level, aggregation, kl_coef, layouts) in CASES.items():
-        plan_layout_job(f"gspo_step-{case}", "train_step", layouts, options(level, aggregation, kl_coef),
+    for case, (level, aggregation, kl_coef, entropy_coef, layouts) in CASES.items():
+        plan_layout_job(f"gspo_step-{case}", "train_step", layouts, options(level, aggregation, kl_coef, entropy_coef),
                         batch=rollout_batch)
 
 
 _plan_jobs()
 
 
-def hf_step(hf_dir, batch, level, aggregation, kl_coef, out_dir):
+def test_the_token_budget_gives_data_parallel_ranks_unequal_microbatch_counts():
+    from gspo_mcore.packing import balance_across_ranks, pack_microbatches
+
+    lengths = [p + r - 1 for p, r in zip([3, 5, 4, 6, 3, 5, 4, 6], [12, 4, 9, 0, 13, 7, 11, 2])]
+    shards = balance_across_ranks(list(range(8)), lengths, 2)
+    assert sorted(len(pack_microbatches(s, lengths, TOKEN_BUDGET)) for s in shards) == [3, 4]
+    assert len(pack_microbatches(list(range(8)), lengths, TOKEN_BUDGET)) == 7
+
+
+def hf_step(hf_dir, batch, level, aggregation, kl_coef, entropy_coef, out_dir):
+    from gspo_mcore.loss import Normalizer
+
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     tokens = batch["tokens"]
-    logp = model(input_ids=tokens[:, :-1]).logits.log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    log_p = model(input_ids=tokens[:, :-1]).logits.log_softmax(-1)
+    logp = log_p.gather(-1, tokens[:, 1:, None])[..., 0]
+    normalizer = Normalizer(horizon=HORIZON)
     loss, metrics = policy_loss(logp, batch["old_logprobs"], batch["advantages"], batch["mask"], level=level,
-                                clip_low=CLIP, clip_high=CLIP, aggregation=aggregation)
-    if kl_coef:
-        kl = kl_penalty(logp, batch["ref_logprobs"], "k3")
-        loss = loss + kl_coef * aggregate(kl, batch["mask"], aggregation or "seq-mean-token-mean")
+                                clip_low=CLIP, clip_high=CLIP, aggregation=aggregation, normalizer=normalizer)
+    if kl_coef:  # pi_ref: the initial weights, i.e. this model before the step
+        kl = kl_penalty(logp, logp.detach(), "k1")
+        loss = loss + kl_coef * aggregate(kl, batch["mask"], aggregation or "seq-mean-token-mean", normalizer)
+    if entropy_coef:
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        loss = loss - entropy_coef * aggregate(entropy, batch["mask"], aggregation or "seq-mean-token-mean", normalizer)
     loss.backward()
     grad_norm = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
     torch.optim.Adam(model.parameters(), lr=ADAM["lr"], eps=ADAM["eps"]).step()
@@ -80,9 +105,9 @@ def hf_step(hf_dir, batch, level, aggregation, kl_coef, out_dir):
 
 @pytest.mark.parametrize("case, layout", [(c, l) for c, (*_, ls) in CASES.items() for l in ls])
 def test_gspo_step_is_layout_invariant(tiny_hf_dir, layout_output, tmp_path, case, layout):
-    level, aggregation, kl_coef, _ = CASES[case]
+    level, aggregation, kl_coef, entropy_coef, _ = CASES[case]
     ref_loss, ref_norm, metrics, ref_weights = hf_step(tiny_hf_dir, rollout_batch(tiny_hf_dir), level, aggregation,
-                                                       kl_coef, tmp_path / "hf")
+                                                       kl_coef, entropy_coef, tmp_path / "hf")
     if level == "sequence":  # the band really splits the batch, so clipping is exercised
         assert 0 < metrics["clip_fraction_sequences"] < 1
     nproc, _ = LAYOUTS[layout]
@@ -92,5 +117,9 @@ def test_gspo_step_is_layout_invariant(tiny_hf_dir, layout_output, tmp_path, cas
     assert losses and all(abs(loss - ref_loss) < 1e-6 for loss in losses), (losses, ref_loss)
     for r in ranks:
         assert r["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+        # The reported figures are the loss's own, combined over microbatches and ranks.
+        for key in ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "ratio_max"):
+            assert r["metrics"][key] == pytest.approx(metrics[key].item(), abs=1e-6), key
+        assert r["metrics"]["mismatch_abs_log_ratio_mean"] == pytest.approx(metrics["abs_log_ratio_mean"].item(), abs=1e-6)
         for name, tensor in r["weights"].items():
             torch.testing.assert_close(tensor, ref_weights[name], atol=1e-6, rtol=0, msg=name)

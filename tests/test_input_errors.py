@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # runs the CLIs in subprocesses (and torchrun)
+
 
 def run_parity(hf_dir, *overrides):
     return subprocess.run(

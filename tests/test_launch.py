@@ -15,6 +15,8 @@ import pytest
 from conftest import REPO
 from gspo_mcore.parallel import free_port
 
+pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
+
 SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
 TEMPLATES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
 # Debian's shellcheck, installed by `make test` (Makefile: shellcheck target).

@@ -18,8 +18,16 @@ def test_matches_log_softmax_values_and_gradients(temperature, chunk_elements):
     ref_entropy = -(log_p.exp() * log_p).sum(-1)
     assert torch.allclose(ours.double(), ref, atol=1e-5)
     assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
-    (g_ours,) = torch.autograd.grad((ours.double() * weights).sum(), logits)
-    (g_ref,) = torch.autograd.grad((ref * weights).sum(), logits)
+    (g_ours,) = torch.autograd.grad((ours.double() * weights).sum(), logits, retain_graph=True)
+    (g_ref,) = torch.autograd.grad((ref * weights).sum(), logits, retain_graph=True)
+    assert torch.allclose(g_ours, g_ref, atol=1e-5)
+    # The entropy bonus (loss.entropy_coef) differentiates the entropy, alone and with the log-probs.
+    entropy_weights = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    (g_ours,) = torch.autograd.grad((entropy.double() * entropy_weights).sum(), logits, retain_graph=True)
+    (g_ref,) = torch.autograd.grad((ref_entropy * entropy_weights).sum(), logits, retain_graph=True)
+    assert g_ref.abs().max() > 1e-3 and torch.allclose(g_ours, g_ref, atol=1e-5)
+    (g_ours,) = torch.autograd.grad((ours.double() * weights + entropy.double() * entropy_weights).sum(), logits)
+    (g_ref,) = torch.autograd.grad((ref * weights + ref_entropy * entropy_weights).sum(), logits)
     assert torch.allclose(g_ours, g_ref, atol=1e-5)
 
 

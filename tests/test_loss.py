@@ -132,7 +132,7 @@ def test_on_policy_ratio_is_one_and_nothing_is_clipped():
     logp, _, adv, mask = make_batch(seed=6)
     loss, metrics = policy_loss(logp, logp.detach(), adv, mask)
     assert metrics["ratio_min"] == metrics["ratio_max"] == 1.0
-    assert metrics["clip_fraction_sequences"] == 0 and metrics["clip_fraction_tokens"] == 0
+    assert metrics["clip_fraction_sequences"] == 0 and metrics["clip_fraction"] == 0
     # On policy, d/dtheta of s_i A_i is A_i * mean_t d logp: the policy gradient itself.
     (grad,) = torch.autograd.grad(loss, logp)
     lengths = mask.sum(-1, keepdim=True)

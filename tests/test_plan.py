@@ -79,6 +79,7 @@ def test_split_mode_reports_sglang_kv_capacity():
     assert result["sglang_kv_cache_tokens"] > 100_000
 
 
+@pytest.mark.slow  # the CLI in subprocesses
 def test_cli_prints_the_plan_and_one_line_errors():
     cmd = [sys.executable, "-m", "gspo_mcore.plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml",
            "--hf-config", str(HF_30B)]

@@ -1,4 +1,4 @@
-"""Dynamic sampling in the trainer's rollout source (train.RolloutSource), against a scripted
+"""Dynamic sampling in the trainer's rollout source (gspo_mcore.rollout.source.RolloutSource), against a scripted
 engine: groups without signal are dropped, and further generation rounds (fresh prompts,
 fresh seeds) refill the batch up to `train.max_sampling_rounds`."""
 
@@ -10,7 +10,7 @@ import torch
 from gspo_mcore.config import load_config
 from gspo_mcore.rollout.response import Rollout
 from gspo_mcore.toy_task import make_prompts, make_tokenizer
-from gspo_mcore.train import RolloutSource
+from gspo_mcore.rollout.source import RolloutSource
 
 GROUP = 4
 
@@ -96,7 +96,7 @@ def test_rounds_stop_at_the_limit_and_the_step_trains_on_fewer(task):
 
 
 def test_one_round_without_dropping_keeps_every_group(task):
-    source, engine = source_for(task, rollout_batch_size=5, drop_zero_std_groups="false", max_sampling_rounds=3)
+    source, engine = source_for(task, rollout_batch_size=5, group_filter="all", max_sampling_rounds=3)
     try:
         rollouts, advantages, metrics = source.collect(step=0, weight_version="step-0")
     finally:

@@ -12,6 +12,8 @@ from gspo_mcore.rollout.client import SGLangClient
 from gspo_mcore.rollout.server import ManagedServer, sglang_command
 from gspo_mcore.rollout.sglang_cpu import server_env
 
+pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
+
 # bf16 on both sides, token-by-token decoding vs one forward pass: most tokens agree within a
 # few 0.01, but a token near a tie between experts can be routed differently (the MoE
 # train-inference mismatch) and that shifts the rest of its sequence: measured up to 0.49,

@@ -12,6 +12,8 @@ import torch
 
 from conftest import REPO, run_module
 
+pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
+
 REQUIRED = ("step", "reward_mean", "reward_std", "clip_fraction", "response_length_mean", "ratio_mean",
             "mismatch_abs_log_ratio_mean", "mismatch_abs_log_ratio_max", "mismatch_out_of_band_fraction",
             "grad_norm", "lr", "time_rollout_s", "time_train_s", "time_sync_s", "tokens_per_s",

@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from gspo_mcore.data.dataset import _records
 from gspo_mcore.errors import InputError, run_cli
+from gspo_mcore.files import atomic_output
 from gspo_mcore.rewards.answers import last_boxed
 
 INSTRUCTION = "Solve the problem step by step. Put the final answer in \\boxed{}."
 
 
 def prepare(input_path, output_path) -> int:
-    output_path = Path(output_path)
-    tmp = output_path.with_name(f"{output_path.name}.tmp-{os.getpid()}")
     count = 0
-    try:
+    with atomic_output(output_path) as tmp:
         with open(tmp, "w") as out:
             for where, record in _records(Path(input_path)):
                 for key in ("problem", "solution"):
@@ -36,9 +34,6 @@ def prepare(input_path, output_path) -> int:
                 row.update({k: record[k] for k in ("level", "type") if k in record})
                 out.write(json.dumps(row) + "\n")
                 count += 1
-        os.replace(tmp, output_path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return count
 
 

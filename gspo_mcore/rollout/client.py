@@ -8,14 +8,11 @@ request runs out of attempts the whole call fails, naming the request and the se
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from gspo_mcore.errors import InputError
+from gspo_mcore.rollout.http import ConnectionFailure, HTTPStatusError, post_json
 from gspo_mcore.rollout.response import Rollout, RolloutError, parse_generate_response
 
 
@@ -44,19 +41,18 @@ class SGLangClient:
         self.vocab_size, self.request_timeout_s = vocab_size, request_timeout_s
         self.max_attempts, self.backoff_s, self.max_concurrency = max_attempts, backoff_s, max_concurrency
 
-    def _post(self, url: str, body: dict) -> dict | list:
-        request = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+    def _post(self, url: str, body: dict) -> dict:
         try:
-            with urllib.request.urlopen(request, timeout=self.request_timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            if err.code >= 500:
-                raise RetryableError(f"HTTP {err.code}") from None
-            raise RolloutError(f"server {url} refused the request: HTTP {err.code} {err.read()[:200]!r}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException, json.JSONDecodeError) as err:
-            # Includes a server dying mid-answer (IncompleteRead, a cut-off JSON body).
-            raise RetryableError(f"{type(err).__name__}: {getattr(err, 'reason', err)}") from None
+            answer = post_json(f"{url}/generate", body, self.request_timeout_s)
+        except HTTPStatusError as err:
+            if err.status >= 500:
+                raise RetryableError(f"HTTP {err.status}") from None
+            raise RolloutError(f"server {url} refused the request: {err}") from None
+        except ConnectionFailure as err:  # includes a server dying mid-answer
+            raise RetryableError(str(err)) from None
+        if not isinstance(answer, dict):  # a text answer or a cut-off body, as a broken connection
+            raise RetryableError(f"not a /generate answer: {str(answer)[:100]!r}")
+        return answer
 
     def _one(self, index: int, prompt_ids: list[int], sampling_params: dict, weight_version: str | None) -> Rollout:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True,

@@ -6,13 +6,10 @@ update must stop the run, never let it train on rollouts of unknown weights.
 
 from __future__ import annotations
 
-import http.client
-import json
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from gspo_mcore.errors import InputError
+from gspo_mcore.rollout.http import HTTPRequestError, request_json
 
 
 class WeightSyncError(InputError):
@@ -28,23 +25,8 @@ class EngineControl:
 
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
         """POST `body` as JSON to url+path; the answer as a dict ({} for a plain-text 200)."""
-        request = urllib.request.Request(f"{url}{path}", data=json.dumps(body or {}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read()[:300].decode(errors="replace")
-            try:
-                detail = json.loads(detail).get("message", detail)
-            except (ValueError, AttributeError):
-                pass
-            raise WeightSyncError(f"server {url}{path}: HTTP {err.code}: {detail}".strip()) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-            raise WeightSyncError(f"server {url}{path}: {type(err).__name__}: {getattr(err, 'reason', err)}") from None
-        try:
-            answer = json.loads(raw) if raw else {}
-        except ValueError:
+        answer = self._request(url, path, body, "POST")
+        if isinstance(answer, str):
             return {}  # /flush_cache answers with text
         if isinstance(answer, dict) and answer.get("success") is False:
             raise WeightSyncError(f"server {url}{path}: {answer.get('message', answer)}")
@@ -56,12 +38,17 @@ class EngineControl:
             return list(pool.map(lambda url: self.call(url, path, body), self.urls))
 
     def tp_size(self, url: str) -> int:
-        request = urllib.request.Request(f"{url}/get_server_info")
+        answer = self._request(url, "/get_server_info", None, "GET")  # GET only in SGLang
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return int(json.loads(response.read()).get("tp_size", 1))
-        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
-            raise WeightSyncError(f"server {url}/get_server_info: {err}") from None
+            return int(answer.get("tp_size", 1))
+        except (AttributeError, TypeError, ValueError):
+            raise WeightSyncError(f"server {url}/get_server_info: no tp_size in {str(answer)[:200]!r}") from None
+
+    def _request(self, url: str, path: str, body: dict | None, method: str) -> object:
+        try:
+            return request_json(f"{url}{path}", body, self.timeout_s, method=method)
+        except HTTPRequestError as err:  # "HTTP 400: <SGLang's message>", "URLError: <reason>", ...
+            raise WeightSyncError(f"server {url}{path}: {err}") from None
 
     # The weight-update session: SGLang 0.5.23 refuses weight loads outside it (HTTP 400).
     def begin_update(self) -> None:

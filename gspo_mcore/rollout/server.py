@@ -7,11 +7,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 from gspo_mcore.errors import InputError
+from gspo_mcore.rollout.http import HTTPRequestError, get_json
 
 
 def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", device: str = "cpu",
@@ -89,9 +89,9 @@ class ManagedServer:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
+            get_json(f"{self.url}/health", timeout_s=5)  # SGLang answers 200 with an empty body
+            return True
+        except HTTPRequestError:
             return False
 
     def wait_healthy(self) -> None:
@@ -134,6 +134,21 @@ class ManagedServer:
         self.stop()
 
 
+def start_servers(config, log_dir: Path, stack: ExitStack) -> list[str]:
+    """The CPU default / tests: `rollout.num_servers` SGLang servers for model.hf_dir that the
+    run owns, stopped when `stack` closes. Returns their URLs."""
+    from gspo_mcore.parallel import free_port
+
+    urls = []
+    for index in range(config.rollout.num_servers):
+        port = free_port()
+        cmd, env = server_for_config(config, port)
+        url = f"http://127.0.0.1:{port}"
+        stack.enter_context(ManagedServer(cmd, url, log_dir / f"sglang_{index}.log", env=env))
+        urls.append(url)
+    return urls
+
+
 def main(argv=None) -> int:
     """`python -m gspo_mcore.rollout.server --config FILE --port P [--host H] [key=value ...]`:
     exec the SGLang server a config describes (the launch scripts' way to start one)."""
@@ -156,3 +171,4 @@ if __name__ == "__main__":
     from gspo_mcore.errors import run_cli
 
     sys.exit(run_cli(main))
+

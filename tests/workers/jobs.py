@@ -16,15 +16,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gspo_mcore import parity
 from gspo_mcore.config import load_config
-from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
+from gspo_mcore.learner import Learner
+from gspo_mcore.logprobs import token_logprobs
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.models.qwen3_moe.forward import run_schedule
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
 from gspo_mcore.optimizer import setup_training
+from gspo_mcore.rollout.response import Rollout
 from gspo_mcore.weight_sync import bucketed, save_hf_checkpoint
 
 MICRO_BATCH = 2
@@ -41,55 +43,63 @@ def parity_job(config, out_dir: Path, job: dict) -> None:
 
 
 def train_step_job(config, out_dir: Path, job: dict) -> None:
-    """One training step on the global batch in `batch_file`: `tokens` [B, T + 1]; with
-    `advantages`, `old_logprobs` and `mask` too, the loss is GSPO (config section `loss`)
-    through gspo_mcore.megatron_loss, else token cross-entropy. Each rank saves to
-    rank{R}.pt the HF-named weights it holds after the step, the grad norm and the global
-    loss, for comparison with the same step taken by the Hugging Face model."""
-    arch, model = model_from_config(config)
-    ddp, optimizer = setup_training(model, config.optimizer)
+    """One training step on the global batch in `batch_file`, by the trainer's own code. With
+    `advantages` in the batch it is a GSPO update of gspo_mcore.learner.Learner (config sections
+    `loss` and `train`: packing, equal microbatch counts over DP ranks, the reference model, the
+    exact global normalisation); without, token cross-entropy through the same schedule
+    (gspo_mcore.models.qwen3_moe.forward.run_schedule). Each rank saves to rank{R}.pt the HF-named
+    weights it holds after the step, the grad norm and the global loss, for comparison with the
+    same step taken by the Hugging Face model."""
     batch = torch.load(job["batch_file"])
+    if "advantages" in batch:
+        learner = Learner(config)
+        metrics = learner.update(rollouts_of(batch), batch["advantages"].tolist(), step=0)
+        result = {"grad_norm": metrics["grad_norm"], "loss": metrics["loss"], "metrics": metrics}
+        model, arch = learner.model, learner.arch
+    else:
+        arch, model = model_from_config(config)
+        result = cross_entropy_step(model, config, batch["tokens"])
+    weights = {name: t.clone() for name, t in export_hf_weights(model, arch, config.model.spec)}
+    torch.save({**result, "weights": weights}, out_dir / f"rank{dist.get_rank()}.pt")
+
+
+def rollouts_of(batch: dict) -> list[Rollout]:
+    """The batch's sequences as engine rollouts: prompt, response, the engine's log-probs."""
+    rollouts = []
+    for tokens, old, p, r in zip(batch["tokens"].tolist(), batch["old_logprobs"].tolist(),
+                                 batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()):
+        rollouts.append(Rollout(tokens[:p], tokens[p:p + r], old[p - 1:p - 1 + r], "stop", "v0"))
+    return rollouts
+
+
+def cross_entropy_step(model, config, tokens: torch.Tensor) -> dict:
+    ddp, optimizer = setup_training(model, config.optimizer)
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    local = {key: value.chunk(dp_size)[dp_rank] for key, value in batch.items()}
-    microbatches = [{key: value[i : i + MICRO_BATCH] for key, value in local.items()}
-                    for i in range(0, len(local["tokens"]), MICRO_BATCH)]
-    gspo = "advantages" in batch
-    normalizer = global_normalizer([mb["mask"] for mb in microbatches]) if gspo else None
+    local = tokens.chunk(dp_size)[dp_rank]
+    microbatches = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in local.split(MICRO_BATCH)]
 
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        inputs, targets = mb["tokens"][:, :-1], mb["tokens"][:, 1:]
-        if gspo:
-            logits = model(inputs, parity.position_ids_for(inputs), None)
-            return logits, make_loss_func({**mb, "targets": targets}, normalizer, config.loss, len(microbatches))
-        token_losses = model(inputs, parity.position_ids_for(inputs), None, labels=targets)
-
-        def loss_func(token_losses):
+    def loss_for(mb):
+        def loss_func(logits):
+            logprobs, _ = token_logprobs(logits, mb["targets"], group=parallel_state.get_tensor_model_parallel_group())
             # Mean over the microbatch: the schedule's 1/num_microbatches and DDP's DP average
             # make it the global mean (equal-size microbatches).
-            loss = token_losses.float().mean()
+            loss = -logprobs.mean()
             return loss, {"loss": loss.detach().clone() / (len(microbatches) * dp_size)}
-
-        return token_losses, loss_func
+        return loss_func
 
     ddp.train()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[ddp],
-        num_microbatches=len(microbatches), seq_length=batch["tokens"].shape[1] - 1, micro_batch_size=MICRO_BATCH,
-        forward_only=False,
-    )
+    outputs = run_schedule(ddp, microbatches, loss_for, forward_only=False)
     update_ok, grad_norm, _ = optimizer.step()
+    assert update_ok
     loss = None
     if parallel_state.is_pipeline_last_stage():
         # Each microbatch reports its share of the global loss.
         loss = torch.stack([out["loss"] for out in outputs]).sum()
         dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         loss = loss.item()
-    weights = {name: t.clone() for name, t in export_hf_weights(model, arch, config.model.spec)}
-    torch.save({"update_ok": bool(update_ok), "grad_norm": float(grad_norm), "loss": loss, "weights": weights},
-               out_dir / f"rank{dist.get_rank()}.pt")
+    return {"grad_norm": float(grad_norm), "loss": loss}
 
 
 def export_owned_job(config, out_dir: Path, job: dict) -> None:

@@ -11,17 +11,34 @@ from gspo_mcore.parallel import init_distributed
 
 def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3MoeArch, object]:
     """Check the layout against the HF config (before any process group work), join the
-    process groups, build this rank's GPTModel and, by default, fill it from the HF checkpoint."""
-    from checkpoint_convert.safetensors_io import HFCheckpointReader
-
+    process groups, build this rank's GPTModel and, by default, fill it from the HF checkpoint
+    (or model.mcore_dir)."""
     arch = load_hf_config(config.model.hf_dir)
     check_layout(arch, config.distributed)
     init_distributed(config.distributed)
     model = build_model(arch, config.model, config.distributed)
-    if load_weights and config.model.mcore_dir:
+    if load_weights:
+        load_initial_weights(model, arch, config)
+    return arch, model
+
+
+def load_initial_weights(model, arch: Qwen3MoeArch, config: Config) -> None:
+    """The run's starting weights: model.mcore_dir's torch_dist checkpoint, else model.hf_dir's safetensors."""
+    from checkpoint_convert.safetensors_io import HFCheckpointReader
+
+    if config.model.mcore_dir:
         from gspo_mcore.checkpointing import load_model_weights
 
         load_model_weights(model, config.model.mcore_dir)
-    elif load_weights:
+    else:
         load_hf_weights(model, arch, config.model.spec, HFCheckpointReader(config.model.hf_dir).__getitem__)
-    return arch, model
+
+
+def reference_model(config: Config, arch: Qwen3MoeArch):
+    """A frozen copy of the initial weights in this rank's layout (the KL term's pi_ref);
+    the process groups must exist (model_from_config first)."""
+    model = build_model(arch, config.model, config.distributed)
+    load_initial_weights(model, arch, config)
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,152 @@
+"""The Megatron side of a step: the policy (model, DDP, optimizer), the frozen reference when a
+KL term is on, and the GSPO update on one rollout batch.
+
+The update takes pi_old straight from the engine's log-probs: no old-policy forward, no routing
+replay. `token_logprobs_of` (a forward-only pass) serves the comparison arm that recomputes
+pi_old and the reference policy's log-probs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from gspo_mcore.config import Config
+from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
+from gspo_mcore.metrics import RouterLoad, to_floats, update_report
+from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, run_schedule
+from gspo_mcore.packing import (balance_across_ranks, equalize_count, microbatch_tensors, pack_microbatches,
+                                sequence_lengths, split_minibatches)
+from gspo_mcore.parallel import device
+from gspo_mcore.rollout.response import Rollout
+
+# A step that trains on nothing (every group without signal, or too few sequences for the
+# data-parallel ranks) reports these as null in metrics.jsonl, not made up.
+UPDATE_METRICS = (
+    "loss", "kl", "entropy", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_fraction_sequences",
+    "ratio_mean", "ratio_min", "ratio_max", "mismatch_abs_log_ratio_mean", "mismatch_abs_log_ratio_max",
+    "mismatch_token_abs_log_ratio_mean", "mismatch_out_of_band_fraction", "grad_norm", "minibatches", "lr",
+    "router_max_over_mean_load",
+)
+
+
+def _gather_dp(values: list) -> list:
+    out = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(out, values, group=parallel_state.get_data_parallel_group())
+    return [v for part in out for v in part]
+
+
+class Learner:
+    """Built collectively on every rank; `update` and `token_logprobs_of` are collective too."""
+
+    def __init__(self, config: Config):
+        from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config, reference_model
+        from gspo_mcore.optimizer import setup_training
+
+        self.config = config
+        torch.manual_seed(config.train.seed)
+        self.arch, self.model = model_from_config(config)
+        self.ddp, self.optimizer = setup_training(self.model, config.optimizer)
+        self.router = RouterLoad(self.model, self.arch.num_layers, self.arch.num_experts)
+        self.reference = reference_model(config, self.arch) if config.loss.kl_loss_coef > 0 else None
+
+    # ------------------------------------------------------------ microbatches
+
+    def microbatches(self, indices: list[int], rollouts: list[Rollout], advantages, extra=None) -> list[dict]:
+        """This rank's share of `indices`, packed by the token budget. Every data-parallel rank
+        gets the same number of microbatches (fillers that add nothing): under expert
+        parallelism a rank that finished early would leave its peers waiting in an all-to-all."""
+        lengths = sequence_lengths(rollouts)
+        shards = balance_across_ranks(indices, lengths, parallel_state.get_data_parallel_world_size())
+        mine = pack_microbatches(shards[parallel_state.get_data_parallel_rank()], lengths,
+                                 self.config.train.max_tokens_per_microbatch)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        built = [microbatch_tensors(rollouts, advantages, members, tp, extra) for members in mine]
+        count = torch.tensor([len(built)], device=device())
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        return equalize_count(built, int(count.item()))
+
+    # ------------------------------------------------------------ forward only
+
+    @torch.no_grad()
+    def token_logprobs_of(self, model, rollouts: list[Rollout]) -> list[list[float]]:
+        """`model`'s log-prob of each response token of each rollout (temperature as the
+        engine's), on every rank. `model`: the policy (its DDP wrapper) or the reference."""
+        from gspo_mcore.logprobs import token_logprobs
+
+        was_training = model.training
+        model.eval()
+        microbatches = self.microbatches(list(range(len(rollouts))), rollouts, [0.0] * len(rollouts))
+
+        def loss_for(mb):
+            def loss_func(logits):
+                lp, _ = token_logprobs(logits, mb["targets"], temperature=self.config.loss.temperature,
+                                       group=parallel_state.get_tensor_model_parallel_group())
+                return logits.new_zeros(()), {"index": mb["index"], "logprobs": lp.float(), "mask": mb["mask"]}
+            return loss_func
+
+        outputs = run_schedule(model, microbatches, loss_for, forward_only=True)
+        model.train(was_training)
+        found = []
+        if parallel_state.is_pipeline_last_stage():
+            for out in outputs:
+                logprobs, mask = out["logprobs"].cpu(), out["mask"].cpu().bool()  # one copy, not one per row
+                found += [(i, logprobs[row][mask[row]].tolist()) for row, i in enumerate(out["index"].tolist()) if i >= 0]
+        # Only the last stage has them; every stage gets them (the loss runs on the last stage,
+        # but the ranks stay consistent).
+        gathered = [_gather_dp(found)]
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(gathered, src=src, group=parallel_state.get_pipeline_model_parallel_group())
+        values = dict(gathered[0])
+        return [values[i] for i in range(len(rollouts))]
+
+    def recompute_old_logprobs(self, rollouts: list[Rollout]) -> list[Rollout]:
+        """The comparison arm: pi_old from a trainer forward instead of the engine's log-probs."""
+        values = self.token_logprobs_of(self.ddp, rollouts)
+        return [Rollout(r.prompt_ids, r.response_ids, v, r.finish_reason, r.weight_version)
+                for r, v in zip(rollouts, values)]
+
+    # ------------------------------------------------------------ the update
+
+    def update(self, rollouts: list[Rollout], advantages: list[float], step: int) -> dict:
+        """`num_minibatches` optimizer steps (x ppo_epochs) on one rollout batch; the loss's own
+        metrics, combined exactly over microbatches and ranks, on every rank. {} when the batch
+        is too small for the data-parallel ranks."""
+        cfg = self.config.train
+        num_minibatches = min(cfg.num_minibatches, len(rollouts) // parallel_state.get_data_parallel_world_size())
+        if num_minibatches == 0:
+            return {}
+        extra = None
+        if self.reference is not None:
+            extra = {"ref_logprobs": self.token_logprobs_of(self.reference, rollouts)}
+        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+        order = order.tolist()
+        self.router.reset()
+        self.ddp.train()
+        parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
+        for _ in range(cfg.ppo_epochs):
+            for mini in split_minibatches(len(rollouts), num_minibatches):
+                microbatches = self.microbatches([order[i] for i in mini], rollouts, advantages, extra)
+                parts.append(self._optimizer_step(microbatches))
+                grad_norms.append(parts[-1].pop())
+        metrics = [None]
+        if parallel_state.is_pipeline_last_stage():
+            per_rank = _gather_dp([parts])
+            by_step = [[p for rank_parts in per_rank for p in rank_parts[k]] for k in range(len(parts))]
+            metrics = [update_report(by_step, grad_norms)]
+        dist.broadcast_object_list(metrics, src=last_stage_rank())
+        return {**metrics[0], "minibatches": num_minibatches, "lr": self.optimizer.param_groups[0]["lr"],
+                "router_max_over_mean_load": self.router.imbalance()}
+
+    def _optimizer_step(self, microbatches: list[dict]) -> list:
+        """One optimizer step; returns each microbatch's metrics (last stage) and, last, the grad norm."""
+        normalizer = global_normalizer(microbatches, self.config.horizon)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = run_schedule(self.ddp, microbatches,
+                               lambda mb: make_loss_func(mb, normalizer, self.config.loss, len(microbatches)),
+                               forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        parts = [to_floats(out) for out in outputs] if parallel_state.is_pipeline_last_stage() else []
+        return parts + [float(grad_norm) if grad_norm is not None else float("nan")]

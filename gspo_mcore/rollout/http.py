@@ -1,0 +1,75 @@
+"""JSON over HTTP to an SGLang server: one request function and the two ways it fails.
+
+`HTTPStatusError`: the server answered and refused (its status and SGLang's `message`).
+`ConnectionFailure`: the answer is unknown (no connection, a timeout, or a server dying
+mid-answer: an `IncompleteRead`, or a JSON body cut off); callers may retry it.
+A 200 whose body is not JSON and not labelled JSON (SGLang's /flush_cache answers text)
+comes back as the text.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+
+DETAIL_CHARS = 300
+
+
+class HTTPRequestError(Exception):
+    """The request did not return an answer (base of the two kinds below)."""
+
+
+class HTTPStatusError(HTTPRequestError):
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"HTTP {status}: {detail}".strip())
+        self.status, self.detail = status, detail
+
+
+class ConnectionFailure(HTTPRequestError):
+    """No answer, or a broken one."""
+
+
+def _detail(raw: bytes) -> str:
+    """SGLang's JSON error `message` when there is one, else the start of the body."""
+    text = raw.decode(errors="replace")
+    try:
+        message = json.loads(text).get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message if message is not None else text)[:DETAIL_CHARS]
+
+
+def request_json(url: str, body: dict | None = None, timeout_s: float = 600.0, *, method: str = "POST") -> object:
+    """Send `body` as JSON (POST) or nothing (GET) to `url`; the decoded JSON answer, or the
+    text of a 200 that is not JSON."""
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data is not None else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
+            labelled_json = "json" in (response.headers.get("Content-Type") or "")
+    except urllib.error.HTTPError as err:
+        try:
+            detail = _detail(err.read())
+        except (OSError, http.client.HTTPException):
+            detail = ""
+        raise HTTPStatusError(err.code, detail) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+        raise ConnectionFailure(f"{type(err).__name__}: {getattr(err, 'reason', err)}") from None
+    try:
+        return json.loads(raw)
+    except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError of a cut-off character
+        if labelled_json:  # promised JSON: the body was cut off
+            raise ConnectionFailure(f"{type(err).__name__}: {err}") from None
+        return raw.decode(errors="replace")
+
+
+def post_json(url: str, body: dict | None, timeout_s: float) -> object:
+    return request_json(url, body, timeout_s, method="POST")
+
+
+def get_json(url: str, timeout_s: float) -> object:
+    return request_json(url, None, timeout_s, method="GET")

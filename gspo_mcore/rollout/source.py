@@ -1,0 +1,125 @@
+"""Prompts -> engine rollouts -> rewards -> advantages, with dynamic sampling (rank 0 only).
+
+A step asks the engine for `group_size` responses to each prompt, scores them, turns rewards
+into group-normalised advantages, keeps the groups `train.group_filter` chooses (by default
+those with signal) and generates more rounds until `rollout_batch_size` groups are kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gspo_mcore import advantages as adv
+from gspo_mcore.config import Config
+from gspo_mcore.errors import InputError
+from gspo_mcore.plugins import by_name
+from gspo_mcore.rollout.response import Rollout
+
+
+class RolloutSource:
+    """Prompts -> engine rollouts -> rewards -> advantages, on rank 0."""
+
+    def __init__(self, config: Config):
+        """Loads the tokenizer, the dataset and the reward (bad input fails here, before any
+        server starts); `connect` then names the servers."""
+        from transformers import AutoTokenizer
+
+        from gspo_mcore.data import PromptDataset, PromptSampler
+        from gspo_mcore.rewards.runner import RewardRunner
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or config.model.hf_dir)
+        if not config.data.path:
+            raise InputError("data.path: no prompt dataset given")
+        self.dataset = PromptDataset.load(config.data.path, config.data.prompt_key, config.data.messages_key,
+                                          config.data.answer_key)
+        self.sampler = PromptSampler(len(self.dataset), seed=config.train.seed)
+        self.rewards = RewardRunner(config.reward.name, config.reward.timeout_s, config.reward.workers)
+        self.group_filter = by_name(config.train.group_filter, adv.GROUP_FILTERS, "train.group_filter")
+        self.running = adv.RunningMoments()
+        self.client = None
+
+    def connect(self, urls: list[str], vocab_size: int) -> None:
+        from gspo_mcore.rollout.client import SGLangClient
+
+        self.client = SGLangClient(urls, vocab_size, request_timeout_s=self.config.rollout.request_timeout_s,
+                                   max_attempts=self.config.rollout.max_attempts)
+
+    def collect(self, step: int, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
+        """Rounds of generation until `rollout_batch_size` groups with signal are kept (at most
+        `max_sampling_rounds`; each asks for `oversample` x the groups still missing). Metrics
+        are over everything generated this step."""
+        cfg = self.config.train
+        rollouts, advantages, rounds = [], [], []
+        for _ in range(cfg.max_sampling_rounds):
+            missing = cfg.rollout_batch_size - sum(r["groups_kept"] for r in rounds)
+            if missing <= 0:
+                break
+            kept, kept_advantages, figures = self._round(step, weight_version, missing,
+                                                         offset=sum(r["requests"] for r in rounds))
+            rollouts += kept
+            advantages += kept_advantages
+            rounds.append(figures)
+        rewards = torch.cat([r["rewards"] for r in rounds])
+        lengths = torch.cat([r["lengths"] for r in rounds])
+        metrics = {
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std(unbiased=False).item(),
+            "response_length_mean": lengths.mean().item(),
+            "response_length_max": lengths.max().item(),
+            "truncated_fraction": sum(r["truncated"] for r in rounds) / len(lengths),
+            "groups_kept": sum(r["groups_kept"] for r in rounds),
+            "groups_total": sum(r["groups_total"] for r in rounds),
+            "sampling_rounds": len(rounds),
+            "reward_errors": sum(r["reward_errors"] for r in rounds),
+            "reward_timeouts": sum(r["reward_timeouts"] for r in rounds),
+        }
+        return rollouts, advantages, metrics
+
+    def _round(self, step: int, weight_version: str, wanted: int, offset: int) -> tuple[list, list, dict]:
+        """One generation round: `wanted` x oversample prompts; keeps at most `wanted` groups.
+        `offset`: requests already made this step (their seeds are taken)."""
+        from gspo_mcore.data import chat_prompt_ids
+
+        cfg = self.config.train
+        num_prompts = math.ceil(wanted * cfg.oversample)
+        samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
+        prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
+        requests = [p for p in prompts for _ in range(cfg.group_size)]
+        params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.loss.temperature}
+        # Seeds from (run seed, step, request): with a deterministic server, a resumed run
+        # samples what the uninterrupted one did.
+        base = (cfg.seed * 1_000_003 + step) * 100_003 + offset
+        seeds = [base + i for i in range(len(requests))]
+        rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds)
+        texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
+        answers = [s.answer for s in samples for _ in range(cfg.group_size)]
+        scores, stats = self.rewards.score(texts, answers)
+        rewards = torch.tensor(scores, dtype=torch.float32)
+        group_ids = torch.arange(len(samples)).repeat_interleave(cfg.group_size)
+        # reward_norm "batch" / "running": over this round's rewards / updated by each round.
+        normed = adv.normalize_rewards(rewards, group_ids, cfg.reward_norm, self.running)
+        advantages = adv.clip(adv.group_advantages(normed, group_ids, normalize_std=cfg.advantage_std_norm),
+                              cfg.advantage_clip)
+        keep = self.group_filter(rewards, group_ids)
+        kept_groups = set(sorted(set(group_ids[keep].tolist()))[:wanted])  # the first ones with signal
+        selected = [i for i, g in enumerate(group_ids.tolist()) if g in kept_groups]
+        figures = {
+            "rewards": rewards, "lengths": torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32),
+            "truncated": sum(r.truncated for r in rollouts), "groups_kept": len(kept_groups),
+            "groups_total": len(samples), "requests": len(requests),
+            "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
+        }
+        return [rollouts[i] for i in selected], [advantages[i].item() for i in selected], figures
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "running": self.running.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.running.load_state_dict(state["running"])
+
+    def close(self) -> None:
+        self.rewards.close()

@@ -1,0 +1,48 @@
+"""Weights in transit: bounded buckets, SGLang's flattened layout, its update session."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from gspo_mcore.rollout.engine_control import EngineControl
+
+
+def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+             dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs, in order, into lists of at most `bucket_bytes` (counted in
+    `dtype` if given: what will be sent; a tensor larger than that travels alone). Streams:
+    one bucket is held at a time."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * (dtype.itemsize if dtype is not None else tensor.element_size())
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def flatten(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """SGLang's "flattened_bucket" layout: the tensors' bytes, concatenated in order."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+
+
+@contextmanager
+def update_session(control: EngineControl, weight_version: str):
+    """SGLang's weight-update session around a push by all trainer ranks (collective): rank 0
+    opens it once every rank is ready and closes it, tagging `weight_version`, once every rank
+    has sent."""
+    if dist.get_rank() == 0:
+        control.begin_update()
+    dist.barrier()
+    yield
+    dist.barrier()
+    if dist.get_rank() == 0:
+        control.end_update(weight_version)
+    dist.barrier()

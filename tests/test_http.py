@@ -1,0 +1,136 @@
+"""The JSON-over-HTTP helper and its callers' error kinds, against a tiny local server that
+answers JSON, text, 4xx/5xx, or dies in the middle of its answer."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from gspo_mcore.parallel import free_port
+from gspo_mcore.rollout.client import RetryableError, SGLangClient
+from gspo_mcore.rollout.engine_control import EngineControl, WeightSyncError
+from gspo_mcore.rollout.http import ConnectionFailure, HTTPStatusError, get_json, post_json
+from gspo_mcore.rollout.response import RolloutError
+
+LONG = "m" * 1000
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _answer(self, code, data: bytes, content_type=None, length=None):
+        self.send_response(code)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.received = None
+        self._route()
+
+    def do_POST(self):
+        self.received = self.rfile.read(int(self.headers["Content-Length"]))
+        self._route()
+
+    def _route(self):
+        routes = {
+            "/echo": lambda: self._json(200, {"method": self.command, "type": self.headers.get("Content-Type"),
+                                              "body": json.loads(self.received) if self.received else None}),
+            "/flush_cache": lambda: self._answer(200, b"Cache flushed.\n", length=15),  # SGLang: no Content-Type
+            "/refused": lambda: self._json(400, {"object": "error", "message": "outside a weight-update session"}),
+            "/refused_long": lambda: self._json(400, {"message": LONG}),
+            "/refused_text": lambda: self._answer(404, b"Not Found", "text/plain", 9),
+            "/busy": lambda: self._json(503, {"error": "busy"}),
+            "/failed": lambda: self._json(200, {"success": False, "message": "shape mismatch"}),
+            "/get_server_info": lambda: self._json(200, {"tp_size": 2}),
+            # Dies mid-answer: fewer bytes than promised (IncompleteRead) ...
+            "/cut_short": lambda: self._answer(200, b'{"output_ids": [1,', "application/json", 100),
+            # ... or, with no length given, a JSON body that just stops.
+            "/cut_open": lambda: self._answer(200, b'{"output_ids": [1,', "application/json"),
+        }
+        routes[self.path.removesuffix("/generate")]()  # the generate client's server is url/<route>
+
+    def _json(self, code, body):
+        data = json.dumps(body).encode()
+        self._answer(code, data, "application/json", len(data))
+
+
+@pytest.fixture(scope="module")
+def url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_json_post_and_get(url):
+    assert post_json(f"{url}/echo", {"a": [1, 2]}, 5) == {"method": "POST", "type": "application/json",
+                                                           "body": {"a": [1, 2]}}
+    assert get_json(f"{url}/echo", 5) == {"method": "GET", "type": None, "body": None}
+
+
+def test_text_answer_comes_back_as_text(url):
+    assert post_json(f"{url}/flush_cache", None, 5) == "Cache flushed.\n"
+
+
+def test_refusal_keeps_status_and_sglang_message(url):
+    with pytest.raises(HTTPStatusError) as err:
+        post_json(f"{url}/refused", {}, 5)
+    assert err.value.status == 400 and err.value.detail == "outside a weight-update session"
+    assert str(err.value) == "HTTP 400: outside a weight-update session"
+    with pytest.raises(HTTPStatusError) as err:
+        post_json(f"{url}/refused_long", {}, 5)
+    assert err.value.detail == LONG[:300]
+    with pytest.raises(HTTPStatusError) as err:
+        get_json(f"{url}/refused_text", 5)
+    assert err.value.status == 404 and err.value.detail == "Not Found"
+    with pytest.raises(HTTPStatusError) as err:
+        post_json(f"{url}/busy", {}, 5)
+    assert err.value.status == 503
+
+
+@pytest.mark.parametrize("path", ["/cut_short", "/cut_open"])
+def test_answer_cut_off_is_a_connection_failure(url, path):
+    with pytest.raises(ConnectionFailure):
+        post_json(f"{url}{path}", {}, 5)
+
+
+def test_connection_refused_is_a_connection_failure():
+    with pytest.raises(ConnectionFailure, match="URLError"):
+        post_json(f"http://127.0.0.1:{free_port()}/generate", {}, 5)
+
+
+# The callers keep their own error kinds on top of the helper's.
+
+def test_generate_client_errors(url):
+    client = SGLangClient([url], 256)
+    with pytest.raises(RolloutError, match=f"server {url}/refused refused the request: HTTP 400: outside a weight"):
+        client._post(f"{url}/refused", {})
+    for route, message in [("/busy", "HTTP 503"), ("/cut_short", "IncompleteRead"),
+                           ("/cut_open", "JSONDecodeError"), ("/flush_cache", "not a /generate answer")]:
+        with pytest.raises(RetryableError, match=message):
+            client._post(f"{url}{route}", {})
+    with pytest.raises(RetryableError, match="URLError"):
+        client._post(f"http://127.0.0.1:{free_port()}", {})
+
+
+def test_engine_control_errors(url):
+    control = EngineControl([url], timeout_s=5)
+    assert control.call(url, "/flush_cache") == {}
+    assert control.tp_size(url) == 2
+    with pytest.raises(WeightSyncError, match=f"^server {url}/refused: HTTP 400: outside a weight-update session$"):
+        control.call(url, "/refused")
+    with pytest.raises(WeightSyncError, match=f"^server {url}/failed: shape mismatch$"):
+        control.call(url, "/failed")
+    with pytest.raises(WeightSyncError, match=f"^server {url}/cut_short: IncompleteRead"):
+        control.call(url, "/cut_short")
+    gone = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(WeightSyncError, match=f"^server {gone}/get_server_info: URLError"):
+        control.tp_size(gone)

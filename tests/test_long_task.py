@@ -1,0 +1,87 @@
+"""The long task (gspo_mcore/long_task.py): its reward counts every word, and its writer is
+deterministic and leaves no half-written task directory. No servers."""
+
+import json
+import random
+
+import pytest
+
+from gspo_mcore import long_task, toy_task
+from gspo_mcore.long_task import RESPONSE_WORDS, list_reward, make_long_task, make_prompts
+
+
+def words(category: str, count: int, start: int = 0) -> list[str]:
+    return [f"{category}_{(start + i) % toy_task.WORDS_PER_CATEGORY}" for i in range(count)]
+
+
+@pytest.mark.parametrize("response, expected", [
+    (" ".join(words("animal", 40)), 1.0),
+    (" ".join(words("animal", 40) + words("color", 10)), 1.0),  # words past the count do not matter
+    (" ".join(words("animal", 30) + words("fruit", 10)), 0.75),
+    (" ".join(words("fruit", 10) + words("animal", 30)), 0.75),  # the position of a wrong word does not matter
+    (" ".join(words("animal", 20)), 0.5),                          # stopped early: the missing 20 count as wrong
+    (" ".join(["animal"] * 40), 0.0),                              # the category's name is not one of its words
+    ("", 0.0),
+])
+def test_reward_is_the_fraction_of_the_first_n_words_in_the_category(response, expected):
+    assert list_reward(response, "animal 40") == pytest.approx(expected)
+
+
+def test_reward_reads_the_count_from_the_answer():
+    assert list_reward(" ".join(words("color", 4)), "color 8") == pytest.approx(0.5)
+    assert list_reward(" ".join(words("color", 4)), "color 4") == pytest.approx(1.0)
+
+
+def test_a_uniformly_random_response_scores_60_of_256():
+    vocabulary = toy_task.vocabulary()
+    rng = random.Random(0)
+    scores = [list_reward(" ".join(rng.choices(vocabulary, k=RESPONSE_WORDS)), f"number {RESPONSE_WORDS}")
+              for _ in range(2000)]
+    assert sum(scores) / len(scores) == pytest.approx(60 / 256, abs=0.01)
+
+
+def test_prompts_are_the_toy_tasks_with_the_count(tmp_path):
+    make_prompts(tmp_path / "long.jsonl", 50, seed=3, words=32)
+    toy_task.make_prompts(tmp_path / "toy.jsonl", 50, seed=3)
+    long = [json.loads(line) for line in (tmp_path / "long.jsonl").read_text().splitlines()]
+    toy = [json.loads(line) for line in (tmp_path / "toy.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in long] == [r["prompt"] for r in toy]
+    assert [r["answer"] for r in long] == [f"{r['answer']} 32" for r in toy]
+    make_prompts(tmp_path / "again.jsonl", 50, seed=3, words=32)
+    make_prompts(tmp_path / "other.jsonl", 50, seed=4, words=32)
+    assert (tmp_path / "again.jsonl").read_bytes() == (tmp_path / "long.jsonl").read_bytes()
+    assert (tmp_path / "other.jsonl").read_bytes() != (tmp_path / "long.jsonl").read_bytes()
+
+
+def test_writer_is_deterministic_and_its_tokenizer_feeds_the_reward(tmp_path):
+    from transformers import AutoTokenizer
+
+    first, second = make_long_task(tmp_path / "a", num_prompts=20), make_long_task(tmp_path / "b", num_prompts=20)
+    for name in ("prompts.jsonl", "model/model.safetensors", "model/config.json", "model/tokenizer.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # no temporary left
+    record = json.loads((first / "prompts.jsonl").read_text().splitlines()[0])
+    category = record["answer"].split()[0]
+    tokenizer = AutoTokenizer.from_pretrained(first / "model")
+    # What the trainer scores: the response's ids (stop token included) decoded without specials.
+    ids = tokenizer.convert_tokens_to_ids(words(category, RESPONSE_WORDS - 1) + ["<eos>"])
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert list_reward(text, record["answer"]) == pytest.approx((RESPONSE_WORDS - 1) / RESPONSE_WORDS)
+
+
+def test_writer_leaves_no_partial_task_and_keeps_a_complete_one(tmp_path, monkeypatch):
+    out = tmp_path / "task"
+
+    def broken(path, count, seed):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(long_task.toy_task, "make_prompts", broken)
+    with pytest.raises(OSError):
+        make_long_task(out, num_prompts=5)
+    assert not out.exists()
+    monkeypatch.undo()
+    make_long_task(out, num_prompts=5)
+    assert len((out / "prompts.jsonl").read_text().splitlines()) == 5
+    (out / "prompts.jsonl").write_text('{"prompt": "kept", "answer": "color 40"}\n')
+    make_long_task(out, num_prompts=5)
+    assert (out / "prompts.jsonl").read_text() == '{"prompt": "kept", "answer": "color 40"}\n'

@@ -1,0 +1,69 @@
+"""The loss's metrics combined over microbatches and ranks equal the whole minibatch's, and
+the step report takes each figure from where it is defined."""
+
+import pytest
+import torch
+
+from gspo_mcore.loss import METRIC_KINDS, policy_loss
+from gspo_mcore.metrics import combine, to_floats, update_report
+
+
+def batch(seed=0, B=7, T=10):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([10, 1, 0, 6, 3, 8, 5])[:B]  # one empty response
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp = old + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    entropy = torch.rand(B, T, generator=g, dtype=torch.float64)
+    return logp, old, adv, mask, entropy
+
+
+@pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
+def test_combined_microbatch_metrics_equal_the_whole_batch(level):
+    logp, old, adv, mask, entropy = batch()
+    kwargs = dict(level=level, clip_low=0.02, clip_high=0.03)
+    _, whole = policy_loss(logp, old, adv, mask, entropy=entropy, **kwargs)
+    splits = (slice(0, 2), slice(2, 3), slice(3, 7))  # the middle one holds only the empty response
+    parts = [to_floats(policy_loss(logp[s], old[s], adv[s], mask[s], entropy=entropy[s], **kwargs)[1])
+             for s in splits]
+    combined = combine(parts)
+    assert set(combined) == set(whole)
+    for key, value in whole.items():
+        assert combined[key] == pytest.approx(value.item(), abs=1e-12), key
+    # The band really splits the batch, and the token-level share adds up from its two sides.
+    assert 0 < whole["clip_fraction"] < 1
+    assert whole["clip_fraction"] == pytest.approx((whole["clip_fraction_low"] + whole["clip_fraction_high"]).item())
+    # Length normalisation: the per-sequence |log s_i| is below the per-token mismatch.
+    assert whole["abs_log_ratio_mean"] < whole["abs_log_ratio_token_mean"]
+
+
+def test_token_level_clip_fraction_counts_tokens_not_sequence_ratios():
+    """GRPO's clip fraction is over its own token ratios (the old trainer recomputed it from the
+    sequence ratio under every level, so GSPO and GRPO plotted two different quantities)."""
+    logp, old, adv, mask, _ = batch(seed=3)
+    _, token = policy_loss(logp, old, adv, mask, level="token", clip_low=0.02, clip_high=0.03)
+    ratio = (logp - old).exp()
+    a = adv[:, None].expand_as(ratio)
+    clipped = (((a > 0) & (ratio > 1.03)) | ((a < 0) & (ratio < 0.98))) & mask.bool()
+    assert token["clip_fraction"].item() == pytest.approx(clipped.sum().item() / mask.sum().item())
+
+
+def test_every_metric_has_a_combination_rule():
+    logp, old, adv, mask, entropy = batch()
+    _, metrics = policy_loss(logp, old, adv, mask, entropy=entropy)
+    assert set(metrics) <= set(METRIC_KINDS)
+
+
+def test_update_report_takes_mismatch_from_the_first_step_and_averages_the_loss():
+    step = lambda loss, ratio: [{"loss": loss / 2, "num_tokens": 4.0, "num_sequences": 2.0, "clip_fraction": 0.5,
+                                 "abs_log_ratio_mean": ratio, "abs_log_ratio_max": 2 * ratio,
+                                 "abs_log_ratio_token_mean": 3 * ratio, "ratio_above_band": 0.25,
+                                 "ratio_below_band": 0.5}] * 2
+    report = update_report([step(1.0, 0.1), step(3.0, 0.7)], grad_norms=[1.0, 2.0])
+    assert report["loss"] == pytest.approx(2.0) and report["grad_norm"] == pytest.approx(1.5)
+    assert report["mismatch_abs_log_ratio_mean"] == pytest.approx(0.1)
+    assert report["mismatch_abs_log_ratio_max"] == pytest.approx(0.2)
+    assert report["mismatch_token_abs_log_ratio_mean"] == pytest.approx(0.3)
+    assert report["mismatch_out_of_band_fraction"] == pytest.approx(0.75)
+    assert report["clip_fraction"] == pytest.approx(0.5)

@@ -4,7 +4,6 @@ training state (save, resume, retention)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -66,21 +65,16 @@ class Checkpointer:
         """Collective; `rollout_state` from rank 0's rollout source (None on other ranks)."""
         from megatron.core import dist_checkpointing
 
+        from gspo_mcore.files import atomic_output, atomic_output_all_ranks
+
         path = self.root / f"step_{step:06d}"
-        tmp = path.with_name(path.name + ".tmp")
+        with atomic_output_all_ranks(path) as tmp:
+            dist_checkpointing.save(self._sharded(loading=False), str(tmp))
+            if dist.get_rank() == 0:
+                (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "rollout": rollout_state}))
         if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded(loading=False), str(tmp))
-        dist.barrier()
-        if dist.get_rank() == 0:
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "rollout": rollout_state}))
-            shutil.rmtree(path, ignore_errors=True)
-            tmp.rename(path)
-            latest = self.root / "latest.tmp"
-            latest.write_text(path.name)
-            os.replace(latest, self.root / "latest")
+            with atomic_output(self.root / "latest") as latest:
+                latest.write_text(path.name)
             self._prune(path)
         dist.barrier()
         return path

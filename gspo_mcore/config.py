@@ -76,6 +76,12 @@ class LossConfig:
     """None: the paper's for the level (seq-mean-token-mean)."""
     dual_clip: float | None = None
     """Lower bound c * A for negative advantages (c > 1); None: off."""
+    token_mask_band: list[float] | None = None
+    """[low, high]: tokens whose pi_theta / pi_engine leaves the band give no gradient
+    (IcePop); computed from the current forward and the engine's log-probs. None: off."""
+    sequence_mask_threshold: float | None = None
+    """delta: sequences with negative advantage whose mean log(pi_engine / pi_theta) exceeds it
+    give no gradient (DeepSeek-V3.2's off-policy sequence masking). None: off."""
     temperature: float = 1.0
     """The engine's sampling temperature; the trainer divides its logits by it too."""
     horizon: int | None = None
@@ -227,6 +233,11 @@ class Config:
             raise ConfigError("train.oversample: must be >= 1")
         if self.train.group_size < 2:
             raise ConfigError("train.group_size: must be >= 2 (a group of one has no advantage to learn from)")
+        band = self.loss.token_mask_band
+        if band is not None and (len(band) != 2 or not 0 < band[0] < 1 < band[1]):
+            raise ConfigError("loss.token_mask_band: expected [low, high] with 0 < low < 1 < high")
+        if self.loss.sequence_mask_threshold is not None and self.loss.sequence_mask_threshold < 0:
+            raise ConfigError("loss.sequence_mask_threshold: must be >= 0")
         if self.loss.horizon is not None and self.loss.horizon < 1:
             raise ConfigError("loss.horizon: must be >= 1")
         for name in ("kl_loss_coef", "entropy_coef", "temperature"):

@@ -41,3 +41,18 @@ def atomic_output(path, *, directory: bool = False) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_output_all_ranks(path) -> Iterator[Path]:
+    """`atomic_output(path, directory=True)` for a directory every rank writes into
+    (collective): rank 0 creates the temporary and, once every rank has left the block,
+    renames it into place."""
+    import torch.distributed as dist
+
+    with contextlib.ExitStack() as stack:
+        tmp = [stack.enter_context(atomic_output(path, directory=True)) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(tmp, src=0)
+        yield tmp[0]
+        dist.barrier()
+    dist.barrier()

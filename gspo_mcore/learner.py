@@ -27,7 +27,7 @@ UPDATE_METRICS = (
     "loss", "kl", "entropy", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_fraction_sequences",
     "ratio_mean", "ratio_min", "ratio_max", "mismatch_abs_log_ratio_mean", "mismatch_abs_log_ratio_max",
     "mismatch_token_abs_log_ratio_mean", "mismatch_out_of_band_fraction", "grad_norm", "minibatches", "lr",
-    "router_max_over_mean_load",
+    "router_max_over_mean_load", "token_mask_fraction", "sequence_mask_fraction",
 )
 
 

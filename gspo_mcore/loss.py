@@ -12,6 +12,7 @@ per-microbatch losses equal the global loss exactly (see gspo_mcore.megatron_los
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -105,9 +106,12 @@ def policy_loss(
     dual_clip: float | None = None,
     entropy: torch.Tensor | None = None,
     normalizer: Normalizer = Normalizer(),
+    token_mask_band: tuple[float, float] | None = None,
+    sequence_mask_threshold: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns (loss to minimise, metrics). Shapes: logprobs/old_logprobs/mask [B, T];
-    advantages [B] (per sequence) or [B, T] (per token; sequence_token and token levels)."""
+    advantages [B] (per sequence) or [B, T] (per token; sequence_token and token levels).
+    `token_mask_band` / `sequence_mask_threshold`: the mismatch masks of `mismatch_keep`."""
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
     _check(logprobs, old_logprobs, advantages, mask)
@@ -116,6 +120,9 @@ def policy_loss(
     aggregation = aggregation or DEFAULT_AGGREGATION[level]
     mask_f = mask.to(_wide(logprobs).dtype)
     adv = _wide(advantages) if advantages.dim() == 2 else _wide(advantages)[:, None].expand_as(mask_f)
+    keep, mask_metrics = mismatch_keep(logprobs, old_logprobs, adv, mask_f, token_mask_band, sequence_mask_threshold)
+    if keep is not None:  # masked tokens leave the ratio and the loss; the counts stay global
+        mask, mask_f = mask_f * keep, mask_f * keep
     seq_log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)
     seq_ratio = seq_log_ratio.exp()
 
@@ -134,7 +141,42 @@ def policy_loss(
         token_log_ratio = (_wide(logprobs) - _wide(old_logprobs)) * mask_f
         metrics = _metrics(ratio, seq_ratio, seq_log_ratio, token_log_ratio, adv, mask_f, clip_low, clip_high, level,
                            entropy)
-    return loss, metrics
+    return loss, {**metrics, **mask_metrics}
+
+
+@torch.no_grad()
+def mismatch_keep(logprobs, engine_logprobs, adv, mask, token_band: tuple[float, float] | None,
+                  sequence_threshold: float | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Train-inference mismatch masks that need no recomputation: they compare the current
+    forward with the engine's log-probs only. Returns (keep [B, T] or None, metrics).
+
+    - token band (IcePop, Ling team 2025): a token whose pi_theta / pi_engine leaves
+      [low, high] gives no gradient;
+    - sequence threshold delta (DeepSeek-V3.2's off-policy sequence masking): a sequence with
+      negative advantage whose mean log(pi_engine / pi_theta) over its tokens exceeds delta
+      gives no gradient (learning from negative samples the policy has already moved far from
+      destabilises it; positive ones are kept).
+    The metrics (`token_mask_fraction` of response tokens, `sequence_mask_fraction` of
+    sequences) say how much each masked."""
+    if token_band is None and sequence_threshold is None:
+        return None, {}
+    log_ratio = (_wide(logprobs).detach() - _wide(engine_logprobs)) * mask  # log pi_theta / pi_engine
+    keep = mask.clone()
+    metrics = {}
+    num_tokens = mask.sum().clamp(min=1)
+    has_tokens = (mask.sum(-1) > 0).to(mask.dtype)
+    if token_band is not None:
+        low, high = token_band
+        inside = (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
+        keep = keep * inside
+        metrics["token_mask_fraction"] = (mask * ~inside).sum() / num_tokens
+    if sequence_threshold is not None:
+        mean_log_engine_over_theta = -log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
+        negative = (adv * mask).sum(-1) < 0  # per-sequence advantage (per-token ones: their sum)
+        drop = negative & (mean_log_engine_over_theta > sequence_threshold)
+        keep = keep * ~drop[:, None]
+        metrics["sequence_mask_fraction"] = (drop.to(mask.dtype) * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+    return keep, metrics
 
 
 # How each metric of `policy_loss` combines over microbatches and data-parallel ranks
@@ -149,6 +191,7 @@ METRIC_KINDS = {
     "abs_log_ratio_mean": "sequences", "abs_log_ratio_max": "max", "abs_log_ratio_token_mean": "tokens",
     "ratio_above_band": "sequences", "ratio_below_band": "sequences",
     "entropy": "tokens",
+    "token_mask_fraction": "tokens", "sequence_mask_fraction": "sequences",
 }
 
 

@@ -57,6 +57,8 @@ def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, nu
             logprobs, microbatch["old_logprobs"], microbatch["advantages"], microbatch["mask"],
             level=cfg.level, clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.aggregation,
             dual_clip=cfg.dual_clip, entropy=entropy, normalizer=normalizer,
+            token_mask_band=tuple(cfg.token_mask_band) if cfg.token_mask_band else None,
+            sequence_mask_threshold=cfg.sequence_mask_threshold,
         )
         if cfg.kl_loss_coef > 0:
             kl = aggregate(kl_penalty(logprobs, microbatch["ref_logprobs"], cfg.kl_estimator), microbatch["mask"],

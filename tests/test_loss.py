@@ -210,3 +210,41 @@ def test_kl_estimators(estimator):
 def test_aggregate_rejects_unknown_mode():
     with pytest.raises(ValueError, match="aggregation 'mean'"):
         aggregate(torch.zeros(2, 2), torch.ones(2, 2), "mean")
+
+
+def test_token_mask_drops_tokens_outside_the_band_from_ratio_and_gradient():
+    """IcePop-style: a token whose pi_theta / pi_engine leaves [low, high] gives no gradient and
+    leaves the sequence ratio; the rest is the loss of the batch without it."""
+    logp, old, adv, mask = make_batch(seed=21)
+    logp = old + 0.1 * (logp.detach() - old)  # every other token well inside the band
+    logp[0, 2] = old[0, 2] + 2.0  # ratio e^2 ~ 7.4: outside [0.5, 5]
+    logp[3, 1] = old[3, 1] - 1.0  # ratio e^-1 ~ 0.37: outside
+    logp.requires_grad_(True)
+    band = (0.5, 5.0)
+    loss, metrics = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, token_mask_band=band)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[0, 2] == 0 and grad[3, 1] == 0 and grad[0, 3] != 0
+    inside = mask.clone()
+    inside[0, 2] = inside[3, 1] = 0
+    expected, _ = policy_loss(logp, old, adv, inside, clip_low=0.2, clip_high=0.2,
+                              normalizer=Normalizer(num_sequences=6, num_tokens=float(mask.sum())))
+    assert abs(loss.item() - expected.item()) < 1e-12
+    assert metrics["token_mask_fraction"].item() == pytest.approx(2 / mask.sum().item())
+
+
+def test_sequence_mask_drops_only_negative_sequences_the_policy_moved_away_from():
+    """DeepSeek-V3.2: A < 0 and mean log(pi_engine / pi_theta) > delta -> no gradient."""
+    logp, old, adv, mask = make_batch(seed=22)
+    adv = torch.tensor([-1.0, 1.0, -1.0, -1.0, 1.0, 0.5], dtype=torch.float64)
+    logp = old.clone()
+    logp[0] -= 0.5  # far below the engine, negative advantage: masked
+    logp[1] -= 0.5  # far below, positive advantage: kept
+    logp[2] += 0.5  # above the engine: kept
+    logp.requires_grad_(True)
+    loss, metrics = policy_loss(logp, old, adv, mask, clip_low=10, clip_high=10, sequence_mask_threshold=0.1)
+    (grad,) = torch.autograd.grad(loss, logp)
+    per_sequence = grad.abs().sum(-1)
+    assert per_sequence[0] == 0 and (per_sequence[1:] > 0).all()
+    assert metrics["sequence_mask_fraction"].item() == pytest.approx(1 / 6)
+    _, off = policy_loss(logp, old, adv, mask)
+    assert "sequence_mask_fraction" not in off and "token_mask_fraction" not in off

@@ -109,7 +109,7 @@ def test_checkpoints_and_final_hf_export(default_run, toy):
     ckpt = out / "checkpoints"
     assert (ckpt / "latest").read_text() == "step_000040"
     assert (ckpt / "step_000020" / "trainer_state.json").is_file()
-    assert not list(ckpt.glob("*.tmp"))
+    assert not list(ckpt.glob("*.tmp*"))
     state = json.loads((ckpt / "step_000040" / "trainer_state.json").read_text())
     assert state["step"] == 40 and state["rollout"]["sampler"]["position"] > 0
     trained = load_file(out / "hf" / "model-00001-of-00001.safetensors")
@@ -143,9 +143,13 @@ def test_expert_parallel_run_with_recompute_disk_sync_and_checks(toy, server, tm
     run_module(["-m", "checkpoint_convert", "hf-to-mcore", "--hf-dir", str(toy / "model"), "--output-dir", str(mcore)])
     _train(out, [*_toy_overrides(toy), f"model.mcore_dir={mcore}", f"rollout.urls=[{server}]", "distributed.expert_parallel=2", "train.steps=3",
                  "train.recompute_old_logprobs=true", "weight_sync.method=disk", "weight_sync.colocate=true",
-                 "weight_sync.check_every=1", "train.save_every=0", "train.export_hf=false"], nproc=2)
+                 "weight_sync.check_every=1", "train.save_every=1", "train.keep_checkpoints=2",
+                 "train.export_hf=false"], nproc=2)
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # Retention: the newest two complete checkpoints stay, `latest` names the newest.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_000003"
     for row in rows:
         assert row["mismatch_abs_log_ratio_max"] < 1e-5
         assert row["sync_check_median"] < 1e-4

@@ -15,18 +15,19 @@ def save_hf_checkpoint(model, arch, spec: str, out_dir, hf_config_dir) -> Path:
     + index + the config/tokenizer files of `hf_config_dir`), each rank writing the tensors it
     owns, streamed. Collective. Written to a temporary sibling and renamed when complete;
     the disk path of weight sync (`/update_weights_from_disk`) and the final HF export."""
-    import shutil
+    from gspo_mcore.files import atomic_output_all_ranks
 
+    out_dir = Path(out_dir)
+    with atomic_output_all_ranks(out_dir) as tmp:
+        _write_hf_checkpoint(model, arch, spec, tmp, hf_config_dir)
+    return out_dir
+
+
+def _write_hf_checkpoint(model, arch, spec: str, tmp: Path, hf_config_dir) -> None:
     from checkpoint_convert.safetensors_io import HFCheckpointWriter, copy_side_files, write_index_file
     from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan, owned_hf_weights
 
-    out_dir = Path(out_dir)
     rank = dist.get_rank()
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-sync")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
     plan = owned_hf_plan(model, arch, spec)
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, HFCheckpointWriter(tmp, plan).num_shards)
@@ -39,10 +40,6 @@ def save_hf_checkpoint(model, arch, spec: str, out_dir, hf_config_dir) -> Path:
     if rank == 0:
         write_index_file(tmp, {k: v for m, _ in maps for k, v in m.items()}, sum(size for _, size in maps))
         copy_side_files(hf_config_dir, tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    dist.barrier()
-    return out_dir
 
 
 def push_from_disk(control: EngineControl, hf_dir, weight_version: str) -> None:

@@ -35,8 +35,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -79,7 +81,8 @@ def forward_logprobs(model, rollouts, temperature: float) -> tuple[list[torch.Te
         start = len(r.prompt_ids) - 1
         logits = out.logits[0, start:].double() / temperature
         logprobs.append(logits.log_softmax(-1).gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0])
-        experts.append(torch.stack([layer[start:].topk(k, dim=-1).indices.sort(-1).values for layer in out.router_logits]))
+        experts.append(torch.stack([layer[start:].topk(k, dim=-1).indices.sort(-1).values
+                                    for layer in out.router_logits]))
     return logprobs, experts
 
 
@@ -121,15 +124,19 @@ def compare(trainer: list[torch.Tensor], engine: list[list[float]], clip_low: fl
         if len(chosen):
             by_position[f"{start}-{start + quarter - 1}"] = {"bias": chosen.mean().item(),
                                                              "mean_abs": chosen.abs().mean().item()}
-    slope = torch.linalg.lstsq(torch.stack([index.double(), torch.ones_like(tokens)], 1), tokens.abs()[:, None]).solution
+    design = torch.stack([index.double(), torch.ones_like(tokens)], 1)
+    slope = torch.linalg.lstsq(design, tokens.abs()[:, None]).solution  # |d| ~ slope * position + c
+    noise_only = sum(std / math.sqrt(len(d)) * math.sqrt(2 / math.pi) for d in diffs) / len(diffs)
     return {
-        "tokens": len(tokens), "token_bias": bias, "token_std": std, "bias_t": bias / max(std / math.sqrt(len(tokens)), 1e-30),
-        "token_median": tokens.median().item(), "token_median_abs": tokens.abs().median().item(), "token_share_abs_over_0.1": (tokens.abs() > 0.1).double().mean().item(),
+        "tokens": len(tokens), "token_bias": bias, "token_std": std,
+        "bias_t": bias / max(std / math.sqrt(len(tokens)), 1e-30),
+        "token_median": tokens.median().item(), "token_median_abs": tokens.abs().median().item(),
+        "token_share_abs_over_0.1": (tokens.abs() > 0.1).double().mean().item(),
         "seq_mean_abs_log_ratio": log_s.abs().mean().item(), "seq_mean_log_ratio": log_s.mean().item(),
         "seq_out_of_band": out_of_band(log_s),
         "seq_mean_abs_log_ratio_tail_zeroed": log_s_bulk.abs().mean().item(),
         "seq_out_of_band_tail_zeroed": out_of_band(log_s_bulk),
-        "seq_noise_only_abs_log_ratio": sum(std / math.sqrt(len(d)) * math.sqrt(2 / math.pi) for d in diffs) / len(diffs),
+        "seq_noise_only_abs_log_ratio": noise_only,
         "seq_out_of_band_after_first_half_offset": out_of_band(log_s[half:] - offset),
         "seq_band_for_90pct": torch.quantile(log_s.abs(), 0.9).item(),
         "abs_d_slope_per_10_positions": 10 * slope[0, 0].item(),
@@ -158,13 +165,17 @@ def main(argv=None) -> int:
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config_path = Path(args.config).resolve()
+    os.chdir(REPO)  # the config's paths are relative to the repository
+    config = load_config(config_path, args.overrides)
     if not Path(config.model.hf_dir, "config.json").is_file():
         sys.exit(f"{config.model.hf_dir}: no model; write the task first (python -m gspo_mcore.long_task ...)")
     tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or config.model.hf_dir)
     dataset = PromptDataset.load(config.data.path)
     prompts = [chat_prompt_ids(tokenizer, dataset[i].messages) for i in range(args.sequences)]
     models = trainer_variants(config.model.hf_dir)
+    score = partial(compare, clip_low=config.loss.clip_low, clip_high=config.loss.clip_high,
+                    positions=config.rollout.max_new_tokens)
     results = {}
     with tempfile.TemporaryDirectory() as log_dir:
         for engine_dtype, variants in (("bfloat16", ("fp32", "bf16 weights", "bf16")), ("float32", ("fp32",))):
@@ -175,7 +186,7 @@ def main(argv=None) -> int:
             for name in variants:
                 logprobs, experts = forwards[name]
                 results[f"{engine_name} vs {name} trainer"] = {
-                    **compare(logprobs, engine, config.loss.clip_low, config.loss.clip_high, config.rollout.max_new_tokens),
+                    **score(logprobs, engine),
                     "routing_flips_vs_fp32": routing_flips(experts, forwards["fp32"][1]),
                 }
             if engine_dtype == "bfloat16":  # no engine: what bf16 alone does, split by routing flips
@@ -183,18 +194,16 @@ def main(argv=None) -> int:
                 flips = flipped_tokens(bf16_experts, fp32_experts)
                 d = (torch.cat(bf16) - torch.cat(fp32)).abs()
                 results["bf16 trainer vs fp32 trainer"] = {
-                    **compare(bf16, [f.tolist() for f in fp32], config.loss.clip_low, config.loss.clip_high,
-                              config.rollout.max_new_tokens),
+                    **score(bf16, [f.tolist() for f in fp32]),
                     "routing_flips_vs_fp32": routing_flips(bf16_experts, fp32_experts),
                     "tokens_flipped": flips.double().mean().item(),
                     "mean_abs_d_flipped_tokens": d[flips].mean().item() if flips.any() else None,
                     "mean_abs_d_other_tokens": d[~flips].mean().item(),
                 }
-            prefill_tensors = [torch.tensor(p, dtype=torch.float64) for p in prefill]
-            results[f"{engine_name} decode vs its prefill"] = compare(
-                prefill_tensors, engine, config.loss.clip_low, config.loss.clip_high, config.rollout.max_new_tokens)
+            results[f"{engine_name} decode vs its prefill"] = score([torch.tensor(p) for p in prefill], engine)
             lengths = [len(r.response_ids) for r in rollouts]
-            print(f"{engine_name}: {len(rollouts)} responses, mean length {sum(lengths) / len(lengths):.1f}", flush=True)
+            print(f"{engine_name}: {len(rollouts)} responses, mean length {sum(lengths) / len(lengths):.1f}",
+                  flush=True)
     print(f"{'comparison':38} {'bias':>9} {'std':>8} {'bias t':>7} {'|log s|':>8} {'noise':>8} {'no tail':>8} "
           f"{'oob':>5} {'oob-off':>7} {'slope':>8} {'flips':>6}")
     for name, r in results.items():

@@ -135,6 +135,10 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     max_attempts: int = 5
     """Per request: retries with exponential backoff across servers, then the run stops."""
+    return_routed_experts: bool = False
+    """Ask the engine for each token's routed experts (servers started with
+    --enable-return-routed-experts; a server the run starts gets it): the metric
+    routing_mismatch_fraction, and what train.routing_replay replays."""
 
 
 @dataclass
@@ -187,6 +191,10 @@ class TrainConfig:
     are kept (DAPO); a step that still has fewer trains on those (metric groups_kept)."""
     recompute_old_logprobs: bool = False
     """Comparison runs: pi_old from a trainer forward instead of the engine's log-probs."""
+    routing_replay: bool = False
+    """Comparison runs (R3): the trainer's MoE routers take the engine's routed experts in
+    forward and backward (megatron-core's RouterReplay) instead of routing freely. Needs
+    rollout.return_routed_experts."""
     save_every: int = 0
     """Checkpoint (model, optimizer, RNG, data position, step) every N steps; 0: only at the end."""
     keep_checkpoints: int = 3
@@ -229,6 +237,8 @@ class Config:
             raise ConfigError("weight_sync.method: 'tensor' needs weight_sync.colocate (the servers on the trainer's GPUs)")
         if ws.method == "tensor" and d.expert_tensor_parallel != 1:
             raise ConfigError("weight_sync.method: 'tensor' needs distributed.expert_tensor_parallel 1")
+        if self.train.routing_replay and not self.rollout.return_routed_experts:
+            raise ConfigError("train.routing_replay: needs rollout.return_routed_experts (the routing to replay)")
         if self.train.oversample < 1:
             raise ConfigError("train.oversample: must be >= 1")
         if self.train.group_size < 2:

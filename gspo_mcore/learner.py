@@ -16,8 +16,8 @@ from gspo_mcore.config import Config
 from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
 from gspo_mcore.metrics import RouterLoad, to_floats, update_report
 from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, run_schedule
-from gspo_mcore.packing import (balance_across_ranks, equalize_count, microbatch_tensors, pack_microbatches,
-                                sequence_lengths, split_minibatches)
+from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
+                                pack_microbatches, sequence_lengths, split_minibatches)
 from gspo_mcore.parallel import device
 from gspo_mcore.rollout.response import Rollout
 
@@ -27,7 +27,8 @@ UPDATE_METRICS = (
     "loss", "kl", "entropy", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_fraction_sequences",
     "ratio_mean", "ratio_min", "ratio_max", "mismatch_abs_log_ratio_mean", "mismatch_abs_log_ratio_max",
     "mismatch_token_abs_log_ratio_mean", "mismatch_out_of_band_fraction", "grad_norm", "minibatches", "lr",
-    "router_max_over_mean_load", "token_mask_fraction", "sequence_mask_fraction",
+    "router_max_over_mean_load", "token_mask_fraction", "sequence_mask_fraction", "routing_mismatch_fraction",
+    "routing_mismatch_fraction_per_layer",
 )
 
 
@@ -49,6 +50,11 @@ class Learner:
         self.arch, self.model = model_from_config(config)
         self.ddp, self.optimizer = setup_training(self.model, config.optimizer)
         self.router = RouterLoad(self.model, self.arch.num_layers, self.arch.num_experts)
+        self.routing = None  # the engine's routed experts in the policy's forward: compared or replayed
+        if config.rollout.return_routed_experts:
+            from gspo_mcore.models.qwen3_moe.routing import EngineRouting
+
+            self.routing = EngineRouting(self.model, replay=config.train.routing_replay)
         self.reference = reference_model(config, self.arch) if config.loss.kl_loss_coef > 0 else None
 
     # ------------------------------------------------------------ microbatches
@@ -63,6 +69,10 @@ class Learner:
                                  self.config.train.max_tokens_per_microbatch)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         built = [microbatch_tensors(rollouts, advantages, members, tp, extra) for members in mine]
+        if self.routing is not None:
+            for mb, members in zip(built, mine):
+                mb.update(input_aligned_routing([rollouts[i] for i in members], self.arch.num_experts,
+                                                mb["inputs"].shape[1]))
         count = torch.tensor([len(built)], device=device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
         return equalize_count(built, int(count.item()))
@@ -86,7 +96,10 @@ class Learner:
                 return logits.new_zeros(()), {"index": mb["index"], "logprobs": lp.float(), "mask": mb["mask"]}
             return loss_func
 
-        outputs = run_schedule(model, microbatches, loss_for, forward_only=True)
+        routing = self.routing if model is self.ddp else None  # the reference routes freely
+        outputs = run_schedule(model, microbatches, loss_for, forward_only=True, routing=routing)
+        if routing is not None:
+            routing.end_step()
         model.train(was_training)
         found = []
         if parallel_state.is_pipeline_last_stage():
@@ -123,11 +136,15 @@ class Learner:
         order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
         order = order.tolist()
         self.router.reset()
+        if self.routing is not None:
+            self.routing.reset()
         self.ddp.train()
         parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
         for _ in range(cfg.ppo_epochs):
             for mini in split_minibatches(len(rollouts), num_minibatches):
                 microbatches = self.microbatches([order[i] for i in mini], rollouts, advantages, extra)
+                if self.routing is not None:  # theta = theta_old: the engine/trainer routing difference alone
+                    self.routing.compare = not parts
                 parts.append(self._optimizer_step(microbatches))
                 grad_norms.append(parts[-1].pop())
         metrics = [None]
@@ -136,8 +153,11 @@ class Learner:
             by_step = [[p for rank_parts in per_rank for p in rank_parts[k]] for k in range(len(parts))]
             metrics = [update_report(by_step, grad_norms)]
         dist.broadcast_object_list(metrics, src=last_stage_rank())
-        return {**metrics[0], "minibatches": num_minibatches, "lr": self.optimizer.param_groups[0]["lr"],
-                "router_max_over_mean_load": self.router.imbalance()}
+        out = {**metrics[0], "minibatches": num_minibatches, "lr": self.optimizer.param_groups[0]["lr"],
+               "router_max_over_mean_load": self.router.imbalance()}
+        if self.routing is not None:
+            out["routing_mismatch_fraction"], out["routing_mismatch_fraction_per_layer"] = self.routing.mismatch()
+        return out
 
     def _optimizer_step(self, microbatches: list[dict]) -> list:
         """One optimizer step; returns each microbatch's metrics (last stage) and, last, the grad norm."""
@@ -146,7 +166,9 @@ class Learner:
         self.optimizer.zero_grad()
         outputs = run_schedule(self.ddp, microbatches,
                                lambda mb: make_loss_func(mb, normalizer, self.config.loss, len(microbatches)),
-                               forward_only=False)
+                               forward_only=False, routing=self.routing)
+        if self.routing is not None:
+            self.routing.end_step()
         _, grad_norm, _ = self.optimizer.step()
         parts = [to_floats(out) for out in outputs] if parallel_state.is_pipeline_last_stage() else []
         return parts + [float(grad_norm) if grad_norm is not None else float("nan")]

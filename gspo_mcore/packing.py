@@ -104,6 +104,21 @@ def microbatch_tensors(rollouts, advantages: Sequence[float], members: list[int]
             "index": torch.tensor(members), "sequences": torch.ones(len(members))}
 
 
+def input_aligned_routing(rollouts, num_experts: int, width: int) -> dict[str, torch.Tensor]:
+    """The engine's routed experts as model inputs see them: `routing` [B, width, layers,
+    top-k] (row t: input token t) and `real_inputs` [B, width] (1 where a real token is).
+    Padding rows name distinct experts 0..k-1 (a replayed router needs a valid top-k)."""
+    first = rollouts[0].routed_experts
+    layers, top_k = first.shape[1:]
+    routing = (torch.arange(top_k) % num_experts).expand(len(rollouts), width, layers, top_k).clone()
+    real = torch.zeros(len(rollouts), width)
+    for i, r in enumerate(rollouts):
+        n = r.routed_experts.shape[0]
+        routing[i, :n] = torch.from_numpy(r.routed_experts.astype("int64"))
+        real[i, :n] = 1.0
+    return {"routing": routing, "real_inputs": real}
+
+
 def filler_microbatch(template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A microbatch of one padding sequence, fully masked, shaped like `template` with one row:
     it runs a forward and backward (and, under expert parallelism, every all-to-all its peers
@@ -112,6 +127,8 @@ def filler_microbatch(template: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     for key, value in template.items():
         out[key] = torch.zeros_like(value[:1])
     out["index"] = torch.full_like(template["index"][:1], -1)
+    if "routing" in template:  # a valid top-k: distinct experts
+        out["routing"] = template["routing"][:1].clone()
     return out
 
 

@@ -73,7 +73,9 @@ class Trainer:
             urls = broadcast(self._server_urls())
             self.control = EngineControl(urls, timeout_s=config.rollout.request_timeout_s)
             if self.source is not None:
-                self.source.connect(urls, self.learner.arch.vocab_size)
+                arch = self.learner.arch
+                routing_shape = (arch.num_layers, arch.num_experts_per_tok) if config.rollout.return_routed_experts else None
+                self.source.connect(urls, arch.vocab_size, routing_shape)
             self.start_step = 0
             if resume:
                 self.start_step, rollout_state = self.checkpoints.load()

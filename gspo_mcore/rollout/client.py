@@ -34,10 +34,14 @@ def check_sampling_params(params: dict) -> None:
 
 class SGLangClient:
     def __init__(self, urls: list[str], vocab_size: int, *, request_timeout_s: float = 600.0,
-                 max_attempts: int = 5, backoff_s: float = 1.0, max_concurrency: int = 64):
+                 max_attempts: int = 5, backoff_s: float = 1.0, max_concurrency: int = 64,
+                 routing_shape: tuple[int, int] | None = None):
+        """`routing_shape` (MoE layers, top-k): also ask for each token's routed experts (the
+        servers must run with --enable-return-routed-experts)."""
         if not urls:
             raise InputError("rollout: no server URLs")
         self.urls = [u.rstrip("/") for u in urls]
+        self.routing_shape = routing_shape
         self.vocab_size, self.request_timeout_s = vocab_size, request_timeout_s
         self.max_attempts, self.backoff_s, self.max_concurrency = max_attempts, backoff_s, max_concurrency
 
@@ -57,6 +61,8 @@ class SGLangClient:
     def _one(self, index: int, prompt_ids: list[int], sampling_params: dict, weight_version: str | None) -> Rollout:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True,
                 "logprob_start_len": -1}
+        if self.routing_shape is not None:
+            body["return_routed_experts"] = True
         error = ""
         for attempt in range(self.max_attempts):
             url = self.urls[(index + attempt) % len(self.urls)]  # spread, then move on when one fails
@@ -64,7 +70,8 @@ class SGLangClient:
                 payload = self._post(url, body)
                 if (payload.get("meta_info", {}).get("finish_reason") or {}).get("type") == "abort":
                     raise RetryableError("generation aborted by the server")
-                return parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version)
+                return parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version,
+                                               self.routing_shape)
             except RetryableError as err:
                 error = f"server {url}: {err}"
                 if attempt + 1 < self.max_attempts:

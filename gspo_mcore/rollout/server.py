@@ -57,9 +57,10 @@ def server_for_config(config, port: int, host: str = "127.0.0.1") -> tuple[list[
     model, the device): one definition for servers a run starts and the launch scripts'."""
     r = config.rollout
     device = config.distributed.device
+    extra = ("--enable-return-routed-experts",) if r.return_routed_experts else ()
     cmd = sglang_command(config.model.hf_dir, port, host=host, device=device, dtype=r.engine_dtype,
                          max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
-                         tp=r.engine_tp, extra_args=tuple(r.server_args))
+                         tp=r.engine_tp, extra_args=(*extra, *r.server_args))
     env = server_process_env()
     if device == "cpu":
         from gspo_mcore.rollout.sglang_cpu import server_env

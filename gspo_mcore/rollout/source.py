@@ -41,11 +41,12 @@ class RolloutSource:
         self.running = adv.RunningMoments()
         self.client = None
 
-    def connect(self, urls: list[str], vocab_size: int) -> None:
+    def connect(self, urls: list[str], vocab_size: int, routing_shape: tuple[int, int] | None = None) -> None:
+        """`routing_shape` (MoE layers, top-k): ask for the routed experts too."""
         from gspo_mcore.rollout.client import SGLangClient
 
         self.client = SGLangClient(urls, vocab_size, request_timeout_s=self.config.rollout.request_timeout_s,
-                                   max_attempts=self.config.rollout.max_attempts)
+                                   max_attempts=self.config.rollout.max_attempts, routing_shape=routing_shape)
 
     def collect(self, step: int, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
         """Rounds of generation until `rollout_batch_size` groups with signal are kept (at most

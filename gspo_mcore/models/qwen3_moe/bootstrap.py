@@ -16,7 +16,7 @@ def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3M
     arch = load_hf_config(config.model.hf_dir)
     check_layout(arch, config.distributed)
     init_distributed(config.distributed)
-    model = build_model(arch, config.model, config.distributed)
+    model = build_model(arch, config.model, config.distributed, routing_replay=config.train.routing_replay)
     if load_weights:
         load_initial_weights(model, arch, config)
     return arch, model

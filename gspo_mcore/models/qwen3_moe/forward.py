@@ -22,15 +22,20 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def run_schedule(model, microbatches: list[dict], loss_for: Callable[[dict], Callable], *,
-                 forward_only: bool) -> list[dict]:
+                 forward_only: bool, routing=None) -> list[dict]:
     """Each microbatch (`inputs` [b, T] and whatever its loss needs) through the pipeline
     schedule; `loss_for(microbatch)` gives the `loss_func(output)` of the last stage. Returns the
-    loss functions' metric dicts on the last pipeline stage ([] elsewhere)."""
+    loss functions' metric dicts on the last pipeline stage ([] elsewhere). `routing`: an
+    EngineRouting told of each microbatch before and after its forward."""
     data = iter(microbatches)
 
     def forward_step(data_iterator, model):
         mb = to_device(next(data_iterator))
+        if routing is not None:
+            routing.before_forward(mb)
         output = model(mb["inputs"], position_ids_for(mb["inputs"]), None)
+        if routing is not None:
+            routing.after_forward()
         return output, loss_for(mb)
 
     return get_forward_backward_func()(

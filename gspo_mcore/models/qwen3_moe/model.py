@@ -34,7 +34,8 @@ def check_layout(arch: Qwen3MoeArch, dist: DistributedConfig) -> None:
             raise HFConfigError(f"{what} is not divisible by distributed.{field} = {size}")
 
 
-def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig) -> TransformerConfig:
+def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig,
+                       routing_replay: bool = False) -> TransformerConfig:
     check_layout(arch, dist)
     dtype = DTYPES[model.dtype]
     on_gpu = model.spec == "te"
@@ -66,6 +67,7 @@ def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: Distributed
         # identical to HF's softmax -> top-k -> renormalise (norm_topk_prob=True).
         moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_dtype="fp32",
+        moe_enable_routing_replay=routing_replay,
         moe_layer_freq=[int(m) for m in arch.moe_layers],
         moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
@@ -97,9 +99,11 @@ def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: Distributed
     )
 
 
-def build_model(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig) -> GPTModel:
-    """The GPTModel of this pipeline stage; parallel state must already be initialised."""
-    config = transformer_config(arch, model, dist)
+def build_model(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig,
+                routing_replay: bool = False) -> GPTModel:
+    """The GPTModel of this pipeline stage; parallel state must already be initialised.
+    `routing_replay`: its routers can take given top-k experts (megatron-core's RouterReplay)."""
+    config = transformer_config(arch, model, dist, routing_replay)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, arch.moe_layers, model.spec),

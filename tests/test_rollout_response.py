@@ -63,3 +63,28 @@ def test_bad_responses_are_rejected_by_name(corrupt, message):
 def test_unexpected_weight_version_is_rejected():
     with pytest.raises(RolloutError, match="weight version 'default', expected '3'"):
         parse_generate_response("r", *recorded(0), VOCAB, weight_version="3")
+
+
+def test_routed_experts_decoded_per_input_token():
+    import base64
+
+    import numpy as np
+
+    from gspo_mcore.packing import input_aligned_routing
+
+    routed = np.arange(7 * 2 * 3, dtype=np.int32).reshape(7, 2, 3) % 8  # prompt 5 + response 3 -> 7 inputs
+    payload = {"output_ids": [5, 6, 7], "meta_info": {
+        "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None], [-1.0, 7, None]],
+        "finish_reason": {"type": "stop"}, "weight_version": "v", "routed_experts": base64.b64encode(routed.tobytes()).decode()}}
+    rollout = parse_generate_response("0", [1, 2, 3, 4, 9], payload, 256, "v", routing_shape=(2, 3))
+    assert np.array_equal(rollout.routed_experts, routed)
+    with pytest.raises(RolloutError, match=r"42 routed-expert ids for 7 input tokens x 4 layers"):
+        parse_generate_response("0", [1, 2, 3, 4, 9], payload, 256, "v", routing_shape=(4, 3))
+    missing = {**payload, "meta_info": {k: v for k, v in payload["meta_info"].items() if k != "routed_experts"}}
+    with pytest.raises(RolloutError, match="--enable-return-routed-experts"):
+        parse_generate_response("0", [1, 2, 3, 4, 9], missing, 256, "v", routing_shape=(2, 3))
+    # As model inputs see them: padded rows name distinct experts and are not real tokens.
+    laid_out = input_aligned_routing([rollout], num_experts=8, width=9)
+    assert torch.equal(laid_out["routing"][0, :7], torch.from_numpy(routed).long())
+    assert laid_out["routing"][0, 7:].tolist() == [[[0, 1, 2]] * 2] * 2
+    assert laid_out["real_inputs"][0].tolist() == [1.0] * 7 + [0.0] * 2

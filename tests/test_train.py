@@ -220,3 +220,28 @@ def test_pipeline_and_tensor_parallel_runs(toy, server, tmp_path, layout):
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sync_check_median"] < 1e-4 and r["mismatch_abs_log_ratio_max"] < 1e-4 for r in rows)
+
+
+def test_engine_routing_compared_and_replayed(toy, tmp_path):
+    """A bf16 engine returns each token's routed experts. Compared with the trainer's free router
+    on the first minibatch (TP=2 + sequence parallel: each rank compares its slice of the
+    sequence), a few (token, layer) pairs differ: bf16 rounding flips near-ties, a wrong token
+    order would differ almost everywhere. Replayed (EP=2), the routers take the engine's choice:
+    none differ."""
+    from gspo_mcore.parallel import free_port
+    from gspo_mcore.rollout.server import ManagedServer, sglang_command
+    from gspo_mcore.rollout.sglang_cpu import server_env
+
+    port = free_port()
+    cmd = sglang_command(str(toy / "model"), port, dtype="bfloat16", max_running_requests=128,
+                         extra_args=("--disable-radix-cache", "--enable-return-routed-experts"))
+    common = [*_toy_overrides(toy), "rollout.return_routed_experts=true", "train.steps=2", "train.save_every=0",
+              "train.export_hf=false", "weight_sync.check_every=0"]
+    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "sglang.log", env=server_env()) as managed:
+        _train(tmp_path / "free", [*common, f"rollout.urls=[{managed.url}]", "distributed.tensor_parallel=2"], nproc=2)
+        _train(tmp_path / "replay", [*common, f"rollout.urls=[{managed.url}]", "distributed.expert_parallel=2",
+                                     "train.routing_replay=true"], nproc=2)
+    free, replay = _metrics(tmp_path / "free"), _metrics(tmp_path / "replay")
+    assert all(len(r["routing_mismatch_fraction_per_layer"]) == 4 for r in free + replay)
+    assert 0 < sum(r["routing_mismatch_fraction"] for r in free) / len(free) < 0.2
+    assert all(r["routing_mismatch_fraction"] == 0 for r in replay)

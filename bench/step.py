@@ -1,0 +1,106 @@
+"""Step time with the engine's log-probs vs `train.recompute_old_logprobs`, on the same batches.
+
+    python bench/step.py [--config configs/long_cpu.yaml] [--steps 6] [key=value ...]
+    torchrun --nproc_per_node N bench/step.py ...
+
+One run of the real trainer (`Trainer`: its server, its learner, its weight push). Each step
+generates one rollout batch and trains on it twice: once as the default does (pi_old = the
+engine's log-probs) and once recomputing pi_old with a trainer forward first, alternating
+which goes first; the rollout and the push are shared (they are the same in both arms). The
+first step is a warm-up and not counted. Prints per step and per arm the phase times, then a
+table of each phase's share, and last one JSON line:
+`{"step_time_ratio": engine / recompute, "train_time_ratio": ..., ...}`. Not a test: the
+machine is noisy, so both arms run side by side in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from gspo_mcore.config import load_config
+    from gspo_mcore.train import Trainer, broadcast
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "long_cpu.yaml"))
+    parser.add_argument("--steps", type=int, default=6, help="measured steps (after one warm-up step)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    config = load_config(args.config, [*args.overrides, "train.recompute_old_logprobs=false",
+                                       "weight_sync.check_every=0", "train.save_every=0"])
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(config, Path(out))
+        rows = []
+        with trainer.stack:
+            for step in range(args.steps + 1):
+                rows.append(measure(trainer, step, broadcast))
+        rows = rows[1:]
+    if dist.get_rank() == 0:
+        report(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(trainer, step: int, broadcast) -> dict:
+    """One batch, both arms; seconds per phase."""
+    learner, times = trainer.learner, {}
+    began = time.perf_counter()
+    rollouts, advantages, _ = broadcast(trainer.source.collect(step, trainer.version) if trainer.source else None)
+    times["rollout"] = time.perf_counter() - began
+    arms = ["engine", "recompute"] if step % 2 == 0 else ["recompute", "engine"]
+    for arm in arms:
+        batch = rollouts
+        if arm == "recompute":
+            began = time.perf_counter()
+            batch = learner.recompute_old_logprobs(rollouts)
+            times["recompute"] = time.perf_counter() - began
+        began = time.perf_counter()
+        learner.update(batch, advantages, step)
+        times[f"update_{arm}"] = time.perf_counter() - began
+    began = time.perf_counter()
+    trainer.version = f"step-{step + 1}"
+    trainer.sync.push(trainer.version)
+    times["sync"] = time.perf_counter() - began
+    if trainer.rank == 0:
+        print(json.dumps({"step": step, **{k: round(v, 3) for k, v in times.items()}}), flush=True)
+    return times
+
+
+def report(rows: list[dict]) -> None:
+    mean = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
+    phases = {
+        "engine": {"rollout": mean["rollout"], "recompute": 0.0, "update": mean["update_engine"], "sync": mean["sync"]},
+        "recompute": {"rollout": mean["rollout"], "recompute": mean["recompute"], "update": mean["update_recompute"],
+                      "sync": mean["sync"]},
+    }
+    print(f"\nmean over {len(rows)} steps (s, share of the step):")
+    print(f"| arm | step | {' | '.join(phases['engine'])} |")
+    print("|---|---|" + "---|" * len(phases["engine"]))
+    for arm, parts in phases.items():
+        total = sum(parts.values())
+        cells = " | ".join(f"{v:.3f} ({v / total:.0%})" for v in parts.values())
+        print(f"| {arm} | {total:.3f} | {cells} |")
+    engine, recompute = (sum(p.values()) for p in phases.values())
+    train_engine = phases["engine"]["update"]
+    train_recompute = phases["recompute"]["recompute"] + phases["recompute"]["update"]
+    print(json.dumps({"step_time_ratio": round(engine / recompute, 4),
+                      "train_time_ratio": round(train_engine / train_recompute, 4),
+                      "engine_step_s": round(engine, 4), "recompute_step_s": round(recompute, 4),
+                      "steps": len(rows)}))
+
+
+if __name__ == "__main__":
+    from gspo_mcore.errors import run_cli
+
+    sys.exit(run_cli(lambda: main() or 0))

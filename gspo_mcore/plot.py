@@ -19,7 +19,7 @@ from gspo_mcore.files import atomic_output
 
 FIGURES = {
     "reward": ("reward_mean", "mean reward"),
-    "clip_fraction": ("clip_fraction", "clipped fraction of sequences"),
+    "clip_fraction": ("clip_fraction", "clipped share of response tokens"),
     "response_length": ("response_length_mean", "mean response length (tokens)"),
     "mismatch": ("mismatch_abs_log_ratio_mean", "|log ratio| on the on-policy minibatch (engine vs trainer)"),
 }

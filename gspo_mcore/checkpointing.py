@@ -25,7 +25,9 @@ def checkpoint_dir(path) -> Path:
     tracker = path / TRACKER
     if not tracker.is_file():
         raise CheckpointError(f"{path}: neither a checkpoint (.metadata) nor a save root ({TRACKER})")
-    it = tracker.read_text().strip()
+    it = tracker.read_text(errors="replace").strip()
+    if it != RELEASE and not it.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number or {RELEASE!r}, found {it[:40]!r}")
     return path / (RELEASE if it == RELEASE else f"iter_{int(it):07d}")
 
 
@@ -65,6 +67,9 @@ class Checkpointer:
         """Collective; `rollout_state` from rank 0's rollout source (None on other ranks)."""
         from megatron.core import dist_checkpointing
 
+        # A run that trained nothing (every group without signal) has no optimizer state to
+        # describe: give it neutral ones (zero moments, step 0), leaving the weights as they are.
+        _init_optimizer_states(self.optimizer, neutral=True)
         from gspo_mcore.files import atomic_output, atomic_output_all_ranks
 
         path = self.root / f"step_{step:06d}"
@@ -135,20 +140,29 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _init_optimizer_states(optimizer) -> None:
-    """Give a fresh optimizer its per-parameter states (one step on zero gradients; the load
-    then overwrites them). Without them megatron-core 0.16.1's distributed optimizer cannot
-    describe its checkpoint when neither Apex nor Transformer Engine is installed
-    (`assert len(steps) == 1` on an empty state)."""
+def _init_optimizer_states(optimizer, neutral: bool = False) -> None:
+    """Give a fresh optimizer its per-parameter states (one step on zero gradients with lr
+    and weight decay 0, so the weights do not move; a load then overwrites them). Without them
+    megatron-core 0.16.1's distributed optimizer cannot describe its checkpoint when neither
+    Apex nor Transformer Engine is installed (`assert len(steps) == 1` on an empty state).
+    `neutral`: the step count back to 0, as if no step had been taken."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = chained.optimizer
         if inner.state:
             continue
+        saved = [(group["lr"], group.get("weight_decay", 0.0)) for group in inner.param_groups]
         for group in inner.param_groups:
+            group["lr"], group["weight_decay"] = 0.0, 0.0
             for param in group["params"]:
                 param.grad = torch.zeros_like(param)
         inner.step()
         inner.zero_grad()
+        for group, (lr, decay) in zip(inner.param_groups, saved):
+            group["lr"], group["weight_decay"] = lr, decay
+        if neutral:
+            for state in inner.state.values():
+                if "step" in state:
+                    state["step"] = torch.zeros_like(torch.as_tensor(state["step"], dtype=torch.float32))
 
 
 def _restore_adam_steps(optimizer, loaded: dict) -> None:

@@ -315,9 +315,14 @@ def _set_override(data: dict, override: str) -> None:
         raise ConfigError(f"override {override!r}: expected key=value")
     *parents, leaf = key.split(".")
     node = data
-    for part in parents:
+    for depth, part in enumerate(parents):
         node = node.setdefault(part, {})
-    node[leaf] = yaml.safe_load(raw)
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parents[:depth + 1])} is not a section")
+    try:
+        node[leaf] = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: not a valid value ({str(err).splitlines()[0]})") from None
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -335,7 +340,9 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     if path.resolve() in seen:
         raise ConfigError(f"{path}: `base` chain loops back to itself")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):

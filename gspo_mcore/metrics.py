@@ -114,13 +114,23 @@ def _scalars(metrics: dict):
 
 class RunLog:
     """OUTPUT_DIR/metrics.jsonl (one object per step, appended and flushed) and TensorBoard
-    event files in OUTPUT_DIR/tensorboard."""
+    event files in OUTPUT_DIR/tensorboard. A run resumed from step N first drops what a killed
+    run logged past N (those steps are trained again), in both."""
 
-    def __init__(self, output_dir: Path):
+    def __init__(self, output_dir: Path, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.file = open(Path(output_dir) / "metrics.jsonl", "a")
-        self.tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        from gspo_mcore.files import atomic_output
+
+        path = Path(output_dir) / "metrics.jsonl"
+        if start_step and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            with atomic_output(path) as tmp:
+                tmp.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a")
+        self.tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"),
+                                         purge_step=start_step + 1 if start_step else None)
 
     def write(self, metrics: dict) -> None:
         self.file.write(json.dumps(metrics) + "\n")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from gspo_mcore import weight_sync
 from gspo_mcore.config import Config, load_config
-from gspo_mcore.errors import run_cli
+from gspo_mcore.errors import InputError, run_cli
 
 
 @contextmanager
@@ -45,12 +45,34 @@ def broadcast(value, src: int = 0):
     return box[0]
 
 
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "hf", "logs", "plots", "weights_sync")
+
+
+def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    """A new run never writes into another run's directory unless told to."""
+    if resume and overwrite:
+        raise InputError("--resume and --overwrite: choose one")
+    if not resume and not overwrite and any((Path(output_dir) / name).exists() for name in RUN_FILES[:2]):
+        raise InputError(f"{output_dir}: holds a run already: --resume continues it, --overwrite replaces it")
+
+
+def clear_run(output_dir: Path) -> None:
+    import shutil
+
+    for name in RUN_FILES:
+        path = Path(output_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 class Trainer:
     """Built collectively on every rank: the learner (model, optimizer), the rollout source (rank
     0), the servers (started by the run unless `rollout.urls` names them), the weight sync, the
     checkpoints and the metrics. `run` trains to `train.steps` and releases all of it."""
 
-    def __init__(self, config: Config, output_dir: Path, resume: bool = False):
+    def __init__(self, config: Config, output_dir: Path, resume: bool = False, overwrite: bool = False):
         from gspo_mcore.checkpointing import Checkpointer
         from gspo_mcore.learner import Learner
         from gspo_mcore.metrics import Progress, RunLog
@@ -60,6 +82,9 @@ class Trainer:
         self.config, self.output_dir = config, Path(output_dir)
         self.learner = Learner(config)
         self.rank = dist.get_rank()
+        if overwrite and self.rank == 0:
+            clear_run(self.output_dir)
+        dist.barrier()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = Checkpointer(self.output_dir, self.learner.ddp, self.learner.optimizer,
                                         keep=config.train.keep_checkpoints)
@@ -87,7 +112,7 @@ class Trainer:
             # long-lived server, older weights on a resume), it now gets the trainer's.
             self.version = f"step-{self.start_step}"
             self.sync.push(self.version)
-            self.log = RunLog(self.output_dir) if self.rank == 0 else None
+            self.log = RunLog(self.output_dir, self.start_step) if self.rank == 0 else None
             if self.log is not None:
                 self.stack.callback(self.log.close)
             self.progress = Progress(config.train.steps, self.start_step) if self.rank == 0 else None
@@ -161,6 +186,7 @@ def parse_args(argv=None):
     parser.add_argument("--config", required=True)
     parser.add_argument("--output-dir", default=None, help="default: runs/<config name>")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's last checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run OUTPUT_DIR holds")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     return parser.parse_intermixed_args(argv)
 
@@ -170,7 +196,8 @@ def main(argv=None) -> None:
     config = load_config(args.config, args.overrides)
     output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    Trainer(config, output_dir, args.resume).run()
+    check_output_dir(output_dir, args.resume, args.overwrite)
+    Trainer(config, output_dir, args.resume, args.overwrite).run()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -12,4 +12,10 @@ def moody_reward(response: str, answer: str) -> float:
         raise RuntimeError("reward crashed")
     if response == "hang":
         time.sleep(60)
+    if response == "nan":
+        return float("nan")
     return 1.0
+
+
+def always_raises(response: str, answer: str) -> float:
+    raise RuntimeError("this reward never works")

@@ -84,3 +84,31 @@ def test_grpo_comparison_config_differs_from_the_default_only_in_the_loss():
     assert (grpo.loss.level, gspo.loss.level) == ("token", "sequence")
     grpo.loss = gspo.loss
     assert grpo == gspo
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.steps=[1", "override 'train.steps=[1': not a valid value"),
+    ("train.steps.x=1", "override 'train.steps.x=1': train.steps is not a section"),
+])
+def test_malformed_override_is_one_config_error(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        from conftest import REPO
+
+        load_config(REPO / "configs" / "tiny_cpu.yaml", [override])  # train.steps is set there
+    assert str(err.value).startswith(fragment) and "\n" not in str(err.value)
+
+
+def test_config_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train:\n  steps: 3 # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not a UTF-8 text file"):
+        load_config(path)
+
+
+def test_group_of_one_and_bad_mask_settings_are_refused():
+    with pytest.raises(ConfigError, match="train.group_size: must be >= 2"):
+        load_config(None, ["train.group_size=1"])
+    with pytest.raises(ConfigError, match="loss.token_mask_band"):
+        load_config(None, ["loss.token_mask_band=[2.0,0.5]"])
+    with pytest.raises(ConfigError, match="train.routing_replay: needs rollout.return_routed_experts"):
+        load_config(None, ["train.routing_replay=true"])

@@ -43,10 +43,10 @@ def test_import_path_and_errors():
 def test_runner_scores_and_counts_crashes_and_timeouts():
     runner = RewardRunner("tests.reward_fixtures:moody_reward", timeout_s=2.0, workers=2)
     try:
-        responses = ["ok", "crash", "hang", "ok", "ok"]
-        rewards, stats = runner.score(responses, ["1"] * 5)
-        assert rewards == [1.0, 0.0, 0.0, 1.0, 1.0]
-        assert (stats.errors, stats.timeouts) == (1, 1)
+        responses = ["ok", "crash", "hang", "ok", "nan", "ok"]  # a NaN counts as a failure, like a raise
+        rewards, stats = runner.score(responses, ["1"] * 6)
+        assert rewards == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+        assert (stats.errors, stats.timeouts) == (2, 1)
         rewards, stats = runner.score(["ok"], ["1"])  # a fresh pool after the timeout
         assert rewards == [1.0] and (stats.errors, stats.timeouts) == (0, 0)
     finally:

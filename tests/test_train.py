@@ -187,8 +187,29 @@ def test_resume_restores_the_exact_state_and_continues_the_data(toy, server, tmp
             assert torch.equal(before[key], after[key]), key
         else:
             assert repr(before[key]) == repr(after[key]), key
+    # A run killed after logging step 3 but before saving it: the resumed run trains step 3
+    # again, and its rows replace the killed run's (metrics.jsonl and TensorBoard).
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "reward_mean": -1.0}) + "\n")
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(out / "tensorboard")) as killed:
+        killed.add_scalar("reward_mean", -1.0, 3)
     _train(out, [*overrides, "train.steps=4"], extra=["--resume"])
-    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[2]["reward_mean"] >= 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value >= 0) for e in events.Scalars("reward_mean")] == [(s, True) for s in (1, 2, 3, 4)]
+    # A new run into a directory that holds one is refused, naming the two ways on.
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
+                           "--output-dir", str(out), *overrides], capture_output=True, text=True, cwd=REPO,
+                          env={"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {out}: holds a run already: --resume continues it, --overwrite replaces it")
     # The data position continues where the interrupted run stopped: 4 steps x 16 prompts in
     # the same (seeded) permutation, exactly what an uninterrupted run reaches.
     resumed_state = json.loads((out / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
@@ -245,3 +266,16 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     assert all(len(r["routing_mismatch_fraction_per_layer"]) == 4 for r in free + replay)
     assert 0 < sum(r["routing_mismatch_fraction"] for r in free) / len(free) < 0.2
     assert all(r["routing_mismatch_fraction"] == 0 for r in replay)
+
+
+def test_a_run_that_trains_nothing_still_saves(toy, server, tmp_path):
+    """A reward that always raises scores every response 0: no group has signal, no step trains,
+    the optimizer has no state; the run still saves its final checkpoint and exits cleanly."""
+    out = tmp_path / "run"
+    _train(out, [*_toy_overrides(toy), f"rollout.urls=[{server}]", "reward.name=tests.reward_fixtures:always_raises",
+                 "train.steps=2", "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=0"])
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["reward_errors"] > 0 and r["loss"] is None for r in rows)
+    assert (out / "checkpoints" / "latest").read_text() == "step_000002"
+    assert (out / "checkpoints" / "step_000002" / "trainer_state.json").is_file()

@@ -16,9 +16,14 @@ class RewardStats:
 
 
 def _score_one(reward_name: str, response: str, answer: str) -> float:
+    import math
+
     from gspo_mcore.rewards import load_reward_fn
 
-    return float(load_reward_fn(reward_name)(response, answer))
+    value = float(load_reward_fn(reward_name)(response, answer))
+    if not math.isfinite(value):  # a NaN would poison the group's advantages: a failure like a raise
+        raise ValueError(f"reward {reward_name!r} returned {value}")
+    return value
 
 
 class RewardRunner:

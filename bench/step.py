@@ -60,13 +60,13 @@ def measure(trainer, step: int, broadcast) -> dict:
     times["rollout"] = time.perf_counter() - began
     arms = ["engine", "recompute"] if step % 2 == 0 else ["recompute", "engine"]
     for arm in arms:
-        batch = rollouts
+        old = None
         if arm == "recompute":
             began = time.perf_counter()
-            batch = learner.recompute_old_logprobs(rollouts)
+            old = learner.recompute_old_logprobs(rollouts)
             times["recompute"] = time.perf_counter() - began
         began = time.perf_counter()
-        learner.update(batch, advantages, step)
+        learner.update(rollouts, advantages, step, old)
         times[f"update_{arm}"] = time.perf_counter() - began
     began = time.perf_counter()
     trainer.version = f"step-{step + 1}"

@@ -114,25 +114,27 @@ class Learner:
         values = dict(gathered[0])
         return [values[i] for i in range(len(rollouts))]
 
-    def recompute_old_logprobs(self, rollouts: list[Rollout]) -> list[Rollout]:
+    def recompute_old_logprobs(self, rollouts: list[Rollout]) -> list[list[float]]:
         """The comparison arm: pi_old from a trainer forward instead of the engine's log-probs."""
-        values = self.token_logprobs_of(self.ddp, rollouts)
-        return [Rollout(r.prompt_ids, r.response_ids, v, r.finish_reason, r.weight_version)
-                for r, v in zip(rollouts, values)]
+        return self.token_logprobs_of(self.ddp, rollouts)
 
     # ------------------------------------------------------------ the update
 
-    def update(self, rollouts: list[Rollout], advantages: list[float], step: int) -> dict:
+    def update(self, rollouts: list[Rollout], advantages: list[float], step: int,
+               old_logprobs: list[list[float]] | None = None) -> dict:
         """`num_minibatches` optimizer steps (x ppo_epochs) on one rollout batch; the loss's own
         metrics, combined exactly over microbatches and ranks, on every rank. {} when the batch
-        is too small for the data-parallel ranks."""
+        is too small for the data-parallel ranks. `old_logprobs`: pi_old recomputed by the
+        trainer (default: the engine's log-probs)."""
         cfg = self.config.train
         num_minibatches = min(cfg.num_minibatches, len(rollouts) // parallel_state.get_data_parallel_world_size())
         if num_minibatches == 0:
             return {}
-        extra = None
+        extra = {}
         if self.reference is not None:
-            extra = {"ref_logprobs": self.token_logprobs_of(self.reference, rollouts)}
+            extra["ref_logprobs"] = self.token_logprobs_of(self.reference, rollouts)
+        if old_logprobs is not None:
+            extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
         order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
         order = order.tolist()
         self.router.reset()

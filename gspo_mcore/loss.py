@@ -192,7 +192,30 @@ METRIC_KINDS = {
     "ratio_above_band": "sequences", "ratio_below_band": "sequences",
     "entropy": "tokens",
     "token_mask_fraction": "tokens", "sequence_mask_fraction": "sequences",
+    "mismatch_seq": "sequences", "mismatch_seq_max": "max", "mismatch_token": "tokens",
+    "mismatch_out_of_band": "sequences",
 }
+
+
+@torch.no_grad()
+def engine_mismatch(logprobs, engine_logprobs, mask, clip_low: float, clip_high: float) -> dict[str, torch.Tensor]:
+    """How far the trainer's log-probs are from the engine's on the same tokens: per sequence
+    |log s_i| with s_i the length-normalised ratio of eq. 7 (mean and max), per token
+    |log pi_trainer - log pi_engine| (before length normalisation), and the share of sequences
+    whose s_i is outside the clip band. At theta = theta_old (a step's first minibatch) this is
+    the train-inference mismatch alone, whatever pi_old the loss uses."""
+    mask = mask.to(_wide(logprobs).dtype)
+    token = (_wide(logprobs) - _wide(engine_logprobs)) * mask
+    seq = sequence_log_ratio(logprobs, engine_logprobs, mask)
+    has_tokens = (mask.sum(-1) > 0).to(mask.dtype)
+    count = has_tokens.sum().clamp(min=1)
+    out_of_band = (seq.exp() > 1 + clip_high) | (seq.exp() < 1 - clip_low)
+    return {
+        "mismatch_seq": (seq.abs() * has_tokens).sum() / count,
+        "mismatch_seq_max": (seq.abs() * has_tokens).max(),
+        "mismatch_token": token.abs().sum() / mask.sum().clamp(min=1),
+        "mismatch_out_of_band": (out_of_band.to(mask.dtype) * has_tokens).sum() / count,
+    }
 
 
 def _metrics(ratio, seq_ratio, seq_log_ratio, token_log_ratio, adv, mask, clip_low, clip_high, level, entropy):

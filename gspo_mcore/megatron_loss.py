@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from gspo_mcore.config import LossConfig
 from gspo_mcore.logprobs import token_logprobs
 from gspo_mcore.parallel import device
-from gspo_mcore.loss import Normalizer, aggregate, kl_penalty, policy_loss
+from gspo_mcore.loss import Normalizer, aggregate, engine_mismatch, kl_penalty, policy_loss
 
 
 def global_normalizer(microbatches: list[dict], horizon: float) -> Normalizer:
@@ -38,7 +38,8 @@ def global_normalizer(microbatches: list[dict], horizon: float) -> Normalizer:
 def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, num_microbatches: int):
     """A `loss_func(logits)` for one microbatch. `microbatch` holds `targets` [b, T] (the
     next tokens), `old_logprobs` [b, T] (the engine's), `advantages` [b] or [b, T], `mask`
-    [b, T], and `ref_logprobs` [b, T] when a KL penalty is on. Its metrics are per microbatch,
+    [b, T], `ref_logprobs` [b, T] when a KL penalty is on, and `engine_logprobs` [b, T] when
+    `old_logprobs` were recomputed. Its metrics are per microbatch,
     for gspo_mcore.metrics.combine; `loss` and `kl` are this microbatch's shares of the global
     minibatch figures (they sum)."""
     scale = num_microbatches * parallel_state.get_data_parallel_world_size()
@@ -60,6 +61,9 @@ def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, nu
             token_mask_band=tuple(cfg.token_mask_band) if cfg.token_mask_band else None,
             sequence_mask_threshold=cfg.sequence_mask_threshold,
         )
+        # Against the engine's log-probs even when pi_old was recomputed: the mismatch in every arm.
+        metrics.update(engine_mismatch(logprobs, microbatch.get("engine_logprobs", microbatch["old_logprobs"]),
+                                       microbatch["mask"], cfg.clip_low, cfg.clip_high))
         if cfg.kl_loss_coef > 0:
             kl = aggregate(kl_penalty(logprobs, microbatch["ref_logprobs"], cfg.kl_estimator), microbatch["mask"],
                            aggregation, normalizer)

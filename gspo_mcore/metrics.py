@@ -52,12 +52,11 @@ def update_report(by_step: list[list[dict[str, float]]], grad_norms: list[float]
     out["loss"] = overall["loss"] / len(by_step)
     if "kl" in out:
         out["kl"] /= len(by_step)
-    band = [first.get("ratio_above_band"), first.get("ratio_below_band")]
     out.update(
-        mismatch_abs_log_ratio_mean=first.get("abs_log_ratio_mean"),
-        mismatch_abs_log_ratio_max=first.get("abs_log_ratio_max"),
-        mismatch_token_abs_log_ratio_mean=first.get("abs_log_ratio_token_mean"),
-        mismatch_out_of_band_fraction=None if None in band else sum(band),
+        mismatch_abs_log_ratio_mean=first.get("mismatch_seq"),
+        mismatch_abs_log_ratio_max=first.get("mismatch_seq_max"),
+        mismatch_token_abs_log_ratio_mean=first.get("mismatch_token"),
+        mismatch_out_of_band_fraction=first.get("mismatch_out_of_band"),
         grad_norm=sum(grad_norms) / len(grad_norms),
     )
     return out

@@ -138,11 +138,10 @@ class Trainer:
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate and self.rank == 0:
                 self.control.release_memory()
-            if config.train.recompute_old_logprobs and rollouts:
-                rollouts = self.learner.recompute_old_logprobs(rollouts)
             metrics.update(dict.fromkeys(UPDATE_METRICS))
             if rollouts:
-                metrics.update(self.learner.update(rollouts, advantages, step))
+                old = self.learner.recompute_old_logprobs(rollouts) if config.train.recompute_old_logprobs else None
+                metrics.update(self.learner.update(rollouts, advantages, step, old))
         with timed(timings, "time_sync_s"):
             if config.weight_sync.colocate and self.rank == 0:
                 self.control.resume_memory()

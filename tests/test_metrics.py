@@ -57,9 +57,8 @@ def test_every_metric_has_a_combination_rule():
 
 def test_update_report_takes_mismatch_from_the_first_step_and_averages_the_loss():
     step = lambda loss, ratio: [{"loss": loss / 2, "num_tokens": 4.0, "num_sequences": 2.0, "clip_fraction": 0.5,
-                                 "abs_log_ratio_mean": ratio, "abs_log_ratio_max": 2 * ratio,
-                                 "abs_log_ratio_token_mean": 3 * ratio, "ratio_above_band": 0.25,
-                                 "ratio_below_band": 0.5}] * 2
+                                 "mismatch_seq": ratio, "mismatch_seq_max": 2 * ratio,
+                                 "mismatch_token": 3 * ratio, "mismatch_out_of_band": 0.75}] * 2
     report = update_report([step(1.0, 0.1), step(3.0, 0.7)], grad_norms=[1.0, 2.0])
     assert report["loss"] == pytest.approx(2.0) and report["grad_norm"] == pytest.approx(1.5)
     assert report["mismatch_abs_log_ratio_mean"] == pytest.approx(0.1)
@@ -67,3 +66,22 @@ def test_update_report_takes_mismatch_from_the_first_step_and_averages_the_loss(
     assert report["mismatch_token_abs_log_ratio_mean"] == pytest.approx(0.3)
     assert report["mismatch_out_of_band_fraction"] == pytest.approx(0.75)
     assert report["clip_fraction"] == pytest.approx(0.5)
+
+
+def test_engine_mismatch_per_sequence_and_token_combine_exactly():
+    from gspo_mcore.loss import engine_mismatch
+
+    logp, old, _, mask, _ = batch(seed=4)
+    whole = engine_mismatch(logp, old, mask, 3e-4, 4e-4)
+    seq = ((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    kept = mask.sum(-1) > 0
+    assert whole["mismatch_seq"].item() == pytest.approx(seq[kept].abs().mean().item())
+    assert whole["mismatch_token"].item() == pytest.approx(((logp - old).abs() * mask).sum().item() / mask.sum().item())
+    band = ((seq.exp() > 1 + 4e-4) | (seq.exp() < 1 - 3e-4)) & kept
+    assert whole["mismatch_out_of_band"].item() == pytest.approx(band.sum().item() / kept.sum().item())
+    parts = [to_floats(engine_mismatch(logp[s], old[s], mask[s], 3e-4, 4e-4)) | {
+             "num_tokens": mask[s].sum().item(), "num_sequences": (mask[s].sum(-1) > 0).sum().item()}
+             for s in (slice(0, 2), slice(2, 3), slice(3, 7))]
+    combined = combine(parts)
+    for key, value in whole.items():
+        assert combined[key] == pytest.approx(value.item(), abs=1e-12), key

@@ -190,7 +190,19 @@ def parse_args(argv=None):
     return parser.parse_intermixed_args(argv)
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (timeout, Slurm, Kubernetes, torchrun) unwinds like an exception: the servers
+    and reward workers the run started are stopped on the way out."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv=None) -> None:
+    _stop_on_sigterm()
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
     output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)

@@ -279,3 +279,35 @@ def test_a_run_that_trains_nothing_still_saves(toy, server, tmp_path):
     assert all(r["reward_errors"] > 0 and r["loss"] is None for r in rows)
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
     assert (out / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_killed_run_leaves_no_process_behind(toy, tmp_path, sig):
+    """The run's SGLang server (its own process group) and reward workers go when the trainer
+    does: on SIGTERM it unwinds and stops them; on SIGKILL the kernel signals the server
+    (parent-death signal) and the workers lose their parent's pipe."""
+    import os
+    import signal
+
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
+                             "--output-dir", str(out), *_toy_overrides(toy), "train.steps=500", "train.save_every=0",
+                             "reward.workers=2"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its first step"
+            time.sleep(1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 3  # the server and its workers, the reward workers
+        os.kill(proc.pid, getattr(signal, sig))
+        proc.wait(timeout=60)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -69,6 +69,20 @@ def server_for_config(config, port: int, host: str = "127.0.0.1") -> tuple[list[
     return cmd, env
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child between fork and exec (Linux): the kernel sends it `sig` when the process that
+    started it dies, by any signal, SIGKILL included, so a killed trainer orphans no server
+    (SGLang's launcher takes its own workers down on SIGTERM). Elsewhere: nothing."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
 class ManagedServer:
     """A server subprocess in its own process group, its output streamed to `log_file`.
     `with ManagedServer(...) as server:` starts it, waits for /health, and always stops it."""
@@ -83,7 +97,8 @@ class ManagedServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")
         self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                        env=server_process_env(self.env), start_new_session=True)
+                                        env=server_process_env(self.env), start_new_session=True,
+                                        preexec_fn=die_with_parent)
         log.close()
         self.wait_healthy()
         return self

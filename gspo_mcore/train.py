@@ -158,16 +158,28 @@ class Trainer:
         return {**metrics, "step": step + 1, **timings, "time_step_s": total, "tokens_per_s": tokens / total,
                 "samples": len(rollouts)}
 
+    def _resume_hint(self) -> str:
+        try:
+            return f"--resume continues from {self.checkpoints.latest().name}"
+        except InputError:
+            return "no checkpoint yet (train.save_every), a new run starts over"
+
     def save(self, step: int) -> None:
         self.checkpoints.save(step, self.source.state_dict() if self.source else None)
 
     def run(self) -> dict:
         """Steps start_step..train.steps, checkpoints every `save_every` and at the end, the HF
         export; everything the run started is released, also on failure."""
+        from gspo_mcore.rollout.engine_control import WeightSyncError
+        from gspo_mcore.rollout.response import RolloutError
+
         cfg, summary = self.config.train, {}
         with self.stack:
             for step in range(self.start_step, cfg.steps):
-                summary = self.step(step)
+                try:
+                    summary = self.step(step)
+                except (RolloutError, WeightSyncError) as err:  # an engine gone for good
+                    raise InputError(f"{err}; the run stops at step {step + 1}: {self._resume_hint()}") from None
                 if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                     self.save(step + 1)
                 if self.rank == 0:

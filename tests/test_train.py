@@ -311,3 +311,36 @@ def test_a_killed_run_leaves_no_process_behind(toy, tmp_path, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
+    """The server dies for good mid-run: the run says which server, what failed and where
+    --resume continues, in one line, and exits 2 (no traceback)."""
+    import os
+
+    from gspo_mcore.parallel import free_port
+    from gspo_mcore.rollout.server import ManagedServer, sglang_command
+    from gspo_mcore.rollout.sglang_cpu import server_env
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
+                         extra_args=("--disable-radix-cache",))
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    with ManagedServer(cmd, url, tmp_path / "sglang.log", env=server_env()) as server:
+        proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
+                                 "--output-dir", str(out), *_toy_overrides(toy), f"rollout.urls=[{url}]",
+                                 "train.steps=200", "train.save_every=1", "rollout.max_attempts=2",
+                                 "rollout.request_timeout_s=10", "weight_sync.check_every=0"],
+                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+        server.stop()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and url in last and "--resume continues from step_" in last, last
+    assert "Traceback" not in stderr

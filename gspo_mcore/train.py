@@ -85,7 +85,6 @@ class Trainer:
         if overwrite and self.rank == 0:
             clear_run(self.output_dir)
         dist.barrier()
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = Checkpointer(self.output_dir, self.learner.ddp, self.learner.optimizer,
                                         keep=config.train.keep_checkpoints)
         if resume:
@@ -112,6 +111,8 @@ class Trainer:
             # long-lived server, older weights on a resume), it now gets the trainer's.
             self.version = f"step-{self.start_step}"
             self.sync.push(self.version)
+            # Created only now: bad input found above (prompts, reward, servers) leaves no directory.
+            self.output_dir.mkdir(parents=True, exist_ok=True)
             self.log = RunLog(self.output_dir, self.start_step) if self.rank == 0 else None
             if self.log is not None:
                 self.stack.callback(self.log.close)

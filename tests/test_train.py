@@ -228,7 +228,11 @@ def test_resume_without_a_checkpoint_and_bad_data_fail_fast_with_one_line(toy, t
                           cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jsonl'}: dataset file not found"
-    assert not (tmp_path / "none" / "logs").exists()  # failed before any server started
+    assert not (tmp_path / "none").exists()  # failed before any server started: no output directory
+    proc = subprocess.run([*cmd, "reward.name=no_such_module:reward"], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=300)
+    assert proc.returncode == 2 and "reward 'no_such_module:reward': cannot import" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.parametrize("layout", ["distributed.pipeline_parallel=2", "distributed.tensor_parallel=2"])

@@ -44,6 +44,13 @@ ARMS = {
                             ["loss.sequence_mask_threshold=0.0001"]),
     "gspo-engine-wide": ("GSPO, engine log-probs, 10x band", WIDE_BAND),
     "gspo-recompute-wide": ("GSPO, recomputed, 10x band", [*WIDE_BAND, *RECOMPUTE]),
+    # Remedies that need no second forward, each beside recomputation under the same rule.
+    "gspo-engine-onpolicy1": ("GSPO, engine log-probs, first minibatch's pi_old from its own forward",
+                              ["loss.on_policy_first_minibatch=true"]),
+    "gspo-engine-mband": ("GSPO, engine log-probs, first minibatch on-policy, later band >= 2x measured mismatch",
+                          ["loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"]),
+    "gspo-recompute-mband": ("GSPO, recomputed, later band >= 2x measured mismatch (same rule)",
+                             [*RECOMPUTE, "loss.band_from_mismatch=2"]),
 }
 
 
@@ -108,6 +115,7 @@ def summarise(runs: list[list[dict]], threshold: float) -> dict:
         "train_s_per_step": over_runs("time_train_s"),
         "token_mask_fraction": over_runs("token_mask_fraction"),
         "sequence_mask_fraction": over_runs("sequence_mask_fraction"),
+        "clip_band_high": over_runs("clip_band_high"),
     }
 
 

@@ -76,6 +76,14 @@ class LossConfig:
     """None: the paper's for the level (seq-mean-token-mean)."""
     dual_clip: float | None = None
     """Lower bound c * A for negative advantages (c > 1); None: off."""
+    on_policy_first_minibatch: bool = False
+    """The first minibatch of a step (theta = theta_old) takes pi_old from its own forward,
+    detached: its ratio is exactly 1, free of the engine mismatch, at no extra cost (later
+    minibatches keep the engine's log-probs)."""
+    band_from_mismatch: float | None = None
+    """k: from the second minibatch of a step on, the clip band is at least k x the mean
+    per-sequence |log pi_trainer / pi_engine| measured on the first minibatch (the same rule
+    under recomputed pi_old, for like-for-like comparisons). None: the configured band."""
     token_mask_band: list[float] | None = None
     """[low, high]: tokens whose pi_theta / pi_engine leaves the band give no gradient
     (IcePop); computed from the current forward and the engine's log-probs. None: off."""
@@ -246,6 +254,8 @@ class Config:
         band = self.loss.token_mask_band
         if band is not None and (len(band) != 2 or not 0 < band[0] < 1 < band[1]):
             raise ConfigError("loss.token_mask_band: expected [low, high] with 0 < low < 1 < high")
+        if self.loss.band_from_mismatch is not None and self.loss.band_from_mismatch <= 0:
+            raise ConfigError("loss.band_from_mismatch: must be > 0")
         if self.loss.sequence_mask_threshold is not None and self.loss.sequence_mask_threshold < 0:
             raise ConfigError("loss.sequence_mask_threshold: must be >= 0")
         if self.loss.horizon is not None and self.loss.horizon < 1:

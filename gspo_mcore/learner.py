@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 
 from gspo_mcore.config import Config
 from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
-from gspo_mcore.metrics import RouterLoad, to_floats, update_report
+from gspo_mcore.metrics import RouterLoad, combine, to_floats, update_report
 from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, run_schedule
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches)
@@ -142,13 +142,18 @@ class Learner:
             self.routing.reset()
         self.ddp.train()
         parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
+        band = None  # (clip_low, clip_high) after the first minibatch, with loss.band_from_mismatch
         for _ in range(cfg.ppo_epochs):
             for mini in split_minibatches(len(rollouts), num_minibatches):
+                first = not parts  # theta = theta_old
                 microbatches = self.microbatches([order[i] for i in mini], rollouts, advantages, extra)
-                if self.routing is not None:  # theta = theta_old: the engine/trainer routing difference alone
-                    self.routing.compare = not parts
-                parts.append(self._optimizer_step(microbatches))
+                if self.routing is not None:  # the engine/trainer routing difference alone
+                    self.routing.compare = first
+                parts.append(self._optimizer_step(microbatches, band=band,
+                                                  on_policy=first and self.config.loss.on_policy_first_minibatch))
                 grad_norms.append(parts[-1].pop())
+                if first and self.config.loss.band_from_mismatch:
+                    band = self._band_from_mismatch(parts[0])
         metrics = [None]
         if parallel_state.is_pipeline_last_stage():
             per_rank = _gather_dp([parts])
@@ -161,14 +166,25 @@ class Learner:
             out["routing_mismatch_fraction"], out["routing_mismatch_fraction_per_layer"] = self.routing.mismatch()
         return out
 
-    def _optimizer_step(self, microbatches: list[dict]) -> list:
+    def _band_from_mismatch(self, first_parts: list[dict]) -> tuple[float, float] | None:
+        """The clip band for the later minibatches: at least k x the mean per-sequence mismatch
+        measured on the first (all its data-parallel ranks). Only the last stage has a loss."""
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        measured = combine(_gather_dp(first_parts)).get("mismatch_seq") or 0.0
+        width = self.config.loss.band_from_mismatch * measured
+        return max(self.config.loss.clip_low, width), max(self.config.loss.clip_high, width)
+
+    def _optimizer_step(self, microbatches: list[dict], band=None, on_policy: bool = False) -> list:
         """One optimizer step; returns each microbatch's metrics (last stage) and, last, the grad norm."""
         normalizer = global_normalizer(microbatches, self.config.horizon)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = run_schedule(self.ddp, microbatches,
-                               lambda mb: make_loss_func(mb, normalizer, self.config.loss, len(microbatches)),
-                               forward_only=False, routing=self.routing)
+
+        def loss_for(mb):
+            return make_loss_func(mb, normalizer, self.config.loss, len(microbatches), band=band, on_policy=on_policy)
+
+        outputs = run_schedule(self.ddp, microbatches, loss_for, forward_only=False, routing=self.routing)
         if self.routing is not None:
             self.routing.end_step()
         _, grad_norm, _ = self.optimizer.step()

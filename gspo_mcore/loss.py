@@ -193,7 +193,7 @@ METRIC_KINDS = {
     "entropy": "tokens",
     "token_mask_fraction": "tokens", "sequence_mask_fraction": "sequences",
     "mismatch_seq": "sequences", "mismatch_seq_max": "max", "mismatch_token": "tokens",
-    "mismatch_out_of_band": "sequences",
+    "mismatch_out_of_band": "sequences", "clip_band_high": "sequences",
 }
 
 

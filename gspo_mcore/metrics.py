@@ -47,7 +47,8 @@ def update_report(by_step: list[list[dict[str, float]]], grad_norms: list[float]
     first = combine(by_step[0])
     out = {key: overall.get(key) for key in ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
                                              "clip_fraction_sequences", "ratio_mean", "ratio_min", "ratio_max",
-                                             "entropy", "kl", "token_mask_fraction", "sequence_mask_fraction")
+                                             "entropy", "kl", "token_mask_fraction", "sequence_mask_fraction",
+                                             "clip_band_high")
            if key in overall}
     out["loss"] = overall["loss"] / len(by_step)
     if "kl" in out:

@@ -24,6 +24,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from gspo_mcore import weight_sync
@@ -94,7 +95,13 @@ class Trainer:
             self.source = RolloutSource(config) if self.rank == 0 else None
             if self.source is not None:
                 self.stack.callback(self.source.close)
-            urls = broadcast(self._server_urls())
+            from gspo_mcore.rollout.http import API_KEY_ENV
+
+            # The servers' API key (a run's own servers get one made for it) on every rank:
+            # weight-sync owners on any rank call the servers.
+            urls, key = broadcast((self._server_urls(), os.environ.get(API_KEY_ENV)) if self.rank == 0 else None)
+            if key:
+                os.environ[API_KEY_ENV] = key
             self.control = EngineControl(urls, timeout_s=config.rollout.request_timeout_s)
             if self.source is not None:
                 arch = self.learner.arch
@@ -144,8 +151,12 @@ class Trainer:
                 old = self.learner.recompute_old_logprobs(rollouts) if config.train.recompute_old_logprobs else None
                 metrics.update(self.learner.update(rollouts, advantages, step, old))
         with timed(timings, "time_sync_s"):
-            if config.weight_sync.colocate and self.rank == 0:
-                self.control.resume_memory()
+            if config.weight_sync.colocate:
+                if torch.cuda.is_available():  # the training peak must not stay reserved beside the engine
+                    torch.cuda.empty_cache()
+                dist.barrier()
+                if self.rank == 0:
+                    self.control.resume_memory()
             self.version = f"step-{step + 1}"
             self.sync.push(self.version)
             # Probes: sequences of the latest batch that had any (the same on every rank).
@@ -220,6 +231,10 @@ def main(argv=None) -> None:
     config = load_config(args.config, args.overrides)
     output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if config.distributed.device == "cuda" and config.weight_sync.method == "distributed":
+        # SGLang runs with NCCL_CUMEM_ENABLE=0; members of one communicator that disagree on it
+        # fail with "invalid argument". NCCL reads it once per process: set it before any group.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     check_output_dir(output_dir, args.resume, args.overwrite)
     Trainer(config, output_dir, args.resume, args.overwrite).run()
     dist.barrier()

@@ -5,7 +5,9 @@
 #
 # Environment (set by the sbatch template): GSPO_NODES (all hostnames, space-separated, trainer
 # nodes first), GSPO_TRAINER_NODES (how many of them train), GSPO_NODE_RANK (this node's
-# index; default SLURM_NODEID), MASTER_ADDR, MASTER_PORT, GSPO_PYTHON, GSPO_BASE_PORT (30000), GSPO_SERVER_TIMEOUT.
+# index; default SLURM_NODEID), MASTER_ADDR, MASTER_PORT, GSPO_PYTHON, GSPO_BASE_PORT (30000), GSPO_SERVER_TIMEOUT,
+# GSPO_SGLANG_API_KEY (made per job by the template: the servers listen on all interfaces and
+# take requests, weight loads included, only with it).
 # Rollout nodes (index >= GSPO_TRAINER_NODES) serve SGLang on all their GPUs; with no rollout
 # nodes (colocated configs) every node serves and trains. Trainer nodes wait for every
 # server, then join torchrun's rendezvous at MASTER_ADDR:MASTER_PORT.
@@ -25,6 +27,10 @@ trainer_nodes=$GSPO_TRAINER_NODES
 rank=${GSPO_NODE_RANK:-$SLURM_NODEID}
 host=${nodes[$rank]}
 trap gspo_teardown EXIT INT TERM
+if [[ -z ${GSPO_SGLANG_API_KEY:-} ]]; then
+    gspo_log "error: GSPO_SGLANG_API_KEY is not set (the sbatch template makes one per job): servers other nodes reach need it"
+    exit 2
+fi
 
 eval "$("$py" -m gspo_mcore.plan --config "$config" --nodes "${#nodes[@]}" --gpus-per-node "$gpus" --shell "$@")"
 # Colocated configs: every node serves and trains. Split: the rollout nodes serve.
@@ -54,7 +60,7 @@ if [[ " ${serving[*]} " == *" $host "* ]]; then
         first=$((i * GSPO_ENGINE_TP))
         CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
             gspo_start "$out/logs/$host/sglang_$i.log" "$py" -m gspo_mcore.rollout.server --config "$config" \
-            --port $((base_port + i)) "$@"
+            --host 0.0.0.0 --port $((base_port + i)) "$@"
     done
 fi
 if ((rank >= trainer_nodes)); then

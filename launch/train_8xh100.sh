@@ -29,6 +29,9 @@ gpus=${GSPO_GPUS_PER_NODE:-8}
 base_port=${GSPO_BASE_PORT:-30000}
 timeout=${GSPO_SERVER_TIMEOUT:-900}
 trap gspo_teardown EXIT INT TERM
+# The servers take requests only with this run's key (the trainer sends it).
+GSPO_SGLANG_API_KEY=${GSPO_SGLANG_API_KEY:-$("$py" -c 'import secrets; print(secrets.token_hex(16))')}
+export GSPO_SGLANG_API_KEY
 
 plan=$("$py" -m gspo_mcore.plan --config "$config" --gpus-per-node "$gpus" --shell "$@")
 eval "$plan"

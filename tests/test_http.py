@@ -41,6 +41,7 @@ class Handler(BaseHTTPRequestHandler):
         routes = {
             "/echo": lambda: self._json(200, {"method": self.command, "type": self.headers.get("Content-Type"),
                                               "body": json.loads(self.received) if self.received else None}),
+            "/auth": lambda: self._json(200, {"authorization": self.headers.get("Authorization")}),
             "/flush_cache": lambda: self._answer(200, b"Cache flushed.\n", length=15),  # SGLang: no Content-Type
             "/refused": lambda: self._json(400, {"object": "error", "message": "outside a weight-update session"}),
             "/refused_long": lambda: self._json(400, {"message": LONG}),
@@ -74,6 +75,30 @@ def test_json_post_and_get(url):
     assert post_json(f"{url}/echo", {"a": [1, 2]}, 5) == {"method": "POST", "type": "application/json",
                                                            "body": {"a": [1, 2]}}
     assert get_json(f"{url}/echo", 5) == {"method": "GET", "type": None, "body": None}
+
+
+def test_the_run_api_key_goes_with_every_request(url, monkeypatch):
+    from gspo_mcore.rollout.http import API_KEY_ENV
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert get_json(f"{url}/auth", 5) == {"authorization": None}
+    monkeypatch.setenv(API_KEY_ENV, "k3y")
+    assert get_json(f"{url}/auth", 5) == {"authorization": "Bearer k3y"}
+    assert post_json(f"{url}/auth", {}, 5) == {"authorization": "Bearer k3y"}
+
+
+def test_a_server_for_other_hosts_needs_an_api_key(monkeypatch):
+    """`python -m gspo_mcore.rollout.server` binds 127.0.0.1 by default; 0.0.0.0 without a key
+    is refused (anyone reaching /update_weights_* could load weights into it)."""
+    import pytest as _pytest
+
+    from gspo_mcore.errors import InputError
+    from gspo_mcore.rollout.http import API_KEY_ENV
+    from gspo_mcore.rollout.server import main
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with _pytest.raises(InputError, match=f"--host 0.0.0.0: a server other hosts can reach needs an API key in {API_KEY_ENV}"):
+        main(["--config", "configs/tiny_cpu.yaml", "--port", "1", "--host", "0.0.0.0"])
 
 
 def test_text_answer_comes_back_as_text(url):

@@ -5,16 +5,22 @@
 mid-answer: an `IncompleteRead`, or a JSON body cut off); callers may retry it.
 A 200 whose body is not JSON and not labelled JSON (SGLang's /flush_cache answers text)
 comes back as the text.
+
+Servers reachable from other hosts run with SGLang's `--api-key`: the key is in the
+environment (`API_KEY_ENV`, generated per run by the launch scripts, or by a run for the
+servers it starts), and every request here carries it.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import urllib.error
 import urllib.request
 
 DETAIL_CHARS = 300
+API_KEY_ENV = "GSPO_SGLANG_API_KEY"
 
 
 class HTTPRequestError(Exception):
@@ -45,8 +51,10 @@ def request_json(url: str, body: dict | None = None, timeout_s: float = 600.0, *
     """Send `body` as JSON (POST) or nothing (GET) to `url`; the decoded JSON answer, or the
     text of a 200 that is not JSON."""
     data = json.dumps(body or {}).encode() if method == "POST" else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data is not None else {})
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    if os.environ.get(API_KEY_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             raw = response.read()

@@ -11,7 +11,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from gspo_mcore.errors import InputError
-from gspo_mcore.rollout.http import HTTPRequestError, get_json
+from gspo_mcore.rollout.http import API_KEY_ENV, HTTPRequestError, get_json
 
 
 def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", device: str = "cpu",
@@ -58,6 +58,8 @@ def server_for_config(config, port: int, host: str = "127.0.0.1") -> tuple[list[
     r = config.rollout
     device = config.distributed.device
     extra = ("--enable-return-routed-experts",) if r.return_routed_experts else ()
+    if os.environ.get(API_KEY_ENV):  # every request must carry it (gspo_mcore.rollout.http)
+        extra += ("--api-key", os.environ[API_KEY_ENV])
     cmd = sglang_command(config.model.hf_dir, port, host=host, device=device, dtype=r.engine_dtype,
                          max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
                          tp=r.engine_tp, extra_args=(*extra, *r.server_args))
@@ -152,9 +154,13 @@ class ManagedServer:
 
 def start_servers(config, log_dir: Path, stack: ExitStack) -> list[str]:
     """The CPU default / tests: `rollout.num_servers` SGLang servers for model.hf_dir that the
-    run owns, stopped when `stack` closes. Returns their URLs."""
+    run owns, on 127.0.0.1 behind an API key made for this run (in the environment, where the
+    clients find it), stopped when `stack` closes. Returns their URLs."""
+    import secrets
+
     from gspo_mcore.parallel import free_port
 
+    os.environ.setdefault(API_KEY_ENV, secrets.token_hex(16))
     urls = []
     for index in range(config.rollout.num_servers):
         port = free_port()
@@ -175,9 +181,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gspo_mcore.rollout.server")
     parser.add_argument("--config", required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help=f"0.0.0.0 to serve other hosts: then {API_KEY_ENV} must hold the run's API key")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get(API_KEY_ENV):
+        raise InputError(f"--host {args.host}: a server other hosts can reach needs an API key in {API_KEY_ENV} "
+                         "(anyone reaching it could load weights into it)")
     cmd, env = server_for_config(load_config(args.config, args.overrides), args.port, args.host)
     os.execvpe(cmd[0], cmd, env)
     return 0

@@ -68,7 +68,7 @@ def test_killed_mid_batch_and_restarted_loses_and_duplicates_nothing(tmp_path):
     watcher = threading.Thread(target=restart_when_dead)
     watcher.start()
     try:
-        client = SGLangClient([f"http://127.0.0.1:{port}"], 256, max_attempts=8, backoff_s=0.2, max_concurrency=4)
+        client = SGLangClient([f"http://127.0.0.1:{port}"], 256, max_attempts=8, backoff_s=0.5, max_concurrency=4)  # ~2 min of retries: a loaded machine restarts slowly
         rollouts = client.generate(PROMPTS, PARAMS)
     finally:
         watcher.join(timeout=60)

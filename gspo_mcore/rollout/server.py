@@ -85,6 +85,12 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
+def in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 class ManagedServer:
     """A server subprocess in its own process group, its output streamed to `log_file`.
     `with ManagedServer(...) as server:` starts it, waits for /health, and always stops it."""
@@ -100,7 +106,9 @@ class ManagedServer:
         log = open(self.log_file, "ab")
         self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                         env=server_process_env(self.env), start_new_session=True,
-                                        preexec_fn=die_with_parent)
+                                        # The kernel ties it to the starting *thread*: only the
+                                        # main thread's children, or a thread's end kills them.
+                                        preexec_fn=die_with_parent if in_main_thread() else None)
         log.close()
         self.wait_healthy()
         return self

@@ -37,8 +37,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="measured steps (after one warm-up step)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    import os
+
+    os.chdir(REPO)  # the configs' paths are relative to the repository
     config = load_config(args.config, [*args.overrides, "train.recompute_old_logprobs=false",
                                        "weight_sync.check_every=0", "train.save_every=0"])
+    if Path(args.config).resolve() == (REPO / "configs" / "long_cpu.yaml").resolve():
+        from gspo_mcore.long_task import make_long_task
+
+        make_long_task(Path(config.model.hf_dir).parent)
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(config, Path(out))
         rows = []

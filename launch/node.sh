@@ -63,8 +63,20 @@ if [[ " ${serving[*]} " == *" $host "* ]]; then
             --host 0.0.0.0 --port $((base_port + i)) "$@"
     done
 fi
+# Trainer node 0 leaves this on the shared OUTPUT_DIR when training has ended: rollout nodes
+# stop then (serving forever would keep the Slurm step, and a requeue, alive after the run).
+done_marker="$out/logs/training_done.${SLURM_JOB_ID:-$MASTER_PORT}"
 if ((rank >= trainer_nodes)); then
-    wait  # a rollout node serves until the job ends
+    while [[ ! -e $done_marker ]]; do
+        for pid in "${GSPO_PIDS[@]}"; do
+            if ! kill -0 "$pid" 2>/dev/null; then
+                gspo_log "error: server pid $pid on $host exited before training ended"
+                exit 1
+            fi
+        done
+        sleep 5
+    done
+    gspo_log "training has ended: stopping the servers on $host"
     exit 0
 fi
 for url in "${urls[@]}"; do
@@ -77,3 +89,4 @@ if [[ -f $out/checkpoints/latest ]]; then resume=(--resume); fi
     --log-dir "$out/logs/$host/torchrun" --redirects 3 --tee 3 \
     -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" \
     "rollout.urls=[$(IFS=,; echo "${urls[*]}")]" weight_sync.master_address=auto
+if ((rank == 0)); then touch "$done_marker"; fi

@@ -179,3 +179,34 @@ def test_dockerfile_pins_agree_with_setup_py():
         assert pins.get(name) == version, (name, version, pins.get(name))
     assert re.search(r"^FROM lmsysorg/sglang:v" + re.escape(pins["sglang"]) + r"\b", docker, re.M)
     assert 'TE_VERSION=' + pins["transformer-engine[core_cu13,pytorch]"] in docker
+
+
+def test_multi_node_split_rollout_node_stops_when_training_ends(tmp_path):
+    """launch/node.sh with a trainer node and a rollout node (two 'nodes' on this machine): the
+    rollout node serves, the trainer node trains against it over the API key, and when training
+    has ended the rollout node stops its server and exits 0 (it used to serve forever, keeping
+    the Slurm step alive)."""
+    from gspo_mcore.toy_task import make_toy_task
+
+    toy = make_toy_task(tmp_path / "toy", seed=0)
+    out = tmp_path / "run"
+    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1 localhost",
+           "GSPO_TRAINER_NODES": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "GSPO_BASE_PORT": str(free_port()), "GSPO_SERVER_TIMEOUT": "300", "GSPO_SGLANG_API_KEY": "split-key",
+           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    args = ["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
+            f"data.path={toy}/prompts.jsonl", "train.steps=1", "train.save_every=0", "train.export_hf=false",
+            "weight_sync.check_every=1"]
+    rollout = subprocess.Popen(args, cwd=REPO, env={**env, "GSPO_NODE_RANK": "1"}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        trainer = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env={**env, "GSPO_NODE_RANK": "0"},
+                                 timeout=600)
+        assert trainer.returncode == 0, trainer.stderr[-3000:]
+        _, stderr = rollout.communicate(timeout=60)
+        assert rollout.returncode == 0 and "training has ended" in stderr, stderr[-2000:]
+    finally:
+        if rollout.poll() is None:
+            rollout.kill()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert (out / "logs" / "localhost" / "sglang_0.log").stat().st_size > 0

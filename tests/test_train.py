@@ -252,7 +252,8 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     on the first minibatch (TP=2 + sequence parallel: each rank compares its slice of the
     sequence), a few (token, layer) pairs differ: bf16 rounding flips near-ties, a wrong token
     order would differ almost everywhere. Replayed (EP=2), the routers take the engine's choice:
-    none differ."""
+    none differ. The free run also sizes its later minibatches' band from the mismatch it
+    measured on the first (loss.band_from_mismatch), which a bf16 engine puts far above 4e-4."""
     from gspo_mcore.parallel import free_port
     from gspo_mcore.rollout.server import ManagedServer, sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
@@ -263,13 +264,17 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     common = [*_toy_overrides(toy), "rollout.return_routed_experts=true", "train.steps=2", "train.save_every=0",
               "train.export_hf=false", "weight_sync.check_every=0"]
     with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "sglang.log", env=server_env()) as managed:
-        _train(tmp_path / "free", [*common, f"rollout.urls=[{managed.url}]", "distributed.tensor_parallel=2"], nproc=2)
+        _train(tmp_path / "free", [*common, f"rollout.urls=[{managed.url}]", "distributed.tensor_parallel=2",
+                                   "loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"], nproc=2)
         _train(tmp_path / "replay", [*common, f"rollout.urls=[{managed.url}]", "distributed.expert_parallel=2",
                                      "train.routing_replay=true"], nproc=2)
     free, replay = _metrics(tmp_path / "free"), _metrics(tmp_path / "replay")
     assert all(len(r["routing_mismatch_fraction_per_layer"]) == 4 for r in free + replay)
     assert 0 < sum(r["routing_mismatch_fraction"] for r in free) / len(free) < 0.2
     assert all(r["routing_mismatch_fraction"] == 0 for r in replay)
+    for r in free:  # minibatch 1 at 4e-4, minibatches 2..4 at 2 x the measured mismatch (mean over sequences)
+        expected = (0.0004 + 3 * max(0.0004, 2 * r["mismatch_abs_log_ratio_mean"])) / 4
+        assert r["clip_band_high"] == pytest.approx(expected, rel=0.3) and r["clip_band_high"] > 0.001
 
 
 def test_a_run_that_trains_nothing_still_saves(toy, server, tmp_path):

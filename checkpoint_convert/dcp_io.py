@@ -100,6 +100,36 @@ class DCPWriter:
         (self.dir / "metadata.json").write_text(json.dumps(BACKEND_CONFIG))
 
 
+# What a torch_dist `.metadata` pickle holds (read off checkpoints written by the converter and
+# by Megatron-Core 0.16.1's trainer save), and nothing else: a crafted file naming any other
+# global (os.system, ...) is refused instead of run.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: not a torch_dist metadata type")
+
+
+def load_metadata(path: Path):
+    """A torch_dist `.metadata`, unpickled with only the types such metadata holds."""
+    with open(path, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
 class DCPReader:
     """Read any region of any tensor of a torch_dist checkpoint, whatever its chunking."""
 
@@ -107,8 +137,7 @@ class DCPReader:
         self.dir = Path(directory)
         try:
             config = json.loads((self.dir / "metadata.json").read_text())
-            with open(self.dir / ".metadata", "rb") as f:
-                self.metadata: Metadata = pickle.load(f)
+            self.metadata: Metadata = load_metadata(self.dir / ".metadata")
         except (OSError, ValueError, pickle.UnpicklingError, EOFError) as err:
             raise CheckpointError(f"{self.dir}: not a Megatron-Core torch_dist checkpoint ({err})") from None
         if config.get("sharded_backend") != "torch_dist":

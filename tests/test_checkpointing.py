@@ -18,3 +18,41 @@ def test_tracker_with_garbage_is_named(tmp_path):
     with pytest.raises(CheckpointError) as err:
         checkpoint_dir(tmp_path)
     assert str(err.value) == f"{tmp_path / TRACKER}: expected an iteration number or 'release', found 'hi'"
+
+
+def test_crafted_metadata_is_refused_not_run(tmp_path):
+    """checkpoint_convert reads `.metadata` with an unpickler that admits only torch_dist
+    metadata types: a pickle that would run a command is a one-line error, and runs nothing."""
+    import json
+    import pickle
+
+    from checkpoint_convert.dcp_io import DCPReader
+
+    class Exploit:
+        def __reduce__(self):
+            return (__import__("os").system, (f"touch {tmp_path / 'pwned'}",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    with pytest.raises(CheckpointError, match=r"not a Megatron-Core torch_dist checkpoint \(refusing (posix|os)\.system"):
+        DCPReader(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.slow  # the converter CLI in a subprocess
+def test_real_metadata_still_loads(tmp_path):
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from checkpoint_convert.dcp_io import load_metadata
+    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", seed=0, dtype=torch.bfloat16)
+    subprocess.run([sys.executable, "-m", "checkpoint_convert", "hf-to-mcore", "--hf-dir", str(hf), "--output-dir",
+                    str(tmp_path / "mc"), "--quiet"], check=True, cwd=REPO, capture_output=True)
+    assert isinstance(load_metadata(tmp_path / "mc" / "release" / ".metadata"), Metadata)

@@ -32,7 +32,10 @@ if [[ -z ${GSPO_SGLANG_API_KEY:-} ]]; then
     exit 2
 fi
 
-eval "$("$py" -m gspo_mcore.plan --config "$config" --nodes "${#nodes[@]}" --gpus-per-node "$gpus" --shell "$@")"
+# A failed plan stops here with the planner's own one-line error (set -e on the assignment);
+# inside eval "$(...)" it would surface later as an unbound variable.
+plan=$("$py" -m gspo_mcore.plan --config "$config" --nodes "${#nodes[@]}" --gpus-per-node "$gpus" --shell "$@")
+eval "$plan"
 # Colocated configs: every node serves and trains. Split: the rollout nodes serve.
 rollout_nodes=$((${#nodes[@]} - trainer_nodes))
 if ((GSPO_COLOCATE)); then

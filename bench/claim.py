@@ -29,28 +29,33 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "long_cpu.yaml"
 WIDE_BAND = ["loss.clip_low=0.003", "loss.clip_high=0.004"]  # 10x the paper's band
+# The paper's setup, the default before this grid: the configured band everywhere, pi_old the
+# engine's (or recomputed) from the first minibatch on.
+PAPER = ["loss.on_policy_first_minibatch=false", "loss.band_from_mismatch=null"]
 GRPO = ["loss.level=token", "loss.clip_low=0.2", "loss.clip_high=0.28"]
 RECOMPUTE = ["train.recompute_old_logprobs=true"]
 
 # name -> (what it is, config overrides on top of configs/long_cpu.yaml)
 ARMS = {
-    "gspo-engine": ("GSPO, engine log-probs, free router (the default)", []),
-    "gspo-recompute": ("GSPO, pi_old recomputed by the trainer", RECOMPUTE),
-    "grpo-engine": ("GRPO, engine log-probs", GRPO),
-    "grpo-recompute": ("GRPO, recomputed", [*GRPO, *RECOMPUTE]),
-    "gspo-engine-replay": ("GSPO, engine log-probs, engine routing replayed (R3)", ["train.routing_replay=true"]),
-    "gspo-engine-tokenmask": ("GSPO, engine log-probs, IcePop token mask [0.5, 2]", ["loss.token_mask_band=[0.5,2.0]"]),
+    "gspo-engine": ("GSPO, engine log-probs, free router, paper band (the default before)", PAPER),
+    "gspo-recompute": ("GSPO, pi_old recomputed by the trainer, paper band", [*PAPER, *RECOMPUTE]),
+    "grpo-engine": ("GRPO, engine log-probs", [*PAPER, *GRPO]),
+    "grpo-recompute": ("GRPO, recomputed", [*PAPER, *GRPO, *RECOMPUTE]),
+    "gspo-engine-replay": ("GSPO, engine log-probs, engine routing replayed (R3)",
+                           [*PAPER, "train.routing_replay=true"]),
+    "gspo-engine-tokenmask": ("GSPO, engine log-probs, IcePop token mask [0.5, 2]",
+                              [*PAPER, "loss.token_mask_band=[0.5,2.0]"]),
     "gspo-engine-seqmask": ("GSPO, engine log-probs, DeepSeek-V3.2 sequence mask (delta 1e-4)",
-                            ["loss.sequence_mask_threshold=0.0001"]),
-    "gspo-engine-wide": ("GSPO, engine log-probs, 10x band", WIDE_BAND),
-    "gspo-recompute-wide": ("GSPO, recomputed, 10x band", [*WIDE_BAND, *RECOMPUTE]),
+                            [*PAPER, "loss.sequence_mask_threshold=0.0001"]),
+    "gspo-engine-wide": ("GSPO, engine log-probs, 10x band", [*PAPER, *WIDE_BAND]),
+    "gspo-recompute-wide": ("GSPO, recomputed, 10x band", [*PAPER, *WIDE_BAND, *RECOMPUTE]),
     # Remedies that need no second forward, each beside recomputation under the same rule.
     "gspo-engine-onpolicy1": ("GSPO, engine log-probs, first minibatch's pi_old from its own forward",
-                              ["loss.on_policy_first_minibatch=true"]),
-    "gspo-engine-mband": ("GSPO, engine log-probs, first minibatch on-policy, later band >= 2x measured mismatch",
-                          ["loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"]),
+                              ["loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=null"]),
+    "gspo-engine-mband": ("GSPO, engine log-probs, first minibatch on-policy, later band >= 2x measured mismatch "
+                          "(the default now)", ["loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"]),
     "gspo-recompute-mband": ("GSPO, recomputed, later band >= 2x measured mismatch (same rule)",
-                             [*RECOMPUTE, "loss.band_from_mismatch=2"]),
+                             [*RECOMPUTE, "loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"]),
 }
 
 

@@ -76,14 +76,16 @@ class LossConfig:
     """None: the paper's for the level (seq-mean-token-mean)."""
     dual_clip: float | None = None
     """Lower bound c * A for negative advantages (c > 1); None: off."""
-    on_policy_first_minibatch: bool = False
+    on_policy_first_minibatch: bool = True
     """The first minibatch of a step (theta = theta_old) takes pi_old from its own forward,
     detached: its ratio is exactly 1, free of the engine mismatch, at no extra cost (later
-    minibatches keep the engine's log-probs)."""
-    band_from_mismatch: float | None = None
+    minibatches keep the engine's log-probs). On by default (README, Findings)."""
+    band_from_mismatch: float | None = 2.0
     """k: from the second minibatch of a step on, the clip band is at least k x the mean
-    per-sequence |log pi_trainer / pi_engine| measured on the first minibatch (the same rule
-    under recomputed pi_old, for like-for-like comparisons). None: the configured band."""
+    per-sequence |log pi_trainer / pi_engine| measured on the first minibatch, so the band
+    absorbs the train-inference mismatch where responses are too short for length
+    normalisation to shrink it below clip_low/clip_high, and is exactly the configured band
+    where they are not (README, Findings). None: always the configured band."""
     token_mask_band: list[float] | None = None
     """[low, high]: tokens whose pi_theta / pi_engine leaves the band give no gradient
     (IcePop); computed from the current forward and the engine's log-probs. None: off."""

@@ -37,8 +37,8 @@ def options(level, aggregation, kl_coef, entropy_coef, on_policy=False):
             "optimizer.clip_grad=1e6", f"loss.level={level}", f"loss.clip_low={CLIP}", f"loss.clip_high={CLIP}",
             f"loss.kl_loss_coef={kl_coef}", "loss.kl_estimator=k1", f"loss.entropy_coef={entropy_coef}",
             f"loss.horizon={HORIZON}", "train.num_minibatches=1", f"train.max_tokens_per_microbatch={TOKEN_BUDGET}"]
-    if on_policy:
-        opts.append("loss.on_policy_first_minibatch=true")
+    # The engine-ratio loss as written (one minibatch: band_from_mismatch never applies).
+    opts.append(f"loss.on_policy_first_minibatch={'true' if on_policy else 'false'}")
     return opts + ([f"loss.aggregation={aggregation}"] if aggregation else [])
 
 

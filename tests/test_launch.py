@@ -212,13 +212,14 @@ def test_multi_node_split_rollout_node_stops_when_training_ends(tmp_path):
     assert (out / "logs" / "localhost" / "sglang_0.log").stat().st_size > 0
 
 
-def test_multi_node_script_reports_the_planners_own_error(tmp_path):
+def test_multi_node_script_reports_the_planners_own_error(tmp_path, tiny_hf_dir):
     """A layout the planner refuses stops node.sh with the planner's one-line error (it used to
     surface later as 'unbound variable')."""
     env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1",
            "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
            "GSPO_SGLANG_API_KEY": "k", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(tmp_path / "run")], capture_output=True,
+    proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(tmp_path / "run"),
+                           f"model.hf_dir={tiny_hf_dir}"], capture_output=True,
                           text=True, cwd=REPO, env=env, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: rollout: 1 servers x engine_tp 1 = 1 GPUs"), proc.stderr

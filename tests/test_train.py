@@ -353,3 +353,33 @@ def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and url in last and "--resume continues from step_" in last, last
     assert "Traceback" not in stderr
+
+
+def test_real_shaped_run_ep2_two_bf16_servers_uneven_lengths_save_and_prune(toy, tmp_path):
+    """The workload shape that hung or went unchecked before: prompts of 1 to 14 filler words and
+    responses up to 24 tokens packed by a 48-token budget (data-parallel ranks get unequal
+    natural microbatch counts: an EP all-to-all hang without fillers), EP=2 over 2 ranks, two bf16
+    servers the run starts (the sync check probes both), a checkpoint every step with only the
+    newest two kept."""
+    import random
+
+    rng = random.Random(5)
+    prompts = tmp_path / "uneven.jsonl"
+    with open(prompts, "w") as f:
+        for _ in range(200):
+            category = rng.choice(["color", "animal", "fruit", "number"])
+            fillers = " ".join(f"{rng.choice(['color', 'fruit'])}_{rng.randrange(60)}" for _ in range(rng.randint(1, 14)))
+            article = "an" if category == "animal" else "a"
+            f.write(json.dumps({"prompt": f"name {article} {category} ( {fillers} )", "answer": category}) + "\n")
+    out = tmp_path / "run"
+    _train(out, [f"model.hf_dir={toy / 'model'}", f"data.path={prompts}", "distributed.expert_parallel=2",
+                 "rollout.num_servers=2", "rollout.engine_dtype=bfloat16", "rollout.max_new_tokens=24",
+                 "train.max_tokens_per_microbatch=48", "train.steps=3", "train.save_every=1", "train.keep_checkpoints=2",
+                 "weight_sync.check_every=1", "weight_sync.check_tolerance=0.1", "train.export_hf=false"],
+           nproc=2, timeout=900)
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sync_check_median"] < 0.1 for r in rows)
+    assert any(r["response_length_mean"] < r["response_length_max"] for r in rows), rows  # some stop early
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert len(list((out / "logs").glob("sglang_*.log"))) == 2

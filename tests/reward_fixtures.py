@@ -19,3 +19,8 @@ def moody_reward(response: str, answer: str) -> float:
 
 def always_raises(response: str, answer: str) -> float:
     raise RuntimeError("this reward never works")
+
+
+def chatty_reward(response: str, answer: str) -> float:
+    print("a reward that prints must not corrupt the worker's replies")
+    return 0.5

@@ -1,9 +1,17 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from gspo_mcore.errors import InputError
 from gspo_mcore.rewards import load_reward_fn
 from gspo_mcore.rewards.answers import exact_match_reward, last_boxed, math_reward
 from gspo_mcore.rewards.runner import RewardRunner
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_last_boxed_balances_braces():
@@ -60,3 +68,50 @@ def test_runner_math_reward():
         assert rewards == [1.0, 0.0]
     finally:
         runner.close()
+
+
+def test_runner_reward_prints_and_dead_worker():
+    runner = RewardRunner("tests.reward_fixtures:chatty_reward", timeout_s=5.0, workers=1)
+    try:
+        assert runner.score(["a", "b"], ["", ""])[0] == [0.5, 0.5]
+        runner._pool[0].process.kill()  # a worker gone between steps is replaced, nothing lost
+        runner._pool[0].process.wait()
+        rewards, stats = runner.score(["a"], [""])
+        assert rewards == [0.5] and (stats.errors, stats.timeouts) == (0, 0)
+    finally:
+        runner.close()
+
+
+def test_a_worker_that_cannot_start_is_one_line():
+    runner = RewardRunner("tests.reward_fixtures:length_reward", timeout_s=5.0, workers=1)
+    runner.reward_name = "tests.no_such_module:f"  # importable here, not in the worker
+    with pytest.raises(InputError, match="worker did not start"):
+        runner.score(["a"], [""])
+
+
+SLOW_MAIN = """
+import json, sys, time
+time.sleep(3)  # a heavy main module (the trainer imports torch and megatron at the top)
+from gspo_mcore.rewards.runner import RewardRunner
+if __name__ == "__main__":
+    runner = RewardRunner(sys.argv[1], timeout_s=1.0, workers=2)
+    rewards, stats = runner.score(["abc"] * 8, [""] * 8)
+    runner.close()
+    print(json.dumps({"rewards": rewards, "timeouts": stats.timeouts, "errors": stats.errors}))
+"""
+
+
+@pytest.mark.parametrize("reward", ["tests.reward_fixtures:length_reward", "tests.slow_import_reward:reward"])
+def test_the_limit_counts_the_reward_only(tmp_path, reward):
+    """A 1 s limit with a fast reward, under a main module that takes 3 s to import (spawned
+    workers used to re-import it inside the first response's limit: every response timed out)
+    or a reward module that takes 3 s to import."""
+    script = tmp_path / "main.py"
+    script.write_text(SLOW_MAIN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), reward], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["timeouts"], result["errors"]) == (0, 0)
+    assert result["rewards"] == [3.0 if "length" in reward else 1.0] * 8

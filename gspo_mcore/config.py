@@ -161,7 +161,8 @@ class WeightSyncConfig:
     bucket_mb: int = 512
     master_address: str = "127.0.0.1"
     """Address of this trainer node as the SGLang servers see it (distributed method);
-    `auto`: the node's own address (multi-node, where owner ranks sit on several nodes)."""
+    `auto`: the address each owner rank reaches its server from (multi-node, where owner ranks
+    sit on several nodes). The weight-sync store listens on this address only."""
     disk_dir: str | None = None
     """disk method: where to write the checkpoint (shared file system); None: OUTPUT_DIR/weights_sync."""
     colocate: bool = False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -29,8 +28,6 @@ class DistributedWeightSync:
                  master_address: str, bucket_bytes: int, dtype: torch.dtype, group_timeout_s: float = 600.0):
         from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan
 
-        if master_address == "auto":  # multi-node: each owner rank hosts its groups' store
-            master_address = socket.gethostbyname(socket.getfqdn())
         self.model, self.arch, self.spec, self.control = model, arch, spec, control
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.owner = bool(owned_hf_plan(model, arch, spec))
@@ -48,11 +45,17 @@ class DistributedWeightSync:
     def _join(self, url: str, name: str, backend: str, master_address: str, timeout_s: float):
         from sglang.srt.utils import init_custom_process_group
 
+        from urllib.parse import urlparse
+
+        from gspo_mcore.netaddr import address_towards, listening_store
+
         world_size = 1 + self.control.tp_size(url)
+        if master_address == "auto":  # multi-node: the address this rank reaches the server from
+            master_address = address_towards(urlparse(url).hostname)
         # Our own store, not a tcp:// init_method: under torchrun that would connect to the
-        # elastic agent's store instead of hosting one (TORCHELASTIC_USE_AGENT_STORE).
-        store = dist.TCPStore(master_address, 0, world_size, is_master=True,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        # elastic agent's store instead of hosting one (TORCHELASTIC_USE_AGENT_STORE). It
+        # listens on that one address, not on every interface.
+        store = listening_store(master_address, world_size, timedelta(seconds=timeout_s))
         body = {"master_address": master_address, "master_port": store.port, "rank_offset": 1,
                 "world_size": world_size, "group_name": name, "backend": backend}
         with ThreadPoolExecutor(max_workers=1) as pool:

@@ -22,8 +22,10 @@ def _host_addresses(host: str) -> set[str]:
 
 def where_ranks_run() -> list[tuple[set[str], int]]:
     """(names and addresses of its host, LOCAL_RANK) of every trainer rank. Collective."""
-    mine = (_host_addresses(socket.gethostname()) | _host_addresses(socket.getfqdn()),
-            int(os.environ.get("LOCAL_RANK", 0)))
+    from gspo_mcore.netaddr import local_addresses
+
+    # Interface addresses, not the name lookup of our own hostname (127.0.1.1 on Debian).
+    mine = (local_addresses(), int(os.environ.get("LOCAL_RANK", 0)))
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     return ranks

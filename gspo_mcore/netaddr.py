@@ -1,0 +1,39 @@
+"""This machine's addresses as other hosts see them, and stores that listen on one of them.
+
+Not `gethostbyname(getfqdn())`: on stock Debian/Ubuntu hosts /etc/hosts maps the host's own name
+to 127.0.1.1, which no other machine can reach and which names no interface."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+
+def address_towards(host: str) -> str:
+    """The local address this machine sends from when it talks to `host` (the kernel's route;
+    a UDP connect sends no packet)."""
+    peer = socket.gethostbyname(host)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 9))
+        return probe.getsockname()[0]
+
+
+def local_addresses() -> set[str]:
+    """Every IPv4 address of this machine's interfaces, with its names."""
+    import psutil
+
+    found = {socket.gethostname(), socket.getfqdn()}
+    for addresses in psutil.net_if_addrs().values():
+        found |= {a.address for a in addresses if a.family == socket.AF_INET}
+    return found
+
+
+def listening_store(address: str, world_size: int, timeout: timedelta):
+    """A torch TCPStore server that listens on `address` only, on a free port (TCPStore itself
+    binds every interface): the socket is bound here and handed over."""
+    import torch.distributed as dist
+
+    sock = socket.create_server((address, 0), backlog=128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())  # the store owns the descriptor now

@@ -29,8 +29,15 @@ def main() -> int:
     check.add_argument("--mcore-dir", required=True)
     for p in (to_mcore, to_hf):
         p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    for p in (to_mcore, to_hf, check):
+        p.add_argument("--quiet", action="store_true", help="no progress bar, no library warnings")
     args = parser.parse_args()
+    if args.quiet:  # the result (and errors) still print; Megatron's and torch's chatter does not
+        import logging
+        import warnings
+
+        logging.disable(logging.WARNING)
+        warnings.simplefilter("ignore")
 
     from checkpoint_convert import convert
 

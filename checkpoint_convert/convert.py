@@ -37,6 +37,7 @@ from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
 # to them (layer_spec.py), so one checkpoint loads into either module set.
 CHECKPOINT_SPEC = "te"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MODEL_MODULES = {"embedding", "decoder", "output_layer"}  # GPTModel's; the rest is optimizer/RNG state
 # Megatron stacks the experts of a layer on a leading axis: experts.experts.linear_fc1.weight [E, ...].
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)linear_(fc[12])\.weight(\d+)$")
 
@@ -94,15 +95,56 @@ def fused_shape(arch: Qwen3MoeArch, rule: Rule) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), shapes[0][1])
 
 
-def checked_output(out: Path, overwrite: bool):
+def checked_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()):
     """`atomic_output(out)` as a directory, after refusing an existing `out` (unless
-    `overwrite`) or a missing parent before anything is written."""
+    `overwrite`), an `out` that is, holds or lies inside an input (`--overwrite` would delete
+    it), or a missing parent, before anything is written. Temporaries of earlier runs killed
+    on this host (`OUT.tmp-<pid>`, pid gone) are removed."""
     out = Path(out)
+    for source in inputs:
+        a, b = out.resolve(), Path(source).resolve()
+        if a == b or a in b.parents or b in a.parents:
+            raise InputError(f"{out}: output directory is, contains or lies inside the input {source}")
     if out.exists() and not overwrite:
         raise InputError(f"{out}: output directory exists (pass --overwrite to replace it)")
     if not out.parent.is_dir():
         raise InputError(f"{out.parent}: parent directory of the output does not exist")
+    remove_stale_temporaries(out)
     return atomic_output(out, directory=True)
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove `OUT.tmp-<pid>` left by converter runs that were killed (their pid is not running
+    on this host); return what was removed."""
+    import os
+
+    removed = []
+    for tmp in out.parent.glob(f"{out.name}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # a live process (another conversion) owns it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def check_model_keys(reader: DCPReader, arch: Qwen3MoeArch, config_dir: Path) -> None:
+    """Every model tensor of the checkpoint is one the config uses: a config with fewer layers
+    or experts would otherwise give a truncated model that verifies as fine."""
+    from checkpoint_convert.dcp_io import TensorStorageMetadata
+
+    used = {checkpoint_key(rule)[0] for _, rules in groups(arch) for rule in rules}
+    for key, meta in reader.metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and key.split(".")[0] in MODEL_MODULES and key not in used:
+            raise CheckpointError(f"{reader.dir}: tensor '{key}' is not used by {Path(config_dir) / 'config.json'} "
+                                  f"({arch.num_layers} layers, {arch.num_experts} experts)")
 
 
 def check_disk_space(out: Path, needed: int) -> None:
@@ -136,7 +178,7 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
     sizes = {name: math.prod(hf_shape(arch, name)) * (cast or reader.dtype(name)).itemsize for name in names}
     total = sum(sizes.values())
     check_disk_space(output_dir, total)
-    with checked_output(output_dir, overwrite) as tmp:
+    with checked_output(output_dir, overwrite, (hf_dir,)) as tmp:
         writer = DCPWriter(tmp / RELEASE)
         progress = Progress("hf-to-mcore", len(names), total, quiet)
         for layer, rules in groups(arch):
@@ -170,6 +212,7 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
     hf_config_dir, output_dir = Path(hf_config_dir), Path(output_dir)
     arch = load_hf_config(hf_config_dir)
     reader = DCPReader(checkpoint_dir(mcore_dir))
+    check_model_keys(reader, arch, hf_config_dir)
     plan = groups(arch)
     total, count, shard_plan = 0, 0, []
     for _, rules in plan:
@@ -184,7 +227,7 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
             count += len(rule.hf)
             shard_plan += [(name, dtype, hf_shape(arch, name)) for name in rule.hf]
     check_disk_space(output_dir, total)
-    with checked_output(output_dir, overwrite) as tmp:
+    with checked_output(output_dir, overwrite, (Path(mcore_dir), hf_config_dir)) as tmp:
         writer = HFCheckpointWriter(tmp, shard_plan)
         progress = Progress("mcore-to-hf", count, total, quiet)
         for _, rules in plan:

@@ -31,6 +31,9 @@ def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
     hf_dir = Path(hf_dir)
     arch = load_hf_config(hf_dir)
     ckpt = checkpoint_dir(mcore_dir)
+    from checkpoint_convert.convert import check_model_keys
+
+    check_model_keys(DCPReader(ckpt), arch, hf_dir)  # a checkpoint with more layers is not "ok"
     dist_cfg = DistributedConfig(device="cpu")
     init_distributed(dist_cfg)
     model = build_model(arch, ModelConfig(hf_dir=str(hf_dir), spec="local", dtype="float32"), dist_cfg)

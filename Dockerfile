@@ -6,7 +6,7 @@
 # kernels (sgl-kernel, flashinfer) are built against exactly that torch, so starting from
 # it keeps SGLang's pin intact; Transformer Engine and apex are then compiled against the
 # same torch (--no-build-isolation), never pulling another torch, and megatron-core and this
-# package are installed with --no-deps on top. (Not built on this project's CPU machines.)
+# package then install beside it (setup.py's ranges accept that torch). (Not built on this project's CPU machines.)
 FROM lmsysorg/sglang:v0.5.23
 
 ARG TE_VERSION=2.10.0
@@ -30,12 +30,10 @@ RUN git clone --depth 1 --branch "${APEX_COMMIT}" https://github.com/NVIDIA/apex
        --config-settings "--build-option=--cuda_ext" /tmp/apex \
     && rm -rf /tmp/apex
 
-# megatron-core and the pure-Python pins of setup.py, without touching torch.
-COPY setup.py README.md /opt/gspo-mcore/
-RUN pip install --no-deps megatron-core==0.16.1 safetensors==0.8.0 pyyaml==6.0.3 \
-    math-verify==0.9.0 pyarrow==26.0.1 tensorboard==2.20.0 matplotlib==3.11.2 psutil==7.2.2
-
+# setup.py declares version ranges, so the image's torch (2.14.1) and SGLang's transformers and
+# numpy satisfy them and stay; megatron-core at the version tested (constraints.txt).
 COPY . /opt/gspo-mcore
-RUN pip install --no-deps -e /opt/gspo-mcore \
+RUN pip install -e /opt/gspo-mcore megatron-core==0.16.1 \
+    && python -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__" \
     && python -c "import megatron.core, transformer_engine, sglang, gspo_mcore.train"
 WORKDIR /opt/gspo-mcore

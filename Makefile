@@ -10,11 +10,12 @@ STAMP := $(VENV)/.installed
 
 SGLANG_CPU := gspo_mcore/rollout/sglang_cpu
 
-$(STAMP): setup.py $(SGLANG_CPU)/requirements.txt
+$(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	# setup.py declares ranges; constraints.txt holds the exact versions tested here.
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	# A real SGLang server on CPU for rollouts (see $(SGLANG_CPU)/__init__.py): pinned, no deps.
 	$(PY) -m pip install --quiet --no-deps -r $(SGLANG_CPU)/requirements.txt
 	$(PY) -m gspo_mcore.rollout.sglang_cpu.patch_torchvision

@@ -1,20 +1,21 @@
 from setuptools import find_packages, setup
 
-# torch is pinned to the CPU wheel used on development/CI machines; the GPU image
-# (Dockerfile) installs its own CUDA build of torch before this package.
+# The ranges this package works with, so that installing it where users train (SGLang's image,
+# NGC containers, their own CUDA torch) leaves their torch alone. The exact versions the
+# project is developed and tested with are in constraints.txt, which `make` installs with.
 INSTALL_REQUIRES = [
-    "torch==2.13.0",
-    "megatron-core==0.16.1",
-    "transformers==5.19.0",  # the release SGLang 0.5.23 is known to run with
-    "safetensors==0.8.0",
-    "pyyaml==6.0.3",
-    "sentencepiece==0.2.3",
-    "psutil==7.2.2",  # dist_checkpointing needs it; megatron-core does not declare it
-    "numpy==2.3.5",  # numba (SGLang's CPU server) needs numpy < 2.4
-    "math-verify==0.9.0",  # the math answer reward
-    "pyarrow==26.0.1",  # Parquet prompt datasets
-    "tensorboard==2.20.0",  # metrics event files
-    "matplotlib==3.11.2",  # python -m gspo_mcore.plot
+    "torch>=2.13,<2.15",  # 2.13.0 (CPU) here; 2.14.1 in SGLang 0.5.23's image
+    "megatron-core>=0.16.1,<0.17",
+    "transformers>=5.19,<6",  # 5.19.0 is the release SGLang 0.5.23 is known to run with
+    "safetensors>=0.6,<1",
+    "pyyaml>=6.0",
+    "sentencepiece>=0.2",
+    "psutil>=5.9",  # dist_checkpointing needs it; megatron-core does not declare it
+    "numpy>=1.26,<3",
+    "math-verify>=0.8,<0.10",  # the math answer reward
+    "pyarrow>=15",  # Parquet prompt datasets
+    "tensorboard>=2.15",  # metrics event files
+    "matplotlib>=3.8",  # python -m gspo_mcore.plot
 ]
 
 setup(
@@ -27,7 +28,7 @@ setup(
     package_data={"gspo_mcore": ["data/samples/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        "gpu": ["transformer-engine[core_cu13,pytorch]==2.10.0", "sglang==0.5.23"],
-        "test": ["pytest==9.2.0"],
+        "gpu": ["transformer-engine[core_cu13,pytorch]>=2.9,<2.12", "sglang>=0.5.23,<0.6"],
+        "test": ["pytest>=8"],
     },
 )

@@ -1,5 +1,5 @@
 """Launch scripts as far as a CPU machine can check them: shellcheck, bash -n, rendered
-sbatch templates, the wait-for-server / teardown logic against local processes, and the
+sbatch scripts (run with stand-ins for srun/scontrol), the wait-for-server / teardown logic against local processes, and the
 single-node script end to end with the CPU config (a real SGLang server + the trainer)."""
 
 import json
@@ -21,17 +21,6 @@ SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
 TEMPLATES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
 # Debian's shellcheck, installed by `make test` (Makefile: shellcheck target).
 SHELLCHECK = shutil.which("shellcheck") or "shellcheck (not on PATH: `make test` installs it, or apt-get install shellcheck)"
-VALUES = {"JOB_NAME": "gspo-test", "TIME": "04:00:00", "OUTPUT_DIR": "/scratch/runs/a b", "REPO": "/opt/gspo-mcore",
-          "PYTHON": "python", "CONFIG": "configs/qwen3_30b_a3b_gspo_2node.yaml",
-          "OVERRIDES": "train.steps=10 optimizer.lr=2e-6"}
-
-
-def _render(template: Path, **values) -> subprocess.CompletedProcess:
-    args = [f"{k}={v}" for k, v in values.items()]
-    return subprocess.run([sys.executable, "launch/slurm/render.py", str(template), *args], capture_output=True,
-                          text=True, cwd=REPO)
-
-
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_are_shellcheck_clean(script):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -39,29 +28,74 @@ def test_scripts_are_shellcheck_clean(script):
     assert proc.returncode == 0, proc.stdout
 
 
-@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
-def test_sbatch_templates_render_and_check(template, tmp_path):
-    values = dict(VALUES, **({"TRAINER_NODES": "2", "ROLLOUT_NODES": "1"} if "multi" in template.name else {}))
-    proc = _render(template, **values)
+def test_sbatch_scripts_check_and_keep_their_defaults_where_sbatch_reads_them():
+    for script in TEMPLATES:
+        lines = script.read_text().splitlines()
+        first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+        directives = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
+        # sbatch stops reading #SBATCH lines at the first command
+        assert directives and max(directives) < first_command, script
+        assert "{{" not in script.read_text()
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        check = subprocess.run([SHELLCHECK, "-x", "-P", str(REPO), str(script)], capture_output=True, text=True,
+                               cwd=REPO)
+        assert check.returncode == 0, check.stdout
+
+
+def _fake_slurm(tmp_path: Path) -> tuple[dict, Path]:
+    """`scontrol` and `srun` stand-ins on PATH; srun records its arguments and environment."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "srun.json"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\ngpu-c\\n'\n")
+    (bin_dir / "srun").write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                                  f"json.dump({{'args': sys.argv[1:], 'env': dict(os.environ), 'cwd': os.getcwd()}}, "
+                                  f"open({str(record)!r}, 'w'))\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4321",
+           "SLURM_JOB_NODELIST": "gpu-[a-c]", "SLURM_SUBMIT_DIR": str(REPO), "GSPO_PYTHON": sys.executable}
+    return env, record
+
+
+def test_multi_node_sbatch_takes_config_output_and_overrides_as_arguments(tmp_path):
+    """What sbatch runs: `sbatch -N 3 launch/slurm/gspo_multi_node.sbatch CONFIG OUTPUT_DIR k=v`
+    (no render step), from a spooled copy, so it finds the repository from SLURM_SUBMIT_DIR."""
+    env, record = _fake_slurm(tmp_path)
+    spooled = tmp_path / "slurm_script"
+    shutil.copy(REPO / "launch/slurm/gspo_multi_node.sbatch", spooled)
+    out = tmp_path / "run dir"
+    proc = subprocess.run(["bash", str(spooled), "configs/qwen3_30b_a3b_gspo_2node.yaml", str(out), "train.steps=10"],
+                          capture_output=True, text=True, cwd=tmp_path, env={**env, "GSPO_TRAINER_NODES": "2"},
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr
-    rendered = tmp_path / template.name
-    rendered.write_text(proc.stdout)
-    assert "{{" not in proc.stdout
-    assert "#SBATCH --job-name=gspo-test" in proc.stdout and "#SBATCH --requeue" in proc.stdout
-    assert "'/scratch/runs/a b'/logs" in proc.stdout  # paths are quoted shell words
-    assert "train.steps=10 optimizer.lr=2e-6" in proc.stdout
-    if "multi" in template.name:
-        assert "#SBATCH --nodes=3" in proc.stdout and "GSPO_TRAINER_NODES=2" in proc.stdout
-    assert subprocess.run(["bash", "-n", str(rendered)]).returncode == 0
-    check = subprocess.run([SHELLCHECK, "-s", "bash", str(rendered)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout
+    srun = json.loads(record.read_text())
+    assert srun["cwd"] == str(REPO) and (out / "logs").is_dir()
+    assert srun["args"] == ["--kill-on-bad-exit=1", f"--output={out}/logs/node-%n-%j.out", "launch/node.sh",
+                            "configs/qwen3_30b_a3b_gspo_2node.yaml", str(out), "train.steps=10"]
+    assert srun["env"]["GSPO_NODES"] == "gpu-a gpu-b gpu-c" and srun["env"]["GSPO_TRAINER_NODES"] == "2"
+    assert srun["env"]["MASTER_ADDR"] == "gpu-a" and len(srun["env"]["GSPO_SGLANG_API_KEY"]) == 32
+    # Every node trains unless told otherwise; a wrong count and missing arguments are one line.
+    subprocess.run(["bash", str(spooled), "c.yaml", str(out)], cwd=tmp_path, env=env, timeout=60, check=True)
+    assert json.loads(record.read_text())["env"]["GSPO_TRAINER_NODES"] == "3"
+    proc = subprocess.run(["bash", str(spooled), "c.yaml", str(out)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**env, "GSPO_TRAINER_NODES": "4"}, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: GSPO_TRAINER_NODES=4: must be 1..3 (the job's nodes)"
+    proc = subprocess.run(["bash", str(spooled), "c.yaml"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: sbatch")
 
 
-def test_render_names_a_missing_or_unknown_value():
-    proc = _render(REPO / "launch/slurm/gspo_single_node.sbatch", **{k: v for k, v in VALUES.items() if k != "TIME"})
-    assert proc.returncode == 2 and proc.stderr.strip().endswith("missing value for TIME") and proc.stdout == ""
-    proc = _render(REPO / "launch/slurm/gspo_single_node.sbatch", **VALUES, NODES_PER_JOB="2")
-    assert proc.returncode == 2 and "NODES_PER_JOB: not a field of this template" in proc.stderr
+def test_single_node_sbatch_passes_its_arguments_to_the_node_script(tmp_path):
+    env, record = _fake_slurm(tmp_path)
+    repo = tmp_path / "repo"
+    (repo / "launch").mkdir(parents=True)
+    (repo / "launch" / "train_8xh100.sh").write_text((tmp_path / "bin" / "srun").read_text())
+    (repo / "launch" / "train_8xh100.sh").chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "launch/slurm/gspo_single_node.sbatch"), "c.yaml", "/runs/x", "a=1"],
+                          capture_output=True, text=True, cwd=tmp_path, env={**env, "GSPO_REPO": str(repo)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    called = json.loads(record.read_text())
+    assert called["args"] == ["c.yaml", "/runs/x", "a=1"] and called["cwd"] == str(repo)
 
 
 def _bash(script: str, timeout=60) -> subprocess.CompletedProcess:

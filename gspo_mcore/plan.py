@@ -8,7 +8,8 @@ TP x PP and by EP x ETP x PP, EP divides the experts, TP divides the attention h
 heads (TP <= KV heads), the vocabulary splits over TP without padding, PP divides the layers,
 every minibatch feeds every data-parallel rank, SGLang's GPUs fit beside the trainer's.
 Then a per-GPU memory estimate (weights, gradients, optimizer states, activations at the
-token budget, logits; SGLang's weights and KV cache) and the FLOPs of one step.
+token budget, logits; SGLang's weights and KV cache, on a colocated GPU added to the trainer's)
+and the FLOPs of one step; host memory of an offloaded optimizer.
 
 The estimates are arithmetic on the shapes, not measurements: activations follow
 Korthikanti et al. 2022 (sequence parallel, flash attention) adapted to top-k experts;
@@ -28,6 +29,9 @@ from gspo_mcore.errors import run_cli
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
 
 GB = 1024**3
+# A colocated SGLang process keeps, beyond its weights and KV cache: the CUDA context, CUDA
+# graphs and its forward's activations. A stated allowance, not a measurement.
+SGLANG_MARGIN_GB = 4.0
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,10 @@ def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict[
     optimizer_bytes = (4 if weight_bytes == 2 else 0) + 8
     optimizer = (shard(dense_local, layout.dp) + shard(expert_local, layout.expert_dp)) * optimizer_bytes
     if config.optimizer.cpu_offload:  # in host memory; report it, it is not on the GPU
-        host_optimizer, optimizer = optimizer, 0.0
+        # Adam's states and fp32 master weights, plus the pinned fp32 copies of this rank's
+        # gradient shard that the offloaded step reads.
+        grad_copies = (shard(dense_local, layout.dp) + shard(expert_local, layout.expert_dp)) * 4
+        host_optimizer, optimizer = optimizer + grad_copies, 0.0
     tokens, h, tp = t.max_tokens_per_microbatch, arch.hidden_size, d.tensor_parallel
     layers_here = arch.num_layers // d.pipeline_parallel
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
@@ -120,10 +127,11 @@ def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict[
         activations = stored * in_flight + tokens * per_layer  # + one layer recomputed at a time
     else:
         activations = layers_here * tokens * per_layer * in_flight
-    # bf16 logits and their gradient, plus gspo_mcore.logprobs' float32 chunk.
+    # bf16 logits [s, b, v], the contiguous [b, s, v] copy GPTModel returns, their gradient,
+    # plus gspo_mcore.logprobs' float32 chunk.
     from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
 
-    logits = arch.vocab_size / tp * tokens * (2 + 2) + DEFAULT_CHUNK_ELEMENTS * 4
+    logits = arch.vocab_size / tp * tokens * (2 + 2 + 2) + DEFAULT_CHUNK_ELEMENTS * 4
     trainer = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": activations,
                "logits": logits}
     out = {f"trainer_{k}_gb": v / GB for k, v in trainer.items()}
@@ -134,6 +142,9 @@ def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict[
     out["sglang_weights_gb"] = counts["total"] * 2 / etp / GB
     kv_per_token = 2 * arch.num_layers * max(1, arch.num_key_value_heads // etp) * arch.head_dim * 2
     out["sglang_kv_bytes_per_token"] = kv_per_token
+    if config.weight_sync.colocate:  # what the engine holds on a GPU the trainer shares
+        kv_gb = config.rollout.max_total_tokens * kv_per_token / GB
+        out["sglang_resident_gb"] = out["sglang_weights_gb"] + kv_gb + SGLANG_MARGIN_GB
     return out
 
 
@@ -157,10 +168,31 @@ def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> di
             "tokens_per_step": train_tokens}
 
 
+def check_colocated(config: Config, memory: dict[str, float], gpu_memory_gb: float) -> None:
+    """A colocated GPU in its two phases: training (the engine released its weights and KV
+    cache and keeps its margin) and the push (the trainer emptied its cache, keeping weights,
+    gradients, optimizer states and one bucket; the engine resumed weights and KV cache)."""
+    static = sum(memory[f"trainer_{k}_gb"] for k in ("weights", "gradients", "optimizer"))
+    bucket = config.weight_sync.bucket_mb / 1024 * 2  # the flat bucket and its engine-dtype copy
+    phases = {"training": memory["trainer_total_gb"] + SGLANG_MARGIN_GB,
+              "the weight push": static + bucket + memory["sglang_resident_gb"]}
+    for phase, total in phases.items():
+        if total > gpu_memory_gb:
+            raise ConfigError(
+                f"weight_sync.colocate: during {phase} the trainer and SGLang (weights "
+                f"{memory['sglang_weights_gb']:.1f} GB, KV cache for rollout.max_total_tokens "
+                f"{config.rollout.max_total_tokens}, {SGLANG_MARGIN_GB:g} GB margin) need an estimated {total:.1f} GB "
+                f"per GPU > {gpu_memory_gb:g} GB: lower rollout.max_total_tokens or train.max_tokens_per_microbatch, "
+                "raise rollout.engine_tp, or set model.recompute: full / optimizer.cpu_offload: true")
+    memory["colocated_training_gb"], memory["colocated_push_gb"] = phases["training"], phases["the weight push"]
+
+
 def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu_memory_gb: float,
          prompt_tokens: int) -> dict:
     layout = check_layout(config, arch, nodes, gpus_per_node)
     memory = memory_estimate(config, arch, layout)
+    if "sglang_resident_gb" in memory:
+        check_colocated(config, memory, gpu_memory_gb)
     if memory["trainer_total_gb"] > gpu_memory_gb:
         raise ConfigError(
             f"estimated {memory['trainer_total_gb']:.1f} GB per trainer GPU > {gpu_memory_gb:g} GB: raise "
@@ -215,6 +247,12 @@ def main(argv=None) -> int:
     print("per trainer GPU (GB): " + ", ".join(
         f"{k.removeprefix('trainer_').removesuffix('_gb')} {result[k]:.1f}" for k in result
         if k.startswith("trainer_") and k.endswith("_gb")))
+    if "host_optimizer_gb_per_gpu" in result:
+        print(f"host memory: {result['host_optimizer_gb_per_gpu']:.1f} GB per trainer GPU (offloaded Adam + fp32 "
+              f"gradient copies), {result['host_optimizer_gb_per_gpu'] * args.gpus_per_node:.0f} GB per node")
+    if "sglang_resident_gb" in result:
+        print(f"colocated, per GPU of {args.gpu_memory_gb:g} GB: {result['colocated_training_gb']:.1f} while training, "
+              f"{result['colocated_push_gb']:.1f} during the weight push (SGLang {result['sglang_resident_gb']:.1f})")
     print(f"per SGLang GPU: weights {result['sglang_weights_gb']:.1f} GB"
           + (f", KV cache for ~{result['sglang_kv_cache_tokens']:,} tokens" if "sglang_kv_cache_tokens" in result else ""))
     print(f"one step (upper bound, full-length responses): rollout {result['rollout_tflops']:.0f} TFLOP, "

@@ -39,7 +39,7 @@ def test_shipped_gpu_configs_fit(config, nodes, hf):
 
 def test_one_node_30b_needs_the_offload_and_two_nodes_do_not():
     cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", ["optimizer.cpu_offload=false"])
-    with pytest.raises(ConfigError, match=r"estimated 8\d\.\d GB per trainer GPU > 80 GB"):
+    with pytest.raises(ConfigError, match=r"during training .* need an estimated 9\d\.\d GB per GPU > 80 GB"):
         plan(cfg, load_hf_config(HF_30B), 1, 8, 80.0, 512)
     one = plan(load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), load_hf_config(HF_30B), 1, 8, 80.0, 512)
     assert one["trainer_optimizer_gb"] == 0 and one["host_optimizer_gb_per_gpu"] > 30
@@ -91,3 +91,39 @@ def test_cli_prints_the_plan_and_one_line_errors():
                           cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: distributed: 24 trainer GPUs are not divisible")
+
+
+def test_a_colocated_gpu_holds_the_trainer_and_sglang_together():
+    """The 1-node config fits with SGLang's weights, KV cache at max_total_tokens and a margin
+    beside the trainer's resident state at the push (and the margin beside its training peak);
+    a KV cache that pushes the sum over the GPU is refused (the trainer alone would fit, so the
+    old check passed it)."""
+    arch = load_hf_config(HF_30B)
+    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml")
+    result = plan(cfg, arch, 1, 8, 80.0, 512)
+    kv_gb = cfg.rollout.max_total_tokens * result["sglang_kv_bytes_per_token"] / 1024**3
+    assert result["sglang_resident_gb"] == pytest.approx(result["sglang_weights_gb"] + kv_gb + 4.0)
+    static = sum(result[f"trainer_{k}_gb"] for k in ("weights", "gradients", "optimizer"))
+    assert result["colocated_push_gb"] == pytest.approx(static + 2 * cfg.weight_sync.bucket_mb / 1024
+                                                        + result["sglang_resident_gb"]) and result["colocated_push_gb"] <= 80
+    assert result["colocated_training_gb"] == pytest.approx(result["trainer_total_gb"] + 4.0)
+    big_cache = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", ["rollout.max_total_tokens=1600000"])
+    assert plan(big_cache, arch, 1, 8, 120.0, 512)["trainer_total_gb"] < 80
+    with pytest.raises(ConfigError, match=r"weight_sync.colocate: during the weight push .* GB per GPU > 80 GB"):
+        plan(big_cache, arch, 1, 8, 80.0, 512)
+
+
+def test_logits_count_the_contiguous_copy_and_offload_counts_gradient_copies():
+    arch = load_hf_config(HF_30B)
+    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml")
+    result = plan(cfg, arch, 1, 8, 80.0, 512)
+    from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
+
+    tokens = cfg.train.max_tokens_per_microbatch
+    expected = (arch.vocab_size * tokens * 3 * 2 + DEFAULT_CHUNK_ELEMENTS * 4) / 1024**3  # [s,b,v], [b,s,v], grad
+    assert result["trainer_logits_gb"] == pytest.approx(expected)
+    counts = param_counts(arch)
+    # distributed optimizer: dense over DP 8, experts over EP 8 x expert-DP 1; 12 B Adam + fp32
+    # master weights, + 4 B pinned gradient copy
+    local = counts["dense"] / 8 + counts["experts"] / 8
+    assert result["host_optimizer_gb_per_gpu"] == pytest.approx(local * (4 + 8 + 4) / 1024**3, rel=1e-6)

@@ -79,6 +79,17 @@ def te_norm_extra_state_keys(arch: Qwen3MoeArch, layer: int | None) -> list[str]
     return keys + ([f"{prefix}pre_mlp_layernorm._extra_state/shard_0_1"] if arch.moe_layers[layer] else [])
 
 
+def local_spec_aliases(arch: Qwen3MoeArch, layer: int | None) -> dict[str, str]:
+    """Keys Megatron's own local spec (get_gpt_layer_local_spec, get_gpt_decoder_block_spec
+    with use_transformer_engine=False) asks for under other names: it maps `pre_mlp_layernorm.`
+    to `mlp.linear_fc1.layer_norm_` in MoE layers too, where the TE spec keeps a standalone
+    `pre_mlp_layernorm`. alias -> the key written, so both specs load strictly."""
+    if layer is None or not arch.moe_layers[layer]:
+        return {}
+    prefix = f"decoder.layers.{layer}."
+    return {f"{prefix}mlp.linear_fc1.layer_norm_weight": f"{prefix}pre_mlp_layernorm.weight"}
+
+
 def groups(arch: Qwen3MoeArch) -> list[tuple[int | None, list[Rule]]]:
     """The unit of streaming: embeddings/norm/head, then each decoder layer."""
     return [(None, non_layer_rules(arch, CHECKPOINT_SPEC))] + [
@@ -141,6 +152,7 @@ def check_model_keys(reader: DCPReader, arch: Qwen3MoeArch, config_dir: Path) ->
     from checkpoint_convert.dcp_io import TensorStorageMetadata
 
     used = {checkpoint_key(rule)[0] for _, rules in groups(arch) for rule in rules}
+    used |= {alias for layer in range(arch.num_layers) for alias in local_spec_aliases(arch, layer)}
     for key, meta in reader.metadata.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata) and key.split(".")[0] in MODEL_MODULES and key not in used:
             raise CheckpointError(f"{reader.dir}: tensor '{key}' is not used by {Path(config_dir) / 'config.json'} "
@@ -183,6 +195,7 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
         progress = Progress("hf-to-mcore", len(names), total, quiet)
         for layer, rules in groups(arch):
             writer.start_file()
+            aliases = {key: alias for alias, key in local_spec_aliases(arch, layer).items()}
             for rule in rules:
                 tensors = [reader[name] for name in rule.hf]
                 if cast is not None:
@@ -191,6 +204,8 @@ def hf_to_mcore(hf_dir, output_dir, dtype: str | None = None, overwrite: bool = 
                 key, expert = checkpoint_key(rule)
                 if expert is None:
                     writer.write_tensor(key, fused.shape, (0,) * fused.dim(), fused)
+                    if key in aliases:
+                        writer.write_tensor(aliases[key], fused.shape, (0,) * fused.dim(), fused)
                 else:
                     writer.write_tensor(key, (arch.num_experts, *fused.shape), (expert, 0, 0), fused.unsqueeze(0))
                 progress.update(len(rule.hf), sum(sizes[name] for name in rule.hf))

@@ -80,7 +80,7 @@ def test_dtype_cast(tiny_hf_dir, tmp_path):
 def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
     """Keys, global shapes, dtypes and values equal those of Megatron's own save of the model
     (the local spec; the converter adds the extra states of the TE spec's standalone norms)."""
-    from checkpoint_convert.convert import te_norm_extra_state_keys
+    from checkpoint_convert.convert import local_spec_aliases, te_norm_extra_state_keys
     from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 
     run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved")])
@@ -90,7 +90,11 @@ def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
     arch = load_hf_config(tiny_hf_dir)
     te_only = {key for layer in [None, *range(arch.num_layers)] for key in te_norm_extra_state_keys(arch, layer)}
     assert te_only and not te_only & set(theirs_md)
-    assert set(ours_md) == set(theirs_md) | te_only
+    aliases = {a: key for layer in range(arch.num_layers) for a, key in local_spec_aliases(arch, layer).items()}
+    assert aliases and not aliases.keys() & set(theirs_md)
+    assert set(ours_md) == set(theirs_md) | te_only | aliases.keys()
+    for alias, key in aliases.items():
+        assert torch.equal(ours.read(alias), ours.read(key)), alias
     for key, meta in theirs_md.items():
         assert type(ours_md[key]) is type(meta), key
         if hasattr(meta, "size"):
@@ -296,3 +300,15 @@ def test_truncated_distcp_is_named_and_leaves_nothing(converted, tiny_hf_dir, tm
     proc = cli("mcore-to-hf", "--mcore-dir", str(broken), "--hf-config-dir", str(tiny_hf_dir),
                "--output-dir", str(out), "--quiet", check=False)
     assert_rejected(proc, out, "__2_0.distcp")
+
+
+def test_megatron_own_local_specs_load_the_output_strictly(tiny_hf_dir, converted):
+    """A Megatron user's GPTModel from get_gpt_decoder_block_spec(use_transformer_engine=False)
+    or get_gpt_layer_local_spec loads our checkpoint with a default (strict) load and gives the
+    HF logits (it used to fail: 'decoder.layers.0.mlp.linear_fc1.layer_norm_weight from model
+    not in state dict')."""
+    proc = run_module(["tests/workers/megatron_own_spec.py", str(tiny_hf_dir), str(converted)])
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["spec"] for r in results] == ["get_gpt_decoder_block_spec", "get_gpt_layer_local_spec"]
+    for r in results:
+        assert r["max_abs_logit_diff"] <= 1e-4, r

@@ -87,7 +87,7 @@ for url in "${urls[@]}"; do
 done
 resume=()
 if [[ -f $out/checkpoints/latest ]]; then resume=(--resume); fi
-"$py" -m torch.distributed.run --nnodes "$trainer_nodes" --node-rank "$rank" --nproc_per_node $((GSPO_TRAINER_GPUS / trainer_nodes)) \
+"$py" -m gspo_mcore.torchrun --nnodes "$trainer_nodes" --node-rank "$rank" --nproc_per_node $((GSPO_TRAINER_GPUS / trainer_nodes)) \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-gspo}" \
     --log-dir "$out/logs/$host/torchrun" --redirects 3 --tee 3 \
     -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" \

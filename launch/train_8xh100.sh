@@ -67,6 +67,6 @@ if ((${#urls[@]})); then
 fi
 
 gspo_log "trainer on GPUs $trainer_devices"
-CUDA_VISIBLE_DEVICES=$trainer_devices "$py" -m torch.distributed.run --standalone \
+CUDA_VISIBLE_DEVICES=$trainer_devices "$py" -m gspo_mcore.torchrun --standalone \
     --nproc_per_node "$GSPO_TRAINER_GPUS" --log-dir "$out/logs/torchrun" --redirects 3 --tee 3 \
     -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" "${server_list[@]}"

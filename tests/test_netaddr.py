@@ -38,3 +38,40 @@ def test_the_store_listens_on_the_given_address_only():
 
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
     assert client.get("k") == b"v"
+
+
+def test_torchrun_store_binds_the_rendezvous_address(monkeypatch):
+    from gspo_mcore.torchrun import bind_address
+
+    assert bind_address("localhost") == "127.0.0.1" and bind_address("127.0.0.1") == "127.0.0.1"
+    ip = _interface_address()
+    assert bind_address(ip) == ip
+    # A node's own name that resolves to 127.0.1.1 (stock Debian/Ubuntu): binding it would cut
+    # the other nodes off, so every interface, as torch does.
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
+    assert bind_address("gpu-node-0") is None
+
+
+PROBE = """
+import json, os, psutil
+agent = psutil.Process(os.getppid())
+print(json.dumps(sorted({c.laddr.ip for c in agent.net_connections("inet") if c.status == psutil.CONN_LISTEN})))
+"""
+
+
+def test_a_single_node_run_listens_on_loopback_only(tmp_path):
+    """torchrun --standalone's rendezvous store listened on every interface ('::')."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.torchrun", "--standalone", "--nproc_per_node", "1",
+                           str(probe)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["127.0.0.1"]

@@ -23,10 +23,12 @@ LAYOUTS = {
 
 def pytest_collection_modifyitems(items):
     """Tests that need a parallel layout's torchrun launch are slow (`pytest -m "not slow"`
-    skips them); modules that start torchrun or SGLang otherwise mark themselves."""
+    skips them) and share one xdist group, so each layout launches once under `make test`'s
+    two workers; modules that start torchrun or SGLang otherwise mark themselves."""
     for item in items:
         if "layout_output" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("layouts"))
 
 
 @pytest.fixture(scope="session")

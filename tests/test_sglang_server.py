@@ -12,7 +12,8 @@ from gspo_mcore.rollout.client import SGLangClient
 from gspo_mcore.rollout.server import ManagedServer, sglang_command
 from gspo_mcore.rollout.sglang_cpu import server_env
 
-pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
+# Slow: starts torchrun and SGLang servers; one xdist group, so the module's server starts once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_server")]
 
 # bf16 on both sides, token-by-token decoding vs one forward pass: most tokens agree within a
 # few 0.01, but a token near a tie between experts can be routed differently (the MoE

@@ -227,7 +227,6 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
     hf_config_dir, output_dir = Path(hf_config_dir), Path(output_dir)
     arch = load_hf_config(hf_config_dir)
     reader = DCPReader(checkpoint_dir(mcore_dir))
-    check_model_keys(reader, arch, hf_config_dir)
     plan = groups(arch)
     total, count, shard_plan = 0, 0, []
     for _, rules in plan:
@@ -241,6 +240,7 @@ def mcore_to_hf(mcore_dir, hf_config_dir, output_dir, overwrite: bool = False, q
             total += math.prod(expected[1:] if expert is not None else expected) * dtype.itemsize
             count += len(rule.hf)
             shard_plan += [(name, dtype, hf_shape(arch, name)) for name in rule.hf]
+    check_model_keys(reader, arch, hf_config_dir)  # after the shapes: a wrong config is named by its first tensor
     check_disk_space(output_dir, total)
     with checked_output(output_dir, overwrite, (Path(mcore_dir), hf_config_dir)) as tmp:
         writer = HFCheckpointWriter(tmp, shard_plan)

@@ -28,7 +28,7 @@ def assert_close_logprobs(diffs: torch.Tensor) -> None:
     assert median < MEDIAN_TOLERANCE and share >= CLOSE_SHARE, (median, share, diffs.max().item())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sglang_server(tmp_path_factory):
     import sglang  # noqa: F401  (installed by `make test`; a missing SGLang fails, never skips)
     # SGLang's Qwen3-MoE ignores mlp_only_layers: serve an all-MoE model (as the real ones are).

@@ -22,7 +22,7 @@ REQUIRED = ("step", "reward_mean", "reward_std", "clip_fraction", "response_leng
             "router_max_over_mean_load")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def toy(tmp_path_factory):
     from gspo_mcore.toy_task import make_toy_task
 
@@ -37,7 +37,7 @@ def _metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(toy, tmp_path_factory):
     """One engine for the runs below (the default run starts its own): each run pushes its
     initial weights first, so a previous run's weights do not leak in."""
@@ -58,7 +58,7 @@ def _train(out, overrides, nproc=1, config="configs/tiny_cpu.yaml", extra=(), ti
                       nproc=nproc, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_run(toy, tmp_path_factory):
     """The CPU default exactly as shipped (configs/tiny_cpu.yaml), on this test's copy of the toy task."""
     out = tmp_path_factory.mktemp("default_run")

@@ -9,6 +9,7 @@ renamed to OUT only when complete.
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -127,8 +128,6 @@ def checked_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()):
 def remove_stale_temporaries(out: Path) -> list[Path]:
     """Remove `OUT.tmp-<pid>` left by converter runs that were killed (their pid is not running
     on this host); return what was removed."""
-    import os
-
     removed = []
     for tmp in out.parent.glob(f"{out.name}.tmp-*"):
         pid = tmp.name.rpartition("-")[2]

@@ -28,12 +28,17 @@ def local_addresses() -> set[str]:
     return found
 
 
+def listening_socket(address: str, port: int = 0) -> tuple[int, int]:
+    """(port, descriptor) of a socket listening on `address` only, for a TCPStore server's
+    `master_listen_fd` (TCPStore itself binds every interface); the store owns it after."""
+    sock = socket.create_server((address, port), backlog=1024)
+    return sock.getsockname()[1], sock.detach()
+
+
 def listening_store(address: str, world_size: int, timeout: timedelta):
-    """A torch TCPStore server that listens on `address` only, on a free port (TCPStore itself
-    binds every interface): the socket is bound here and handed over."""
+    """A torch TCPStore server that listens on `address` only, on a free port."""
     import torch.distributed as dist
 
-    sock = socket.create_server((address, 0), backlog=128)
-    port = sock.getsockname()[1]
+    port, fd = listening_socket(address)
     return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=sock.detach())  # the store owns the descriptor now
+                         master_listen_fd=fd)

@@ -15,6 +15,8 @@ import socket
 
 import torch.distributed as dist
 
+from gspo_mcore.netaddr import listening_socket
+
 _TCPStore = dist.TCPStore
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
@@ -38,8 +40,7 @@ class BoundTCPStore(_TCPStore):
         given = dict(zip(names, args), **kwargs)
         address = bind_address(host_name) if given.get("is_master") and given.get("master_listen_fd") is None else None
         if address is not None:
-            sock = socket.create_server((address, port), backlog=1024)
-            port, given["master_listen_fd"] = sock.getsockname()[1], sock.detach()
+            port, given["master_listen_fd"] = listening_socket(address, port)
         super().__init__(host_name, port, **given)
 
 

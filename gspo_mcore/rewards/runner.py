@@ -40,19 +40,21 @@ class _Worker:
         self.process = subprocess.Popen([sys.executable, "-m", "gspo_mcore.rewards.worker", reward_name],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                         env=env, preexec_fn=die_with_parent if in_main_thread() else None)
-        self.busy_with: int | None = None
+        self.reward_name = reward_name
+        self.busy_with: int | None = None  # the response index it is scoring
+        self.started = 0.0  # when it got that response
 
-    def ready(self, reward_name: str, deadline: float) -> None:
+    def ready(self, deadline: float) -> None:
         reply = self.read(max(0.0, deadline - time.monotonic()))
         if reply != "ready":
             reason = reply["error"] if isinstance(reply, dict) else "no answer in time"
             self.kill()
-            raise InputError(f"reward {reward_name!r}: its worker did not start ({reason})")
+            raise InputError(f"reward {self.reward_name!r}: its worker did not start ({reason})")
 
     def send(self, index: int, response: str, answer: str) -> None:
-        self.busy_with = index
         self.process.stdin.write(json.dumps([response, answer]) + "\n")
         self.process.stdin.flush()
+        self.busy_with, self.started = index, time.monotonic()
 
     def read(self, timeout_s: float):
         """The next reply, or None if none came within `timeout_s` or the worker died."""
@@ -85,7 +87,7 @@ class RewardRunner:
         started = [_Worker(self.reward_name) for _ in range(count)]
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for worker in started:
-            worker.ready(self.reward_name, deadline)
+            worker.ready(deadline)
         return started
 
     def score(self, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
@@ -93,9 +95,9 @@ class RewardRunner:
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
         self._pool += self._start(self.workers - len(self._pool))
         rewards, stats = [0.0] * len(responses), RewardStats()
-        todo, started_at = list(range(len(responses))), {}
+        todo = list(range(len(responses)))
         while todo or any(w.busy_with is not None for w in self._pool):
-            for worker in self._pool:
+            for worker in list(self._pool):  # _replace changes the pool
                 if worker.busy_with is None and todo:
                     i = todo.pop(0)
                     try:
@@ -103,12 +105,10 @@ class RewardRunner:
                     except OSError:  # it died between calls: a fresh one takes the response next round
                         todo.insert(0, i)
                         self._replace(worker)
-                        continue
-                    started_at[i] = time.monotonic()
             busy = [w for w in self._pool if w.busy_with is not None]
             if not busy:
                 continue
-            soonest = min(started_at[w.busy_with] + self.timeout_s for w in busy)
+            soonest = min(w.started + self.timeout_s for w in busy)
             readable = select.select([w.process.stdout for w in busy], [], [],
                                      max(0.0, soonest - time.monotonic()))[0]
             for worker in busy:
@@ -122,7 +122,7 @@ class RewardRunner:
                     stats.errors += 1  # it raised, returned NaN, or its process died
                     if reply is None:
                         self._replace(worker)
-                elif time.monotonic() >= started_at[i] + self.timeout_s:
+                elif time.monotonic() >= worker.started + self.timeout_s:
                     stats.timeouts += 1
                     self._replace(worker)
         return rewards, stats

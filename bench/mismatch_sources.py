@@ -53,7 +53,7 @@ def engine_rollouts(config, dtype: str, prompts: list[list[int]], vocab_size: in
     prefill log-probs of the same response tokens."""
     import dataclasses
 
-    from gspo_mcore.parallel import free_port
+    from gspo_mcore.netaddr import free_port
     from gspo_mcore.rollout.client import SGLangClient
     from gspo_mcore.rollout.engine_control import EngineControl
     from gspo_mcore.rollout.server import ManagedServer, server_for_config

@@ -67,7 +67,7 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     config = load_config(None, [f"model.hf_dir={hf_dir}"])
     arch, model = model_from_config(config)
     bucket_bytes = bucket_mb << 20
-    from gspo_mcore.parallel import free_port
+    from gspo_mcore.netaddr import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

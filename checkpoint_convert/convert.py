@@ -18,7 +18,7 @@ import torch
 
 from checkpoint_convert.dcp_io import DCPReader, DCPWriter
 from checkpoint_convert.progress import Progress
-from checkpoint_convert.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
+from gspo_mcore.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
 from gspo_mcore.checkpointing import RELEASE, TRACKER, checkpoint_dir
 from gspo_mcore.errors import CheckpointError, InputError
 from gspo_mcore.files import atomic_output

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_convert.dcp_io import DCPReader
-from checkpoint_convert.safetensors_io import HFCheckpointReader
+from gspo_mcore.safetensors_io import HFCheckpointReader
 from gspo_mcore.checkpointing import checkpoint_dir, load_model_weights
 from gspo_mcore.config import DistributedConfig, ModelConfig
 from gspo_mcore.errors import InputError
@@ -35,7 +35,7 @@ def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
 
     check_model_keys(DCPReader(ckpt), arch, hf_dir)  # a checkpoint with more layers is not "ok"
     dist_cfg = DistributedConfig(device="cpu")
-    init_distributed(dist_cfg)
+    init_distributed(dist_cfg, seed=0)
     model = build_model(arch, ModelConfig(hf_dir=str(hf_dir), spec="local", dtype="float32"), dist_cfg)
     load_model_weights(model, ckpt)
     model.eval()

@@ -1,4 +1,10 @@
-"""Errors caused by user input, and how command-line entry points report them."""
+"""The project's errors by cause, and how command-line entry points report them.
+
+- `InputError`: bad input (a file, tensor or config field); the message names it. Exit code 2.
+- `EngineError`: an inference engine that failed us (gone, refusing, answering garbage, or
+  holding other weights than the trainer's); the message names the server or request. Exit code 3.
+- Anything else is a bug: a traceback.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,24 @@ class CheckpointError(InputError):
     """A checkpoint file or tensor that cannot be used."""
 
 
+class EngineError(RuntimeError):
+    """An inference engine failed (not the user's input); one line at the CLI, exit 3."""
+
+
+class RolloutError(EngineError):
+    """A response that cannot be trained on; the message names the request."""
+
+
+class WeightSyncError(EngineError):
+    """The engine did not take the trainer's weights (or the check found them different)."""
+
+
+EXIT_CODES = {InputError: 2, EngineError: 3}
+
+
 def run_cli(main: Callable[[], int]) -> int:
     try:
         return main()
-    except InputError as err:
+    except (InputError, EngineError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CODES[InputError if isinstance(err, InputError) else EngineError]

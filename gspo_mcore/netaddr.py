@@ -28,6 +28,13 @@ def local_addresses() -> set[str]:
     return found
 
 
+def free_port() -> int:
+    """A TCP port free right now on this host (for rendezvous and local servers)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def listening_socket(address: str, port: int = 0) -> tuple[int, int]:
     """(port, descriptor) of a socket listening on `address` only, for a TCPStore server's
     `master_listen_fd` (TCPStore itself binds every interface); the store owns it after."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -12,6 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from gspo_mcore.config import ConfigError, DistributedConfig
+from gspo_mcore.netaddr import free_port
 
 
 _DEVICE = torch.device("cpu")
@@ -28,15 +28,9 @@ def to_device(batch: dict) -> dict:
     return {k: v.to(_DEVICE, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def free_port() -> int:
-    """A TCP port free right now on this host (for rendezvous and local servers)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_distributed(cfg: DistributedConfig, seed: int = 1234) -> None:
-    """Join the process group (torchrun's env, or a world of one) and set up TP/PP/EP/DP."""
+def init_distributed(cfg: DistributedConfig, seed: int) -> None:
+    """Join the process group (torchrun's env, or a world of one), set up TP/PP/EP/DP, and seed
+    Megatron's RNG tracker (its data-, tensor- and expert-parallel states) from `seed`."""
     global _DEVICE
     if cfg.device == "cpu":
         from gspo_mcore import cpu_bridge

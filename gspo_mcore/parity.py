@@ -50,7 +50,7 @@ def run(config: Config, tokens: torch.Tensor, mcore_dir: str | None = None) -> d
     """Build the model under `config.distributed`, load the HF weights (or the converted
     torch_dist checkpoint `mcore_dir`), compare logits and the exported weights with the
     checkpoint. Returns the figures on global rank 0, None on other ranks."""
-    from checkpoint_convert.safetensors_io import HFCheckpointReader
+    from gspo_mcore.safetensors_io import HFCheckpointReader
 
     arch, model = model_from_config(config, load_weights=not mcore_dir)
     if mcore_dir:

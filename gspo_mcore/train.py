@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from gspo_mcore import weight_sync
 from gspo_mcore.config import Config, load_config
-from gspo_mcore.errors import InputError, run_cli
+from gspo_mcore.errors import EngineError, InputError, run_cli
 
 
 @contextmanager
@@ -182,16 +182,13 @@ class Trainer:
     def run(self) -> dict:
         """Steps start_step..train.steps, checkpoints every `save_every` and at the end, the HF
         export; everything the run started is released, also on failure."""
-        from gspo_mcore.rollout.engine_control import WeightSyncError
-        from gspo_mcore.rollout.response import RolloutError
-
         cfg, summary = self.config.train, {}
         with self.stack:
             for step in range(self.start_step, cfg.steps):
                 try:
                     summary = self.step(step)
-                except (RolloutError, WeightSyncError) as err:  # an engine gone for good
-                    raise InputError(f"{err}; the run stops at step {step + 1}: {self._resume_hint()}") from None
+                except EngineError as err:  # an engine gone for good
+                    raise EngineError(f"{err}; the run stops at step {step + 1}: {self._resume_hint()}") from None
                 if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                     self.save(step + 1)
                 if self.rank == 0:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_convert import convert
 from checkpoint_convert.dcp_io import DCPReader
-from checkpoint_convert.safetensors_io import HFCheckpointReader
+from gspo_mcore.safetensors_io import HFCheckpointReader
 from checkpoint_convert.synthetic import QWEN3_30B_A3B, QWEN3_235B_A22B, write_synthetic_checkpoint
 from conftest import REPO, last_json_line, run_module
 from gspo_mcore.errors import InputError

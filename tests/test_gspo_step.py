@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from checkpoint_convert.safetensors_io import HFCheckpointReader
+from gspo_mcore.safetensors_io import HFCheckpointReader
 from conftest import LAYOUTS, plan_layout_job
 from gspo_mcore.loss import aggregate, kl_penalty, policy_loss
 

@@ -7,11 +7,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gspo_mcore.parallel import free_port
+from gspo_mcore.netaddr import free_port
 from gspo_mcore.rollout.client import RetryableError, SGLangClient
-from gspo_mcore.rollout.engine_control import EngineControl, WeightSyncError
+from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.rollout.engine_control import EngineControl
 from gspo_mcore.rollout.http import ConnectionFailure, HTTPStatusError, get_json, post_json
-from gspo_mcore.rollout.response import RolloutError
+from gspo_mcore.errors import RolloutError
 
 LONG = "m" * 1000
 

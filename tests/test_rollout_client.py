@@ -10,9 +10,9 @@ import pytest
 
 from conftest import REPO
 from gspo_mcore.errors import InputError
-from gspo_mcore.parallel import free_port
+from gspo_mcore.netaddr import free_port
 from gspo_mcore.rollout.client import SGLangClient, check_sampling_params
-from gspo_mcore.rollout.response import RolloutError
+from gspo_mcore.errors import RolloutError
 from gspo_mcore.rollout.server import ManagedServer, sglang_command
 
 PARAMS = {"max_new_tokens": 4, "temperature": 1.0}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
-from gspo_mcore.parallel import free_port
+from gspo_mcore.netaddr import free_port
 from gspo_mcore.rollout.client import SGLangClient
 from gspo_mcore.rollout.server import ManagedServer, sglang_command
 from gspo_mcore.rollout.sglang_cpu import server_env
@@ -151,7 +151,7 @@ def test_real_server_killed_mid_batch_and_restarted_then_gone(tmp_path):
     import threading
     import time
 
-    from gspo_mcore.rollout.response import RolloutError
+    from gspo_mcore.errors import RolloutError
 
     hf_dir = make_tiny_checkpoint(tmp_path / "model", seed=3, dtype=torch.bfloat16, mlp_only_layers=[])
     port = free_port()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from checkpoint_convert.safetensors_io import HFCheckpointReader
+from gspo_mcore.safetensors_io import HFCheckpointReader
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
     GLU,

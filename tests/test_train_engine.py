@@ -22,7 +22,7 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     order would differ almost everywhere. Replayed (EP=2), the routers take the engine's choice:
     none differ. The free run also sizes its later minibatches' band from the mismatch it
     measured on the first (loss.band_from_mismatch), which a bf16 engine puts far above 4e-4."""
-    from gspo_mcore.parallel import free_port
+    from gspo_mcore.netaddr import free_port
     from gspo_mcore.rollout.server import ManagedServer, sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
 
@@ -79,10 +79,10 @@ def test_a_killed_run_leaves_no_process_behind(toy, tmp_path, sig):
 
 def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
     """The server dies for good mid-run: the run says which server, what failed and where
-    --resume continues, in one line, and exits 2 (no traceback)."""
+    --resume continues, in one line, and exits 3 (an engine error, not bad input; no traceback)."""
     import os
 
-    from gspo_mcore.parallel import free_port
+    from gspo_mcore.netaddr import free_port
     from gspo_mcore.rollout.server import ManagedServer, sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
 
@@ -104,7 +104,7 @@ def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
             time.sleep(0.5)
         server.stop()
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 2, stderr[-3000:]
+    assert proc.returncode == 3, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and url in last and "--resume continues from step_" in last, last
     assert "Traceback" not in stderr

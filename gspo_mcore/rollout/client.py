@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gspo_mcore.errors import InputError
 from gspo_mcore.rollout.http import ConnectionFailure, HTTPStatusError, post_json
-from gspo_mcore.rollout.response import Rollout, RolloutError, parse_generate_response
+from gspo_mcore.errors import RolloutError
+from gspo_mcore.rollout.response import Rollout, parse_generate_response
 
 
 class RetryableError(Exception):

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from gspo_mcore.errors import InputError
+from gspo_mcore.errors import InputError, WeightSyncError
 from gspo_mcore.rollout.http import HTTPRequestError, request_json
-
-
-class WeightSyncError(InputError):
-    """The engine did not take the trainer's weights (or the check found them different)."""
 
 
 class EngineControl:

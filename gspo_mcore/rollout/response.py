@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-class RolloutError(ValueError):
-    """A response that cannot be trained on; the message names the request."""
+from gspo_mcore.errors import RolloutError
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ def start_servers(config, log_dir: Path, stack: ExitStack) -> list[str]:
     clients find it), stopped when `stack` closes. Returns their URLs."""
     import secrets
 
-    from gspo_mcore.parallel import free_port
+    from gspo_mcore.netaddr import free_port
 
     os.environ.setdefault(API_KEY_ENV, secrets.token_hex(16))
     urls = []

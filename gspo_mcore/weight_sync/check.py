@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.rollout.engine_control import EngineControl, WeightSyncError
+from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.rollout.engine_control import EngineControl
 
 
 def check_sync(model, control: EngineControl, probes: list[list[int]], median_tolerance: float) -> dict:

@@ -24,7 +24,7 @@ def save_hf_checkpoint(model, arch, spec: str, out_dir, hf_config_dir) -> Path:
 
 
 def _write_hf_checkpoint(model, arch, spec: str, tmp: Path, hf_config_dir) -> None:
-    from checkpoint_convert.safetensors_io import HFCheckpointWriter, copy_side_files, write_index_file
+    from gspo_mcore.safetensors_io import HFCheckpointWriter, copy_side_files, write_index_file
     from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan, owned_hf_weights
 
     rank = dist.get_rank()

@@ -9,7 +9,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.rollout.engine_control import EngineControl, WeightSyncError
+from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.rollout.engine_control import EngineControl
 from gspo_mcore.weight_sync.buckets import bucketed, flatten, update_session
 
 

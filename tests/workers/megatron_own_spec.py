@@ -36,7 +36,7 @@ def specs(config, arch):
 
 
 def main(hf_dir: str, mcore_dir: str) -> None:
-    init_distributed(DistributedConfig())
+    init_distributed(DistributedConfig(), seed=0)
     arch = load_hf_config(Path(hf_dir))
     config = dataclasses.replace(transformer_config(arch, ModelConfig(), DistributedConfig()), moe_grouped_gemm=False)
     tokens = sample_tokens(arch.vocab_size, batch=2, seq_len=12, seed=0)

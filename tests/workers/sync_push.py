@@ -9,11 +9,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from checkpoint_convert.safetensors_io import HFCheckpointReader
+from gspo_mcore.safetensors_io import HFCheckpointReader
 from gspo_mcore.config import load_config
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
-from gspo_mcore.rollout.engine_control import EngineControl, WeightSyncError
+from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.rollout.engine_control import EngineControl
 from gspo_mcore.weight_sync import DistributedWeightSync, TensorWeightSync, check_sync
 
 PROBES = [[1, 5, 9, 33, 7, 2, 90, 14], [200, 3, 4, 5, 6, 7, 8], [42, 42, 17, 250, 31]]

@@ -15,7 +15,7 @@ def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3M
     (or model.mcore_dir)."""
     arch = load_hf_config(config.model.hf_dir)
     check_layout(arch, config.distributed)
-    init_distributed(config.distributed)
+    init_distributed(config.distributed, seed=config.train.seed)
     model = build_model(arch, config.model, config.distributed, routing_replay=config.train.routing_replay)
     if load_weights:
         load_initial_weights(model, arch, config)
@@ -24,7 +24,7 @@ def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3M
 
 def load_initial_weights(model, arch: Qwen3MoeArch, config: Config) -> None:
     """The run's starting weights: model.mcore_dir's torch_dist checkpoint, else model.hf_dir's safetensors."""
-    from checkpoint_convert.safetensors_io import HFCheckpointReader
+    from gspo_mcore.safetensors_io import HFCheckpointReader
 
     if config.model.mcore_dir:
         from gspo_mcore.checkpointing import load_model_weights

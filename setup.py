@@ -29,6 +29,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "gpu": ["transformer-engine[core_cu13,pytorch]>=2.9,<2.12", "sglang>=0.5.23,<0.6"],
-        "test": ["pytest>=8,<9", "pytest-xdist>=3.5"],  # xdist groups need pytest 8
+        "wandb": ["wandb>=0.19,<1"],  # train.wandb_project
+        "test": ["pytest>=8,<9", "pytest-xdist>=3.5", "wandb>=0.19,<1"],  # xdist groups need pytest 8
     },
 )

@@ -63,7 +63,7 @@ def engine_rollouts(config, dtype: str, prompts: list[list[int]], vocab_size: in
     cmd, env = server_for_config(config, port)
     url = f"http://127.0.0.1:{port}"
     with ManagedServer(cmd, url, log_dir / f"sglang_{dtype}.log", env=env):
-        params = {"max_new_tokens": config.rollout.max_new_tokens, "temperature": config.loss.temperature}
+        params = {"max_new_tokens": config.rollout.max_new_tokens, "temperature": config.rollout.temperature}
         rollouts = SGLangClient([url], vocab_size).generate(prompts, params)
         prefill = EngineControl([url]).prompt_logprobs(url, [r.prompt_ids + r.response_ids for r in rollouts])
     return rollouts, [p[len(r.prompt_ids) - 1:] for r, p in zip(rollouts, prefill)]
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         for engine_dtype, variants in (("bfloat16", ("fp32", "bf16 weights", "bf16")), ("float32", ("fp32",))):
             rollouts, prefill = engine_rollouts(config, engine_dtype, prompts, len(tokenizer), Path(log_dir))
             engine = [r.logprobs for r in rollouts]
-            forwards = {name: forward_logprobs(models[name], rollouts, config.loss.temperature) for name in models}
+            forwards = {name: forward_logprobs(models[name], rollouts, config.rollout.temperature) for name in models}
             engine_name = "bf16 engine" if engine_dtype == "bfloat16" else "fp32 engine"
             for name in variants:
                 logprobs, experts = forwards[name]

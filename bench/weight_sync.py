@@ -60,7 +60,8 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     from gspo_mcore.rollout.engine_control import EngineControl
     from gspo_mcore.rollout.server import ManagedServer, sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
-    from gspo_mcore.weight_sync import DistributedWeightSync, bucketed, push_from_disk, save_hf_checkpoint
+    from gspo_mcore.checkpointing import save_hf_checkpoint
+    from gspo_mcore.weight_sync import DistributedWeightSync, bucketed, push_from_disk
 
     work = Path(tempfile.mkdtemp(prefix=f"bench-sync-{size}-"))
     hf_dir = make_tiny_checkpoint(work / "model", seed=0, dtype=torch.bfloat16, **SIZES[size])

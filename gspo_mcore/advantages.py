@@ -7,9 +7,12 @@ over the G responses to one prompt (arXiv 2507.18071, eq. 6). Rewards arrive as 
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-REWARD_NORMS = ("batch", "group", "running", "none")
+RewardNorm = Literal["none", "batch", "group", "running"]  # the config's reward.norm
+REWARD_NORMS = get_args(RewardNorm)
 
 
 def _group_stats(values: torch.Tensor, group_ids: torch.Tensor):
@@ -47,7 +50,7 @@ def all_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(rewards, dtype=torch.bool)
 
 
-# `train.group_filter`: which responses' groups a step keeps; any `module:function(rewards,
+# `rollout.group_filter`: which responses' groups a step keeps; any `module:function(rewards,
 # group_ids) -> bool mask [N]` too (a group is kept when any of its responses is).
 GROUP_FILTERS = {"informative": informative_groups, "all": all_groups}
 

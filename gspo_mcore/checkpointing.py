@@ -1,9 +1,11 @@
-"""Megatron-Core distributed checkpoints (torch_dist): the model's initial weights, and a run's
-training state (save, resume, retention)."""
+"""Every checkpoint a run reads or writes: Megatron-Core distributed checkpoints (torch_dist) of the
+model's initial weights and of a run's training state (save, resume, retention), and the
+Hugging Face export of the trainer's weights (the final `OUTPUT_DIR/hf`, and weight sync's disk path)."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore.errors import CheckpointError
+from gspo_mcore.files import atomic_output, atomic_output_all_ranks
+from gspo_mcore.safetensors_io import HFCheckpointWriter, copy_side_files, write_index_file
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -50,8 +54,14 @@ class Checkpointer:
     Adam states is ~400 GB): older ones go once a newer one is complete and `latest` names it."""
 
     def __init__(self, output_dir: Path, ddp, optimizer, keep: int = 0):
-        self.root = Path(output_dir) / "checkpoints"
+        self.output_dir = Path(output_dir)
+        self.root = self.output_dir / "checkpoints"
         self.ddp, self.optimizer, self.keep = ddp, optimizer, keep
+
+    def export_hf(self, arch, spec: str, hf_config_dir) -> Path:
+        """The model's weights as a Hugging Face checkpoint in OUTPUT_DIR/hf (what SGLang,
+        transformers and `gspo-eval` load). Collective."""
+        return save_hf_checkpoint(self.ddp.module, arch, spec, self.output_dir / "hf", hf_config_dir)
 
     def _sharded(self, loading: bool) -> dict:
         ddp, optimizer = self.ddp, self.optimizer
@@ -70,7 +80,6 @@ class Checkpointer:
         # A run that trained nothing (every group without signal) has no optimizer state to
         # describe: give it neutral ones (zero moments, step 0), leaving the weights as they are.
         _init_optimizer_states(self.optimizer, neutral=True)
-        from gspo_mcore.files import atomic_output, atomic_output_all_ranks
 
         path = self.root / f"step_{step:06d}"
         with atomic_output_all_ranks(path) as tmp:
@@ -182,3 +191,34 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
             step = torch.tensor(float(steps.pop()))
             for state in opt.optimizer.state.values():
                 state["step"] = step.clone()
+
+
+def save_hf_checkpoint(model, arch, spec: str, out_dir, hf_config_dir) -> Path:
+    """Write the trainer's current weights as a Hugging Face checkpoint (safetensors shards
+    + index + the config/tokenizer files of `hf_config_dir`), each rank writing the tensors it
+    owns, streamed. Collective. Written to a temporary sibling and renamed when complete;
+    the disk path of weight sync (`/update_weights_from_disk`) and the run's final export."""
+    out_dir = Path(out_dir)
+    with atomic_output_all_ranks(out_dir) as tmp:
+        _write_hf_checkpoint(model, arch, spec, tmp, hf_config_dir)
+    return out_dir
+
+
+def _write_hf_checkpoint(model, arch, spec: str, tmp: Path, hf_config_dir) -> None:
+    # Heavy (Megatron's model and optimizer modules): the converter imports this module for its
+    # checkpoint names and must start without them.
+    from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan, owned_hf_weights
+
+    rank = dist.get_rank()
+    plan = owned_hf_plan(model, arch, spec)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, HFCheckpointWriter(tmp, plan).num_shards)
+    writer = HFCheckpointWriter(tmp, plan, first_shard=sum(counts[:rank]), total_shards=sum(counts))
+    for name, tensor in owned_hf_weights(model, arch, spec):
+        writer.write(name, tensor)
+    writer.finish(write_index=False)
+    maps = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, (writer.weight_map, sum(t.itemsize * math.prod(s) for _, t, s in plan)))
+    if rank == 0:
+        write_index_file(tmp, {k: v for m, _ in maps for k, v in m.items()}, sum(size for _, size in maps))
+        copy_side_files(hf_config_dir, tmp)

@@ -11,7 +11,9 @@ from typing import Literal
 
 import yaml
 
+from gspo_mcore.advantages import RewardNorm
 from gspo_mcore.errors import InputError
+from gspo_mcore.loss import Aggregation, KLEstimator, Level
 
 
 class ConfigError(InputError):
@@ -67,13 +69,13 @@ class OptimizerConfig:
 
 @dataclass
 class LossConfig:
-    level: Literal["sequence", "sequence_token", "token"] = "sequence"
+    level: Level = "sequence"
     """sequence = GSPO; sequence_token = GSPO-token; token = GRPO/PPO (for comparison runs)."""
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     """The paper's GSPO clip range: ratios outside [1 - 3e-4, 1 + 4e-4] stop the gradient."""
-    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
-    """None: the paper's for the level (seq-mean-token-mean)."""
+    aggregation: Aggregation | None = None
+    """None: the paper's (seq-mean-token-mean)."""
     dual_clip: float | None = None
     """Lower bound c * A for negative advantages (c > 1); None: off."""
     on_policy_first_minibatch: bool = True
@@ -92,15 +94,13 @@ class LossConfig:
     sequence_mask_threshold: float | None = None
     """delta: sequences with negative advantage whose mean log(pi_engine / pi_theta) exceeds it
     give no gradient (DeepSeek-V3.2's off-policy sequence masking). None: off."""
-    temperature: float = 1.0
-    """The engine's sampling temperature; the trainer divides its logits by it too."""
     horizon: int | None = None
     """seq-mean-token-sum-norm's constant divisor (the same on every rank and minibatch);
     None: rollout.max_new_tokens."""
     kl_loss_coef: float = 0.0
     """KL penalty to the reference policy (the initial weights, frozen; a second model whose
     log-probs are computed before each step's updates); off in the paper's setup."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     """Entropy bonus: the loss minus this times the policy entropy (aggregated like the loss)."""
     log_entropy: bool = False
@@ -126,6 +126,12 @@ class RewardConfig:
     timeout_s: float = 10.0
     """Per response; a crash or timeout scores 0 and is counted in the metrics."""
     workers: int = 2
+    norm: RewardNorm = "none"
+    """Reward normalisation before the group advantages: over the batch, per prompt group, or
+    by running moments across steps."""
+    advantage_std_norm: bool = True
+    """Divide by the group's reward std (GRPO/GSPO); false: centre only (Dr. GRPO)."""
+    advantage_clip: float | None = None
 
 
 @dataclass
@@ -133,6 +139,17 @@ class RolloutConfig:
     urls: list[str] = field(default_factory=list)
     """Running SGLang servers. Empty: the run starts `num_servers` itself (the CPU default, tests)."""
     num_servers: int = 1
+    temperature: float = 1.0
+    """The engine's sampling temperature; the trainer divides its logits by it too, so the
+    ratio compares the distribution that was sampled."""
+    group_filter: str = "informative"
+    """Dynamic sampling: which groups a step keeps. `informative`: drop groups whose rewards are
+    all equal (no signal); `all`; or `module:function(rewards, group_ids) -> bool mask`."""
+    oversample: float = 1.0
+    """Dynamic sampling: ask for this many times more prompts, keep the first informative ones."""
+    max_sampling_rounds: int = 1
+    """Dynamic sampling: generation rounds per step until train.rollout_batch_size groups with
+    signal are kept (DAPO); a step that still has fewer trains on those (metric groups_kept)."""
     engine_tp: int = 1
     """GPUs (tensor parallel) per SGLang server; the planner and launch scripts place them."""
     engine_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -186,20 +203,6 @@ class TrainConfig:
     ppo_epochs: int = 1
     max_tokens_per_microbatch: int = 8192
     """Token budget per microbatch per GPU (padded length x sequences); a longer sequence goes alone."""
-    reward_norm: Literal["none", "batch", "group", "running"] = "none"
-    """Reward normalisation before the group advantages: over the batch, per prompt group, or
-    by running moments across steps."""
-    advantage_std_norm: bool = True
-    """Divide by the group's reward std (GRPO/GSPO); false: centre only (Dr. GRPO)."""
-    advantage_clip: float | None = None
-    group_filter: str = "informative"
-    """Dynamic sampling: which groups a step keeps. `informative`: drop groups whose rewards are
-    all equal (no signal); `all`; or `module:function(rewards, group_ids) -> bool mask`."""
-    oversample: float = 1.0
-    """Dynamic sampling: ask for this many times more prompts, keep the first informative ones."""
-    max_sampling_rounds: int = 1
-    """Dynamic sampling: generation rounds per step until rollout_batch_size groups with signal
-    are kept (DAPO); a step that still has fewer trains on those (metric groups_kept)."""
     recompute_old_logprobs: bool = False
     """Comparison runs: pi_old from a trainer forward instead of the engine's log-probs."""
     routing_replay: bool = False
@@ -212,6 +215,10 @@ class TrainConfig:
     """Keep the newest N checkpoints (older ones are removed once a newer one is complete); 0: all."""
     export_hf: bool = True
     """Write the final weights as a Hugging Face checkpoint (OUTPUT_DIR/hf)."""
+    wandb_project: str | None = None
+    """Also log the metrics to this Weights & Biases project (the `wandb` package; WANDB_MODE=offline
+    writes OUTPUT_DIR/wandb without a network, for `wandb sync` later). None: metrics.jsonl and
+    TensorBoard only."""
 
 
 @dataclass
@@ -235,7 +242,7 @@ class Config:
             if getattr(self.distributed, name) < 1:
                 raise ConfigError(f"distributed.{name}: must be >= 1")
         for section, name in (("train", "steps"), ("train", "rollout_batch_size"), ("train", "group_size"),
-                              ("train", "num_minibatches"), ("train", "ppo_epochs"), ("train", "max_sampling_rounds"),
+                              ("train", "num_minibatches"), ("train", "ppo_epochs"), ("rollout", "max_sampling_rounds"),
                               ("train", "max_tokens_per_microbatch"), ("rollout", "num_servers"), ("rollout", "engine_tp"),
                               ("rollout", "max_new_tokens"), ("rollout", "max_attempts"), ("weight_sync", "bucket_mb")):
             if getattr(getattr(self, section), name) < 1:
@@ -250,8 +257,8 @@ class Config:
             raise ConfigError("weight_sync.method: 'tensor' needs distributed.expert_tensor_parallel 1")
         if self.train.routing_replay and not self.rollout.return_routed_experts:
             raise ConfigError("train.routing_replay: needs rollout.return_routed_experts (the routing to replay)")
-        if self.train.oversample < 1:
-            raise ConfigError("train.oversample: must be >= 1")
+        if self.rollout.oversample < 1:
+            raise ConfigError("rollout.oversample: must be >= 1")
         if self.train.group_size < 2:
             raise ConfigError("train.group_size: must be >= 2 (a group of one has no advantage to learn from)")
         band = self.loss.token_mask_band
@@ -263,9 +270,11 @@ class Config:
             raise ConfigError("loss.sequence_mask_threshold: must be >= 0")
         if self.loss.horizon is not None and self.loss.horizon < 1:
             raise ConfigError("loss.horizon: must be >= 1")
-        for name in ("kl_loss_coef", "entropy_coef", "temperature"):
+        for name in ("kl_loss_coef", "entropy_coef"):
             if getattr(self.loss, name) < 0:
                 raise ConfigError(f"loss.{name}: must be >= 0")
+        if self.rollout.temperature <= 0:
+            raise ConfigError("rollout.temperature: must be > 0 (greedy decoding has no log-probs to train on)")
         if self.train.keep_checkpoints < 0:
             raise ConfigError("train.keep_checkpoints: must be >= 0")
         return self
@@ -310,12 +319,27 @@ def _convert(tp, value, where: str):
     raise ConfigError(f"{where}: unsupported field type {tp}")
 
 
+# Fields that moved to the section that reads them: a config written for the old place gets told.
+MOVED = {
+    "loss.temperature": "rollout.temperature",
+    "train.reward_norm": "reward.norm",
+    "train.advantage_std_norm": "reward.advantage_std_norm",
+    "train.advantage_clip": "reward.advantage_clip",
+    "train.group_filter": "rollout.group_filter",
+    "train.oversample": "rollout.oversample",
+    "train.max_sampling_rounds": "rollout.max_sampling_rounds",
+}
+
+
 def from_dict(cls, data: dict, where: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{where + '.' if where else ''}{unknown[0]}: unknown config field")
+        key = f"{where + '.' if where else ''}{unknown[0]}"
+        if key in MOVED:
+            raise ConfigError(f"{key}: moved to {MOVED[key]}")
+        raise ConfigError(f"{key}: unknown config field")
     kwargs = {
         key: _convert(hints[key], value, f"{where + '.' if where else ''}{key}") for key, value in data.items()
     }

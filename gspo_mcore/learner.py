@@ -1,9 +1,12 @@
 """The Megatron side of a step: the policy (model, DDP, optimizer), the frozen reference when a
 KL term is on, and the GSPO update on one rollout batch.
 
-The update takes pi_old straight from the engine's log-probs: no old-policy forward, no routing
-replay. `token_logprobs_of` (a forward-only pass) serves the comparison arm that recomputes
-pi_old and the reference policy's log-probs.
+pi_old of the update's first minibatch (theta = theta_old) is its own forward's log-probs,
+detached (`loss.on_policy_first_minibatch`); the later minibatches take the engine's, with the
+clip band widened to the mismatch the first one measured (`loss.band_from_mismatch`). No
+separate old-policy forward and, unless `train.routing_replay`, no routing replay.
+`token_logprobs_of` (forward only) serves the reference policy's log-probs and the comparison
+arm that recomputes pi_old (`train.recompute_old_logprobs`).
 """
 
 from __future__ import annotations
@@ -14,23 +17,16 @@ from megatron.core import parallel_state
 
 from gspo_mcore.config import Config
 from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
-from gspo_mcore.metrics import RouterLoad, combine, to_floats, update_report
-from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, run_schedule
+from gspo_mcore.metrics import combine, to_floats, update_report
+from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config, reference_model
+from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, response_logprobs, run_schedule
+from gspo_mcore.models.qwen3_moe.routing import RouterHooks
+from gspo_mcore.optimizer import setup_training
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches)
 from gspo_mcore.parallel import device
 from gspo_mcore.rollout.response import Rollout
-
-# A step that trains on nothing (every group without signal, or too few sequences for the
-# data-parallel ranks) reports these as null in metrics.jsonl, not made up.
-UPDATE_METRICS = (
-    "loss", "kl", "entropy", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_fraction_sequences",
-    "ratio_mean", "ratio_min", "ratio_max", "mismatch_abs_log_ratio_mean", "mismatch_abs_log_ratio_max",
-    "mismatch_token_abs_log_ratio_mean", "mismatch_out_of_band_fraction", "grad_norm", "minibatches", "lr",
-    "router_max_over_mean_load", "token_mask_fraction", "sequence_mask_fraction", "routing_mismatch_fraction",
-    "routing_mismatch_fraction_per_layer",
-)
-
+from gspo_mcore.seeds import step_seed
 
 def _gather_dp(values: list) -> list:
     out = [None] * parallel_state.get_data_parallel_world_size()
@@ -42,19 +38,13 @@ class Learner:
     """Built collectively on every rank; `update` and `token_logprobs_of` are collective too."""
 
     def __init__(self, config: Config):
-        from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config, reference_model
-        from gspo_mcore.optimizer import setup_training
-
         self.config = config
         torch.manual_seed(config.train.seed)
         self.arch, self.model = model_from_config(config)
         self.ddp, self.optimizer = setup_training(self.model, config.optimizer)
-        self.router = RouterLoad(self.model, self.arch.num_layers, self.arch.num_experts)
-        self.routing = None  # the engine's routed experts in the policy's forward: compared or replayed
-        if config.rollout.return_routed_experts:
-            from gspo_mcore.models.qwen3_moe.routing import EngineRouting
-
-            self.routing = EngineRouting(self.model, replay=config.train.routing_replay)
+        # Expert load, and the engine's routed experts in the policy's forward (compared or replayed).
+        self.routers = RouterHooks(self.model, self.arch.num_experts, engine_routing=config.rollout.return_routed_experts,
+                                   replay=config.train.routing_replay)
         self.reference = reference_model(config, self.arch) if config.loss.kl_loss_coef > 0 else None
 
     # ------------------------------------------------------------ microbatches
@@ -69,7 +59,7 @@ class Learner:
                                  self.config.train.max_tokens_per_microbatch)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         built = [microbatch_tensors(rollouts, advantages, members, tp, extra) for members in mine]
-        if self.routing is not None:
+        if self.config.rollout.return_routed_experts:
             for mb, members in zip(built, mine):
                 mb.update(input_aligned_routing([rollouts[i] for i in members], self.arch.num_experts,
                                                 mb["inputs"].shape[1]))
@@ -79,33 +69,12 @@ class Learner:
 
     # ------------------------------------------------------------ forward only
 
-    @torch.no_grad()
     def token_logprobs_of(self, model, rollouts: list[Rollout]) -> list[list[float]]:
         """`model`'s log-prob of each response token of each rollout (temperature as the
         engine's), on every rank. `model`: the policy (its DDP wrapper) or the reference."""
-        from gspo_mcore.logprobs import token_logprobs
-
-        was_training = model.training
-        model.eval()
         microbatches = self.microbatches(list(range(len(rollouts))), rollouts, [0.0] * len(rollouts))
-
-        def loss_for(mb):
-            def loss_func(logits):
-                lp, _ = token_logprobs(logits, mb["targets"], temperature=self.config.loss.temperature,
-                                       group=parallel_state.get_tensor_model_parallel_group())
-                return logits.new_zeros(()), {"index": mb["index"], "logprobs": lp.float(), "mask": mb["mask"]}
-            return loss_func
-
-        routing = self.routing if model is self.ddp else None  # the reference routes freely
-        outputs = run_schedule(model, microbatches, loss_for, forward_only=True, routing=routing)
-        if routing is not None:
-            routing.end_step()
-        model.train(was_training)
-        found = []
-        if parallel_state.is_pipeline_last_stage():
-            for out in outputs:
-                logprobs, mask = out["logprobs"].cpu(), out["mask"].cpu().bool()  # one copy, not one per row
-                found += [(i, logprobs[row][mask[row]].tolist()) for row, i in enumerate(out["index"].tolist()) if i >= 0]
+        routing = self.routers if model is self.ddp else None  # the reference routes freely
+        found = list(response_logprobs(model, microbatches, self.config.rollout.temperature, routing).items())
         # Only the last stage has them; every stage gets them (the loss runs on the last stage,
         # but the ranks stay consistent).
         gathered = [_gather_dp(found)]
@@ -122,10 +91,10 @@ class Learner:
 
     def update(self, rollouts: list[Rollout], advantages: list[float], step: int,
                old_logprobs: list[list[float]] | None = None) -> dict:
-        """`num_minibatches` optimizer steps (x ppo_epochs) on one rollout batch; the loss's own
-        metrics, combined exactly over microbatches and ranks, on every rank. {} when the batch
-        is too small for the data-parallel ranks. `old_logprobs`: pi_old recomputed by the
-        trainer (default: the engine's log-probs)."""
+        """`num_minibatches` optimizer steps (x ppo_epochs) on one rollout batch; the update's
+        figures (metric_schema rows with `update`), the loss's combined exactly over microbatches
+        and ranks, on every rank. {} when the batch is too small for the data-parallel ranks.
+        `old_logprobs`: pi_old recomputed by the trainer (default: the engine's log-probs)."""
         cfg = self.config.train
         num_minibatches = min(cfg.num_minibatches, len(rollouts) // parallel_state.get_data_parallel_world_size())
         if num_minibatches == 0:
@@ -135,58 +104,63 @@ class Learner:
             extra["ref_logprobs"] = self.token_logprobs_of(self.reference, rollouts)
         if old_logprobs is not None:
             extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
-        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(step_seed(cfg.seed, step)))
         order = order.tolist()
-        self.router.reset()
-        if self.routing is not None:
-            self.routing.reset()
+        self.routers.reset()
         self.ddp.train()
         parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
         band = None  # (clip_low, clip_high) after the first minibatch, with loss.band_from_mismatch
         for _ in range(cfg.ppo_epochs):
             for mini in split_minibatches(len(rollouts), num_minibatches):
-                first = not parts  # theta = theta_old
+                first = not parts  # theta = theta_old: the engine/trainer differences alone
                 microbatches = self.microbatches([order[i] for i in mini], rollouts, advantages, extra)
-                if self.routing is not None:  # the engine/trainer routing difference alone
-                    self.routing.compare = first
-                parts.append(self._optimizer_step(microbatches, band=band,
-                                                  on_policy=first and self.config.loss.on_policy_first_minibatch))
-                grad_norms.append(parts[-1].pop())
+                step_parts, grad_norm = self._optimizer_step(
+                    microbatches, band=band, on_policy=first and self.config.loss.on_policy_first_minibatch,
+                    compare_routing=first)
+                parts.append(step_parts)
+                grad_norms.append(grad_norm)
                 if first and self.config.loss.band_from_mismatch:
                     band = self._band_from_mismatch(parts[0])
+        return {**self._report(parts), "grad_norm": sum(grad_norms) / len(grad_norms),
+                "clip_band_high": band[1] if band else self.config.loss.clip_high,
+                "minibatches": num_minibatches, "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def _report(self, parts: list[list[dict]]) -> dict:
+        """The loss's figures (from the last stage, where the loss runs) and the routers', on every rank."""
         metrics = [None]
         if parallel_state.is_pipeline_last_stage():
             per_rank = _gather_dp([parts])
             by_step = [[p for rank_parts in per_rank for p in rank_parts[k]] for k in range(len(parts))]
-            metrics = [update_report(by_step, grad_norms)]
+            metrics = [update_report(by_step)]
         dist.broadcast_object_list(metrics, src=last_stage_rank())
-        out = {**metrics[0], "minibatches": num_minibatches, "lr": self.optimizer.param_groups[0]["lr"],
-               "router_max_over_mean_load": self.router.imbalance()}
-        if self.routing is not None:
-            out["routing_mismatch_fraction"], out["routing_mismatch_fraction_per_layer"] = self.routing.mismatch()
-        return out
+        routing_mismatch, per_layer = self.routers.mismatch()
+        return {**metrics[0], "router_max_over_mean_load": self.routers.imbalance(),
+                "routing_mismatch_fraction": routing_mismatch if self.config.rollout.return_routed_experts else None,
+                "routing_mismatch_fraction_per_layer": per_layer if self.config.rollout.return_routed_experts else None}
 
     def _band_from_mismatch(self, first_parts: list[dict]) -> tuple[float, float] | None:
         """The clip band for the later minibatches: at least k x the mean per-sequence mismatch
         measured on the first (all its data-parallel ranks). Only the last stage has a loss."""
         if not parallel_state.is_pipeline_last_stage():
             return None
-        measured = combine(_gather_dp(first_parts)).get("mismatch_seq") or 0.0
+        measured = combine(_gather_dp(first_parts)).get("mismatch_abs_log_ratio_mean") or 0.0
         width = self.config.loss.band_from_mismatch * measured
         return max(self.config.loss.clip_low, width), max(self.config.loss.clip_high, width)
 
-    def _optimizer_step(self, microbatches: list[dict], band=None, on_policy: bool = False) -> list:
-        """One optimizer step; returns each microbatch's metrics (last stage) and, last, the grad norm."""
+    def _optimizer_step(self, microbatches: list[dict], band=None, on_policy: bool = False,
+                        compare_routing: bool = False) -> tuple[list[dict], float]:
+        """One optimizer step: (each microbatch's metrics (on the last stage; [] elsewhere), the grad norm)."""
         normalizer = global_normalizer(microbatches, self.config.horizon)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
         def loss_for(mb):
-            return make_loss_func(mb, normalizer, self.config.loss, len(microbatches), band=band, on_policy=on_policy)
+            return make_loss_func(mb, normalizer, self.config.loss, self.config.rollout.temperature, len(microbatches),
+                                  band=band, on_policy=on_policy)
 
-        outputs = run_schedule(self.ddp, microbatches, loss_for, forward_only=False, routing=self.routing)
-        if self.routing is not None:
-            self.routing.end_step()
+        outputs = run_schedule(self.ddp, microbatches, loss_for, forward_only=False, routing=self.routers,
+                               compare_routing=compare_routing)
+        self.routers.end_step()
         _, grad_norm, _ = self.optimizer.step()
         parts = [to_floats(out) for out in outputs] if parallel_state.is_pipeline_last_stage() else []
-        return parts + [float(grad_norm) if grad_norm is not None else float("nan")]
+        return parts, float(grad_norm) if grad_norm is not None else float("nan")

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-LEVELS = ("sequence", "sequence_token", "token")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-DEFAULT_AGGREGATION = {  # the paper's: eq. 5 / eq. 13 average per sequence, then over sequences
-    "sequence": "seq-mean-token-mean",
-    "sequence_token": "seq-mean-token-mean",
-    "token": "seq-mean-token-mean",
-}
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# The choices, as types the config's fields use (gspo_mcore.config) and as tuples for checks.
+Level = Literal["sequence", "sequence_token", "token"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LEVELS, AGGREGATIONS, KL_ESTIMATORS = get_args(Level), get_args(Aggregation), get_args(KLEstimator)
+# The paper's at every level: eq. 5 / eq. 13 average per sequence, then over sequences.
+DEFAULT_AGGREGATION = "seq-mean-token-mean"
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: far outside any clip band, finite in float32
 
 
@@ -117,7 +117,7 @@ def policy_loss(
     _check(logprobs, old_logprobs, advantages, mask)
     if level == "sequence" and advantages.dim() == 2:
         raise ValueError("level 'sequence' takes one advantage per sequence ([B]); use 'sequence_token'")
-    aggregation = aggregation or DEFAULT_AGGREGATION[level]
+    aggregation = aggregation or DEFAULT_AGGREGATION
     mask_f = mask.to(_wide(logprobs).dtype)
     adv = _wide(advantages) if advantages.dim() == 2 else _wide(advantages)[:, None].expand_as(mask_f)
     keep, mask_metrics = mismatch_keep(logprobs, old_logprobs, adv, mask_f, token_mask_band, sequence_mask_threshold)
@@ -179,24 +179,6 @@ def mismatch_keep(logprobs, engine_logprobs, adv, mask, token_band: tuple[float,
     return keep, metrics
 
 
-# How each metric of `policy_loss` combines over microbatches and data-parallel ranks
-# (gspo_mcore.metrics.combine): "tokens" / "sequences" are means weighted by the microbatch's
-# `num_tokens` / `num_sequences` (sequences with response tokens), "min" / "max" extremes,
-# "sum" totals. Combined this way they equal the metric of the whole minibatch exactly.
-METRIC_KINDS = {
-    "num_tokens": "sum", "num_sequences": "sum",
-    "clip_fraction": "tokens", "clip_fraction_low": "tokens", "clip_fraction_high": "tokens",
-    "clip_fraction_sequences": "sequences",
-    "ratio_mean": "sequences", "ratio_min": "min", "ratio_max": "max",
-    "abs_log_ratio_mean": "sequences", "abs_log_ratio_max": "max", "abs_log_ratio_token_mean": "tokens",
-    "ratio_above_band": "sequences", "ratio_below_band": "sequences",
-    "entropy": "tokens",
-    "token_mask_fraction": "tokens", "sequence_mask_fraction": "sequences",
-    "mismatch_seq": "sequences", "mismatch_seq_max": "max", "mismatch_token": "tokens",
-    "mismatch_out_of_band": "sequences", "clip_band_high": "sequences",
-}
-
-
 @torch.no_grad()
 def engine_mismatch(logprobs, engine_logprobs, mask, clip_low: float, clip_high: float) -> dict[str, torch.Tensor]:
     """How far the trainer's log-probs are from the engine's on the same tokens: per sequence
@@ -211,10 +193,10 @@ def engine_mismatch(logprobs, engine_logprobs, mask, clip_low: float, clip_high:
     count = has_tokens.sum().clamp(min=1)
     out_of_band = (seq.exp() > 1 + clip_high) | (seq.exp() < 1 - clip_low)
     return {
-        "mismatch_seq": (seq.abs() * has_tokens).sum() / count,
-        "mismatch_seq_max": (seq.abs() * has_tokens).max(),
-        "mismatch_token": token.abs().sum() / mask.sum().clamp(min=1),
-        "mismatch_out_of_band": (out_of_band.to(mask.dtype) * has_tokens).sum() / count,
+        "mismatch_abs_log_ratio_mean": (seq.abs() * has_tokens).sum() / count,
+        "mismatch_abs_log_ratio_max": (seq.abs() * has_tokens).max(),
+        "mismatch_token_abs_log_ratio_mean": token.abs().sum() / mask.sum().clamp(min=1),
+        "mismatch_out_of_band_fraction": (out_of_band.to(mask.dtype) * has_tokens).sum() / count,
     }
 
 
@@ -276,3 +258,36 @@ def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3") -> torch.Tensor:
     if estimator == "k3":
         return (-log_ratio).exp() + log_ratio - 1.0
     raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
+
+
+def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(), *,
+              band: tuple[float, float] | None = None, on_policy: bool = False,
+              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """What an update minimises on a batch of sequences: the policy loss of `cfg.level` (cfg: a
+    gspo_mcore.config.LossConfig), + kl_loss_coef x KL to `batch["ref_logprobs"]`, - entropy_coef x
+    `entropy`; and the train-inference mismatch against the engine's log-probs. The trainer
+    (gspo_mcore.megatron_loss) and the tests' Hugging Face reference step both call this.
+
+    `batch`: `old_logprobs` (the engine's, or recomputed ones with the engine's in
+    `engine_logprobs`), `advantages`, `mask` [B, T]. `band`: (clip_low, clip_high) instead of the
+    config's; `on_policy` (theta = theta_old): pi_old is these log-probs, detached."""
+    clip_low, clip_high = band or (cfg.clip_low, cfg.clip_high)
+    aggregation = cfg.aggregation or DEFAULT_AGGREGATION
+    old_logprobs = logprobs.detach() if on_policy else batch["old_logprobs"]
+    loss, metrics = policy_loss(
+        logprobs, old_logprobs, batch["advantages"], batch["mask"], level=cfg.level, clip_low=clip_low,
+        clip_high=clip_high, aggregation=aggregation, dual_clip=cfg.dual_clip, entropy=entropy, normalizer=normalizer,
+        token_mask_band=tuple(cfg.token_mask_band) if cfg.token_mask_band else None,
+        sequence_mask_threshold=cfg.sequence_mask_threshold,
+    )
+    # Against the engine's log-probs even when pi_old was recomputed: the mismatch in every arm.
+    metrics.update(engine_mismatch(logprobs, batch.get("engine_logprobs", batch["old_logprobs"]), batch["mask"],
+                                   cfg.clip_low, cfg.clip_high))
+    if cfg.kl_loss_coef > 0:
+        kl = aggregate(kl_penalty(logprobs, batch["ref_logprobs"], cfg.kl_estimator), batch["mask"], aggregation,
+                       normalizer)
+        loss = loss + cfg.kl_loss_coef * kl
+        metrics["kl"] = kl.detach()
+    if cfg.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
+        loss = loss - cfg.entropy_coef * aggregate(entropy, batch["mask"], aggregation, normalizer)
+    return loss, metrics

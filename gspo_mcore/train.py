@@ -10,7 +10,8 @@ Each step (`Trainer.step`):
    with more rounds of generation until the batch is full, up to `max_sampling_rounds`);
 3. the batch is split into `num_minibatches`, each balanced across data-parallel ranks and
    packed into microbatches by a token budget; one optimizer step per minibatch with the GSPO
-   loss against the engine's log-probs: no old-policy forward, no routing replay;
+   loss (gspo_mcore.learner: the first minibatch on-policy from its own forward, the later
+   ones against the engine's log-probs; no separate old-policy forward);
 4. the new weights are pushed to the engine, tagged with the next weight version.
 `Trainer.run` repeats it, with the checkpoint cadence and the metrics.
 """
@@ -18,7 +19,10 @@ Each step (`Trainer.step`):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shutil
+import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -28,8 +32,16 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore import weight_sync
+from gspo_mcore.checkpointing import Checkpointer
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
+from gspo_mcore.learner import Learner
+from gspo_mcore.metric_schema import UPDATE
+from gspo_mcore.metrics import Progress, RunLog
+from gspo_mcore.rollout.engine_control import EngineControl
+from gspo_mcore.rollout.http import API_KEY_ENV
+from gspo_mcore.rollout.server import start_servers
+from gspo_mcore.rollout.source import RolloutSource
 
 
 @contextmanager
@@ -46,20 +58,20 @@ def broadcast(value, src: int = 0):
     return box[0]
 
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "hf", "logs", "plots", "weights_sync")
+# What a run writes into OUTPUT_DIR (--overwrite removes them); the first two mark a run.
+RUN_MARKERS = ("checkpoints", "metrics.jsonl")
+RUN_FILES = (*RUN_MARKERS, "tensorboard", "hf", "logs", "plots", "weights_sync", "wandb", "wandb_run_id")
 
 
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     """A new run never writes into another run's directory unless told to."""
     if resume and overwrite:
         raise InputError("--resume and --overwrite: choose one")
-    if not resume and not overwrite and any((Path(output_dir) / name).exists() for name in RUN_FILES[:2]):
+    if not resume and not overwrite and any((Path(output_dir) / name).exists() for name in RUN_MARKERS):
         raise InputError(f"{output_dir}: holds a run already: --resume continues it, --overwrite replaces it")
 
 
 def clear_run(output_dir: Path) -> None:
-    import shutil
-
     for name in RUN_FILES:
         path = Path(output_dir) / name
         if path.is_dir():
@@ -74,12 +86,6 @@ class Trainer:
     checkpoints and the metrics. `run` trains to `train.steps` and releases all of it."""
 
     def __init__(self, config: Config, output_dir: Path, resume: bool = False, overwrite: bool = False):
-        from gspo_mcore.checkpointing import Checkpointer
-        from gspo_mcore.learner import Learner
-        from gspo_mcore.metrics import Progress, RunLog
-        from gspo_mcore.rollout.engine_control import EngineControl
-        from gspo_mcore.rollout.source import RolloutSource
-
         self.config, self.output_dir = config, Path(output_dir)
         self.learner = Learner(config)
         self.rank = dist.get_rank()
@@ -95,8 +101,6 @@ class Trainer:
             self.source = RolloutSource(config) if self.rank == 0 else None
             if self.source is not None:
                 self.stack.callback(self.source.close)
-            from gspo_mcore.rollout.http import API_KEY_ENV
-
             # The servers' API key (a run's own servers get one made for it) on every rank:
             # weight-sync owners on any rank call the servers.
             urls, key = broadcast((self._server_urls(), os.environ.get(API_KEY_ENV)) if self.rank == 0 else None)
@@ -120,7 +124,8 @@ class Trainer:
             self.sync.push(self.version)
             # Created only now: bad input found above (prompts, reward, servers) leaves no directory.
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.log = RunLog(self.output_dir, self.start_step) if self.rank == 0 else None
+            self.log = RunLog(self.output_dir, self.start_step, config.train.wandb_project,
+                              dataclasses.asdict(config)) if self.rank == 0 else None
             if self.log is not None:
                 self.stack.callback(self.log.close)
             self.progress = Progress(config.train.steps, self.start_step) if self.rank == 0 else None
@@ -132,21 +137,17 @@ class Trainer:
     def _server_urls(self) -> list[str]:
         if self.config.rollout.urls or self.rank != 0:
             return list(self.config.rollout.urls)
-        from gspo_mcore.rollout.server import start_servers
-
         return start_servers(self.config, self.output_dir / "logs", self.stack)
 
     def step(self, step: int) -> dict:
         """One rollout batch -> updates -> push (-> sync check). Metrics on every rank."""
-        from gspo_mcore.learner import UPDATE_METRICS
-
         config, timings = self.config, {}
         with timed(timings, "time_rollout_s"):
             rollouts, advantages, metrics = broadcast(self.source.collect(step, self.version) if self.source else None)
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate and self.rank == 0:
                 self.control.release_memory()
-            metrics.update(dict.fromkeys(UPDATE_METRICS))
+            metrics.update(dict.fromkeys(UPDATE))  # null unless this step trains
             if rollouts:
                 old = self.learner.recompute_old_logprobs(rollouts) if config.train.recompute_old_logprobs else None
                 metrics.update(self.learner.update(rollouts, advantages, step, old))
@@ -196,8 +197,7 @@ class Trainer:
                     self.progress.update(summary)
             self.save(cfg.steps)
             if cfg.export_hf:
-                weight_sync.save_hf_checkpoint(self.learner.model, self.learner.arch, self.config.model.spec,
-                                               self.output_dir / "hf", self.config.model.hf_dir)
+                self.checkpoints.export_hf(self.learner.arch, self.config.model.spec, self.config.model.hf_dir)
         return summary
 
 
@@ -214,8 +214,6 @@ def parse_args(argv=None):
 def _stop_on_sigterm() -> None:
     """SIGTERM (timeout, Slurm, Kubernetes, torchrun) unwinds like an exception: the servers
     and reward workers the run started are stopped on the way out."""
-    import signal
-
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 

@@ -51,7 +51,7 @@ def test_group_reward_norm_is_reachable_from_the_config():
     """reward_norm 'group' (per prompt group) is a config choice, and normalises per group."""
     from gspo_mcore.config import load_config
 
-    assert load_config(None, ["train.reward_norm=group"]).train.reward_norm == "group"
+    assert load_config(None, ["reward.norm=group"]).reward.norm == "group"
     rewards = torch.tensor([1.0, 3.0, 10.0, 30.0])
     normed = normalize_rewards(rewards, torch.tensor([0, 0, 1, 1]), "group")
     assert torch.allclose(normed, torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-5)

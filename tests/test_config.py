@@ -32,7 +32,7 @@ def test_yaml_and_overrides(tmp_path):
         (["loss.dual_clip=big"], "loss.dual_clip: expected float"),
         (["rollout.urls=http://a"], "rollout.urls: expected a list"),
         (["train.num_minibatches=0"], "train.num_minibatches: must be >= 1"),
-        (["train.oversample=0.5"], "train.oversample: must be >= 1"),
+        (["rollout.oversample=0.5"], "rollout.oversample: must be >= 1"),
         (["weight_sync.method=nfs"], "weight_sync.method: 'nfs' is not one of"),
         (["weight_sync.colocate=true", "distributed.device=cuda"], "'distributed' cannot reach colocated servers"),
         (["weight_sync.method=tensor"], "'tensor' needs weight_sync.colocate"),

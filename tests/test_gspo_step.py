@@ -3,7 +3,7 @@ equal microbatch counts over DP ranks, the Megatron schedule, the exact global n
 is the global minibatch loss's step, whatever the layout: 1 rank x 7 microbatches, DP=2 with
 4 and 3 microbatches, PP=2, EP=2 (uneven counts: an all-to-all hang before fillers), TP=2+SP
 give the loss, gradient norm and updated weights of the same step taken by the Hugging Face
-model with policy_loss. The KL case uses the trainer's own reference model (the initial
+model with the same loss composition (gspo_mcore.loss.objective). The KL case uses the trainer's own reference model (the initial
 weights); the entropy case the vocabulary-parallel entropy gradient."""
 
 import functools
@@ -14,7 +14,8 @@ import torch
 
 from gspo_mcore.safetensors_io import HFCheckpointReader
 from conftest import LAYOUTS, plan_layout_job
-from gspo_mcore.loss import aggregate, kl_penalty, policy_loss
+from gspo_mcore.config import load_config
+from gspo_mcore.loss import Normalizer, objective
 
 ADAM = dict(lr=1.0, eps=1.0)  # first step w - g / (|g| + 1): the weights compare gradients
 CLIP = 0.005  # a band the noisy old log-probs below fall on both sides of
@@ -83,24 +84,17 @@ def test_the_token_budget_gives_data_parallel_ranks_unequal_microbatch_counts():
 
 
 def hf_step(hf_dir, batch, level, aggregation, kl_coef, entropy_coef, out_dir, on_policy=False):
-    from gspo_mcore.loss import Normalizer
-
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     tokens = batch["tokens"]
     log_p = model(input_ids=tokens[:, :-1]).logits.log_softmax(-1)
     logp = log_p.gather(-1, tokens[:, 1:, None])[..., 0]
-    normalizer = Normalizer(horizon=HORIZON)
-    old = logp.detach() if on_policy else batch["old_logprobs"]
-    loss, metrics = policy_loss(logp, old, batch["advantages"], batch["mask"], level=level,
-                                clip_low=CLIP, clip_high=CLIP, aggregation=aggregation, normalizer=normalizer)
-    if kl_coef:  # pi_ref: the initial weights, i.e. this model before the step
-        kl = kl_penalty(logp, logp.detach(), "k1")
-        loss = loss + kl_coef * aggregate(kl, batch["mask"], aggregation or "seq-mean-token-mean", normalizer)
-    if entropy_coef:
-        entropy = -(log_p.exp() * log_p).sum(-1)
-        loss = loss - entropy_coef * aggregate(entropy, batch["mask"], aggregation or "seq-mean-token-mean", normalizer)
+    # The trainer's own composition of the loss (gspo_mcore.loss.objective) on transformers' log-probs;
+    # pi_ref: the initial weights, i.e. this model before the step.
+    cfg = load_config(None, options(level, aggregation, kl_coef, entropy_coef, on_policy)).loss
+    loss, metrics = objective(logp, {**batch, "ref_logprobs": logp.detach()}, cfg, Normalizer(horizon=HORIZON),
+                              on_policy=on_policy, entropy=-(log_p.exp() * log_p).sum(-1) if entropy_coef else None)
     loss.backward()
     grad_norm = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
     torch.optim.Adam(model.parameters(), lr=ADAM["lr"], eps=ADAM["eps"]).step()

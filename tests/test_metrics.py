@@ -1,10 +1,12 @@
 """The loss's metrics combined over microbatches and ranks equal the whole minibatch's, and
 the step report takes each figure from where it is defined."""
 
+import json
+
 import pytest
 import torch
 
-from gspo_mcore.loss import METRIC_KINDS, policy_loss
+from gspo_mcore.loss import objective, policy_loss
 from gspo_mcore.metrics import combine, to_floats, update_report
 
 
@@ -49,18 +51,27 @@ def test_token_level_clip_fraction_counts_tokens_not_sequence_ratios():
     assert token["clip_fraction"].item() == pytest.approx(clipped.sum().item() / mask.sum().item())
 
 
-def test_every_metric_has_a_combination_rule():
+def test_every_loss_figure_is_a_schema_row_and_every_loss_row_is_computed():
+    """A metric is either reported (a row of metric_schema with its combination rule) or not
+    computed: the loss with every term on makes exactly the schema's loss rows."""
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.metric_schema import LOSS_METRICS
+
     logp, old, adv, mask, entropy = batch()
-    _, metrics = policy_loss(logp, old, adv, mask, entropy=entropy)
-    assert set(metrics) <= set(METRIC_KINDS)
+    cfg = LossConfig(kl_loss_coef=0.1, entropy_coef=0.1, token_mask_band=[0.5, 2.0], sequence_mask_threshold=0.1)
+    _, metrics = objective(logp, {"old_logprobs": old, "advantages": adv, "mask": mask, "ref_logprobs": old}, cfg,
+                           entropy=entropy)
+    assert set(metrics) | {"loss"} == {m.name for m in LOSS_METRICS}
 
 
 def test_update_report_takes_mismatch_from_the_first_step_and_averages_the_loss():
     step = lambda loss, ratio: [{"loss": loss / 2, "num_tokens": 4.0, "num_sequences": 2.0, "clip_fraction": 0.5,
-                                 "mismatch_seq": ratio, "mismatch_seq_max": 2 * ratio,
-                                 "mismatch_token": 3 * ratio, "mismatch_out_of_band": 0.75}] * 2
-    report = update_report([step(1.0, 0.1), step(3.0, 0.7)], grad_norms=[1.0, 2.0])
-    assert report["loss"] == pytest.approx(2.0) and report["grad_norm"] == pytest.approx(1.5)
+                                 "mismatch_abs_log_ratio_mean": ratio, "mismatch_abs_log_ratio_max": 2 * ratio,
+                                 "mismatch_token_abs_log_ratio_mean": 3 * ratio,
+                                 "mismatch_out_of_band_fraction": 0.75}] * 2
+    report = update_report([step(1.0, 0.1), step(3.0, 0.7)])
+    assert report["loss"] == pytest.approx(2.0)
+    assert report["kl"] is None and report["entropy"] is None  # not computed: null, never made up
     assert report["mismatch_abs_log_ratio_mean"] == pytest.approx(0.1)
     assert report["mismatch_abs_log_ratio_max"] == pytest.approx(0.2)
     assert report["mismatch_token_abs_log_ratio_mean"] == pytest.approx(0.3)
@@ -75,13 +86,46 @@ def test_engine_mismatch_per_sequence_and_token_combine_exactly():
     whole = engine_mismatch(logp, old, mask, 3e-4, 4e-4)
     seq = ((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     kept = mask.sum(-1) > 0
-    assert whole["mismatch_seq"].item() == pytest.approx(seq[kept].abs().mean().item())
-    assert whole["mismatch_token"].item() == pytest.approx(((logp - old).abs() * mask).sum().item() / mask.sum().item())
+    assert whole["mismatch_abs_log_ratio_mean"].item() == pytest.approx(seq[kept].abs().mean().item())
+    assert whole["mismatch_token_abs_log_ratio_mean"].item() == pytest.approx(((logp - old).abs() * mask).sum().item() / mask.sum().item())
     band = ((seq.exp() > 1 + 4e-4) | (seq.exp() < 1 - 3e-4)) & kept
-    assert whole["mismatch_out_of_band"].item() == pytest.approx(band.sum().item() / kept.sum().item())
+    assert whole["mismatch_out_of_band_fraction"].item() == pytest.approx(band.sum().item() / kept.sum().item())
     parts = [to_floats(engine_mismatch(logp[s], old[s], mask[s], 3e-4, 4e-4)) | {
              "num_tokens": mask[s].sum().item(), "num_sequences": (mask[s].sum(-1) > 0).sum().item()}
              for s in (slice(0, 2), slice(2, 3), slice(3, 7))]
     combined = combine(parts)
     for key, value in whole.items():
         assert combined[key] == pytest.approx(value.item(), abs=1e-12), key
+
+
+def test_run_log_refuses_a_figure_outside_the_schema(tmp_path):
+    from gspo_mcore.metrics import RunLog
+
+    log = RunLog(tmp_path)
+    try:
+        log.write({"step": 1, "reward_mean": 0.5})
+        with pytest.raises(KeyError, match="reward_avg"):
+            log.write({"step": 2, "reward_avg": 0.5})
+    finally:
+        log.close()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "reward_mean": 0.5}]
+
+
+def test_weights_and_biases_offline_gets_the_same_rows_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    """train.wandb_project: W&B as a third sink, offline without a network; a resumed run keeps its id."""
+    from gspo_mcore.metrics import RunLog
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = RunLog(tmp_path, wandb_project="gspo-test", run_config={"train": {"seed": 3}})
+    log.write({"step": 1, "reward_mean": 0.25, "router_max_over_mean_load": [1.5, 2.0]})
+    log.close()
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    log = RunLog(tmp_path, start_step=1, wandb_project="gspo-test")
+    log.write({"step": 2, "reward_mean": 0.5})
+    log.close()
+    assert (tmp_path / "wandb_run_id").read_text() == run_id
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # the same id, resumed

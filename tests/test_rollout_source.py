@@ -1,6 +1,6 @@
 """Dynamic sampling in the trainer's rollout source (gspo_mcore.rollout.source.RolloutSource), against a scripted
 engine: groups without signal are dropped, and further generation rounds (fresh prompts,
-fresh seeds) refill the batch up to `train.max_sampling_rounds`."""
+fresh seeds) refill the batch up to `rollout.max_sampling_rounds`."""
 
 import re
 
@@ -43,10 +43,11 @@ def task(tmp_path_factory):
     return root
 
 
-def source_for(task, **train) -> tuple[RolloutSource, ScriptedEngine]:
+def source_for(task, **options) -> tuple[RolloutSource, ScriptedEngine]:
+    """options: train.rollout_batch_size, or a rollout field (sampling)."""
     overrides = [f"data.path={task / 'prompts.jsonl'}", f"data.tokenizer_dir={task / 'tokenizer'}",
                  "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1", f"train.group_size={GROUP}",
-                 *(f"train.{k}={v}" for k, v in train.items())]
+                 *(f"{'train' if k == 'rollout_batch_size' else 'rollout'}.{k}={v}" for k, v in options.items())]
     source = RolloutSource(load_config(None, overrides))
     source.client = engine = ScriptedEngine(source.tokenizer)
     return source, engine
@@ -109,5 +110,5 @@ def test_one_round_without_dropping_keeps_every_group(task):
 def test_max_sampling_rounds_must_be_positive():
     from gspo_mcore.config import ConfigError
 
-    with pytest.raises(ConfigError, match="train.max_sampling_rounds: must be >= 1"):
-        load_config(None, ["train.max_sampling_rounds=0"])
+    with pytest.raises(ConfigError, match="rollout.max_sampling_rounds: must be >= 1"):
+        load_config(None, ["rollout.max_sampling_rounds=0"])

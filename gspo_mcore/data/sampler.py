@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from gspo_mcore.seeds import step_seed
+
 
 class PromptSampler:
     def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True):
@@ -16,7 +18,7 @@ class PromptSampler:
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(step_seed(self.seed, epoch))
         return torch.randperm(self.num_samples, generator=generator).tolist()
 
     def next_indices(self, count: int) -> list[int]:

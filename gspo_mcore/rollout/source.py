@@ -1,7 +1,7 @@
 """Prompts -> engine rollouts -> rewards -> advantages, with dynamic sampling (rank 0 only).
 
 A step asks the engine for `group_size` responses to each prompt, scores them, turns rewards
-into group-normalised advantages, keeps the groups `train.group_filter` chooses (by default
+into group-normalised advantages, keeps the groups `rollout.group_filter` chooses (by default
 those with signal) and generates more rounds until `rollout_batch_size` groups are kept.
 """
 
@@ -16,6 +16,7 @@ from gspo_mcore.config import Config
 from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
 from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.seeds import step_seed
 
 
 class RolloutSource:
@@ -37,7 +38,7 @@ class RolloutSource:
                                           config.data.answer_key)
         self.sampler = PromptSampler(len(self.dataset), seed=config.train.seed)
         self.rewards = RewardRunner(config.reward.name, config.reward.timeout_s, config.reward.workers)
-        self.group_filter = by_name(config.train.group_filter, adv.GROUP_FILTERS, "train.group_filter")
+        self.group_filter = by_name(config.rollout.group_filter, adv.GROUP_FILTERS, "rollout.group_filter")
         self.running = adv.RunningMoments()
         self.client = None
 
@@ -52,10 +53,9 @@ class RolloutSource:
         """Rounds of generation until `rollout_batch_size` groups with signal are kept (at most
         `max_sampling_rounds`; each asks for `oversample` x the groups still missing). Metrics
         are over everything generated this step."""
-        cfg = self.config.train
         rollouts, advantages, rounds = [], [], []
-        for _ in range(cfg.max_sampling_rounds):
-            missing = cfg.rollout_batch_size - sum(r["groups_kept"] for r in rounds)
+        for _ in range(self.config.rollout.max_sampling_rounds):
+            missing = self.config.train.rollout_batch_size - sum(r["groups_kept"] for r in rounds)
             if missing <= 0:
                 break
             kept, kept_advantages, figures = self._round(step, weight_version, missing,
@@ -85,14 +85,14 @@ class RolloutSource:
         from gspo_mcore.data import chat_prompt_ids
 
         cfg = self.config.train
-        num_prompts = math.ceil(wanted * cfg.oversample)
+        num_prompts = math.ceil(wanted * self.config.rollout.oversample)
         samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
         prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
         requests = [p for p in prompts for _ in range(cfg.group_size)]
-        params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.loss.temperature}
+        params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.rollout.temperature}
         # Seeds from (run seed, step, request): with a deterministic server, a resumed run
         # samples what the uninterrupted one did.
-        base = (cfg.seed * 1_000_003 + step) * 100_003 + offset
+        base = step_seed(cfg.seed, step) * 100_003 + offset
         seeds = [base + i for i in range(len(requests))]
         rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds)
         texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
@@ -101,9 +101,10 @@ class RolloutSource:
         rewards = torch.tensor(scores, dtype=torch.float32)
         group_ids = torch.arange(len(samples)).repeat_interleave(cfg.group_size)
         # reward_norm "batch" / "running": over this round's rewards / updated by each round.
-        normed = adv.normalize_rewards(rewards, group_ids, cfg.reward_norm, self.running)
-        advantages = adv.clip(adv.group_advantages(normed, group_ids, normalize_std=cfg.advantage_std_norm),
-                              cfg.advantage_clip)
+        reward = self.config.reward
+        normed = adv.normalize_rewards(rewards, group_ids, reward.norm, self.running)
+        advantages = adv.clip(adv.group_advantages(normed, group_ids, normalize_std=reward.advantage_std_norm),
+                              reward.advantage_clip)
         keep = self.group_filter(rewards, group_ids)
         kept_groups = set(sorted(set(group_ids[keep].tolist()))[:wanted])  # the first ones with signal
         selected = [i for i, g in enumerate(group_ids.tolist()) if g in kept_groups]

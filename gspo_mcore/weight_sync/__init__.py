@@ -17,9 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from gspo_mcore.models.qwen3_moe.model import DTYPES
 from gspo_mcore.weight_sync.buckets import bucketed, flatten, update_session
 from gspo_mcore.weight_sync.check import check_sync
-from gspo_mcore.weight_sync.disk import DiskWeightSync, push_from_disk, save_hf_checkpoint
+from gspo_mcore.weight_sync.disk import DiskWeightSync, push_from_disk
 from gspo_mcore.weight_sync.distributed import DistributedWeightSync
 from gspo_mcore.weight_sync.tensor import TensorWeightSync, colocated_readers, where_ranks_run
 
@@ -34,8 +35,6 @@ class WeightSync(Protocol):
 
 def build(config, model, arch, control, output_dir: Path) -> WeightSync:
     """The config's `weight_sync.method` for this model and these servers. Collective."""
-    from gspo_mcore.models.qwen3_moe.model import DTYPES
-
     ws = config.weight_sync
     dtype = DTYPES[config.rollout.engine_dtype]
     if ws.method == "distributed":
@@ -50,5 +49,5 @@ def build(config, model, arch, control, output_dir: Path) -> WeightSync:
 
 
 __all__ = ["WeightSync", "build", "bucketed", "flatten", "update_session", "check_sync", "DiskWeightSync",
-           "push_from_disk", "save_hf_checkpoint", "DistributedWeightSync", "TensorWeightSync", "colocated_readers",
+           "push_from_disk", "DistributedWeightSync", "TensorWeightSync", "colocated_readers",
            "where_ranks_run"]

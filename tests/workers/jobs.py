@@ -27,7 +27,8 @@ from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
 from gspo_mcore.optimizer import setup_training
 from gspo_mcore.rollout.response import Rollout
-from gspo_mcore.weight_sync import bucketed, save_hf_checkpoint
+from gspo_mcore.checkpointing import save_hf_checkpoint
+from gspo_mcore.weight_sync import bucketed
 
 MICRO_BATCH = 2
 BUCKET_BYTES = 100_000  # export_owned's bucket bound (tests/test_weight_export.py checks it)

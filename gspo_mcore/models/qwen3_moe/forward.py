@@ -14,7 +14,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from gspo_mcore.logprobs import token_logprobs
+from gspo_mcore.packing import microbatch_tensors
 from gspo_mcore.parallel import to_device
+from gspo_mcore.rollout.response import Rollout
 
 
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
@@ -22,17 +25,18 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def run_schedule(model, microbatches: list[dict], loss_for: Callable[[dict], Callable], *,
-                 forward_only: bool, routing=None) -> list[dict]:
+                 forward_only: bool, routing=None, compare_routing: bool = False) -> list[dict]:
     """Each microbatch (`inputs` [b, T] and whatever its loss needs) through the pipeline
     schedule; `loss_for(microbatch)` gives the `loss_func(output)` of the last stage. Returns the
-    loss functions' metric dicts on the last pipeline stage ([] elsewhere). `routing`: an
-    EngineRouting told of each microbatch before and after its forward."""
+    loss functions' metric dicts on the last pipeline stage ([] elsewhere). `routing`: the
+    model's RouterHooks, told of each microbatch before and after its forward (and, with
+    `compare_routing`, to compare the routers' choice with the engine's)."""
     data = iter(microbatches)
 
     def forward_step(data_iterator, model):
         mb = to_device(next(data_iterator))
         if routing is not None:
-            routing.before_forward(mb)
+            routing.before_forward(mb, compare=compare_routing)
         output = model(mb["inputs"], position_ids_for(mb["inputs"]), None)
         if routing is not None:
             routing.after_forward()
@@ -65,29 +69,40 @@ def megatron_logits(model, tokens: torch.Tensor, micro_batch_size: int = 1) -> t
 
 
 @torch.no_grad()
-def sequence_logprobs(model, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]] | None:
-    """log p(token t | tokens < t) for t >= 1 of each sequence (one forward per sequence, the
-    vocabulary never gathered: chunked, vocabulary-parallel log-softmax). On the last pipeline
-    stage; None elsewhere. Collective over the model-parallel ranks."""
-    from gspo_mcore.logprobs import token_logprobs
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    microbatches = []
-    for seq in sequences:
-        tokens = torch.tensor([seq + [0] * (-(len(seq) - 1) % tp)])  # a multiple of TP: sequence parallel
-        microbatches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "length": len(seq) - 1})
+def response_logprobs(model, microbatches: list[dict], temperature: float, routing=None) -> dict[int, list[float]]:
+    """Forward only: `model`'s log-prob of each response token (where `mask` is 1) of each real
+    sequence of `microbatches` (gspo_mcore.packing.microbatch_tensors), keyed by its `index`;
+    the vocabulary never gathered (chunked, vocabulary-parallel log-softmax). On the last
+    pipeline stage; {} elsewhere. Collective over the model-parallel ranks."""
+    was_training = model.training
+    model.eval()
 
     def collect(mb):
         def loss_func(logits):
             logprobs, _ = token_logprobs(logits, mb["targets"], temperature=temperature,
                                          group=parallel_state.get_tensor_model_parallel_group())
-            return logits.new_zeros(()), {"logprobs": logprobs[0, : mb["length"]].float()}
+            return logits.new_zeros(()), {"index": mb["index"], "logprobs": logprobs.float(), "mask": mb["mask"]}
         return loss_func
 
-    outputs = run_schedule(model, microbatches, collect, forward_only=True)
-    if not parallel_state.is_pipeline_last_stage():
-        return None
-    return [out["logprobs"].cpu().tolist() for out in outputs]
+    outputs = run_schedule(model, microbatches, collect, forward_only=True, routing=routing)
+    if routing is not None:
+        routing.end_step()
+    model.train(was_training)
+    found = {}
+    for out in outputs:
+        logprobs, mask = out["logprobs"].cpu(), out["mask"].cpu().bool()  # one copy, not one per row
+        found.update((i, logprobs[row][mask[row]].tolist()) for row, i in enumerate(out["index"].tolist()) if i >= 0)
+    return found
+
+
+def sequence_logprobs(model, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]] | None:
+    """log p(token t | tokens < t) for t >= 1 of each sequence (one forward per sequence). On
+    the last pipeline stage; None elsewhere. Collective over the model-parallel ranks."""
+    as_rollouts = [Rollout(seq[:1], seq[1:], [0.0] * (len(seq) - 1), "stop", "") for seq in sequences]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    microbatches = [microbatch_tensors(as_rollouts, [0.0] * len(sequences), [i], tp) for i in range(len(sequences))]
+    found = response_logprobs(model, microbatches, temperature)
+    return [found[i] for i in range(len(sequences))] if parallel_state.is_pipeline_last_stage() else None
 
 
 def last_stage_rank() -> int:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+from gspo_mcore.parallel import device
 
 
 def local_targets(routing: torch.Tensor, layer: int) -> torch.Tensor:
@@ -24,17 +27,16 @@ def local_targets(routing: torch.Tensor, layer: int) -> torch.Tensor:
     return per_layer.reshape(-1, per_layer.shape[-1]).long()
 
 
-class EngineRouting:
-    """Hooks on the model's MoE routers. Per microbatch, `before_forward(mb)` hands them the
-    engine's routing; with `replay` the routers use it in forward (and in a recomputed forward
-    during backward), else they route freely and, while `compare` is on, each (token, layer)
-    whose top-k set differs from the engine's is counted."""
+class RouterHooks:
+    """One forward hook per MoE router, for everything the trainer asks of its routers: each
+    expert's load in training forwards (`imbalance`), and, with `engine_routing`, the engine's
+    routed experts per microbatch (`before_forward(mb, compare)`): replayed (`replay`: the routers
+    use them in forward and in a recomputed forward during backward) or, while `compare`, each
+    (token, layer) whose top-k set differs from the engine's counted (`mismatch`). Counts stay on
+    the routers' device: a .cpu() per layer would synchronise the GPU every forward."""
 
-    def __init__(self, model, replay: bool):
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        self.actions = RouterReplayAction
-        self.replay, self.compare = replay, False
+    def __init__(self, model, num_experts: int, *, engine_routing: bool = False, replay: bool = False):
+        self.replay, self.engine_routing = replay, engine_routing
         self.routers = {}
         for layer in model.decoder.layers:
             router = getattr(getattr(layer, "mlp", None), "router", None)
@@ -43,24 +45,25 @@ class EngineRouting:
                 self.routers[index] = router
                 router.register_forward_hook(self._hook(index))
         num_layers = model.config.num_layers
-        self.counts = torch.zeros(num_layers, 2, dtype=torch.float64)  # (differing, compared) per layer
+        self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device())
+        self.differing = torch.zeros(num_layers, 2, dtype=torch.float64, device=device())  # (differing, compared)
         self.current: dict | None = None
 
-    def before_forward(self, mb: dict) -> None:
-        if "routing" not in mb:
+    def before_forward(self, mb: dict, compare: bool = False) -> None:
+        if not self.engine_routing or "routing" not in mb:
             self.current = None
             return
-        self.current = {"routing": mb["routing"], "real": local_real_tokens(mb)}
+        self.current = {"routing": mb["routing"], "real": local_real_tokens(mb), "compare": compare}
         if self.replay:
             for index, router in self.routers.items():
-                router.router_replay.set_target_indices(local_targets(mb["routing"], index).to(mb["inputs"].device))
-                router.router_replay.set_router_replay_action(self.actions.REPLAY_FORWARD)
+                router.router_replay.set_target_indices(local_targets(mb["routing"], index))
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def after_forward(self) -> None:
         """1F1B runs backwards in forward order: a recomputed forward pops its own targets."""
         if self.replay:
             for router in self.routers.values():
-                router.router_replay.set_router_replay_action(self.actions.REPLAY_BACKWARD)
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
     def end_step(self) -> None:
         """After an optimizer step (or a forward-only pass): no target outlives its microbatch."""
@@ -72,25 +75,32 @@ class EngineRouting:
 
     def _hook(self, index: int):
         def hook(module, inputs, output):
-            if not self.compare or self.current is None:
+            routing_map = output[1].detach()  # [tokens, experts] bool
+            if module.training:
+                self.load[index] += routing_map.sum(0).double()
+            if self.current is None or not self.current["compare"]:
                 return
-            routing_map = output[1].detach().cpu()  # [tokens, experts] bool
-            targets = local_targets(self.current["routing"], index).cpu()
+            targets = local_targets(self.current["routing"], index).to(routing_map.device)
             engine = torch.zeros_like(routing_map).scatter_(1, targets, True)
-            real = self.current["real"]
+            real = self.current["real"].to(routing_map.device)
             differs = (routing_map != engine).any(-1) & real
-            self.counts[index] += torch.tensor([differs.sum().item(), real.sum().item()], dtype=torch.float64)
+            self.differing[index] += torch.stack([differs.sum(), real.sum()]).double()
         return hook
 
     def reset(self) -> None:
-        self.counts.zero_()
+        self.load.zero_()
+        self.differing.zero_()
+
+    def imbalance(self) -> list[float]:
+        """Per MoE layer, max expert load / mean load over all ranks' tokens (1 = balanced). Collective."""
+        load = self.load.clone()
+        dist.all_reduce(load)
+        return [(row.max() / row.mean()).item() for row in load if row.sum() > 0]
 
     def mismatch(self) -> tuple[float | None, list[float | None]]:
         """(share of compared (token, MoE layer) pairs whose top-k sets differ, the same per
         MoE layer) over all ranks' tokens. Collective."""
-        from gspo_mcore.parallel import device
-
-        counts = self.counts.to(device())
+        counts = self.differing.clone()
         dist.all_reduce(counts)
         rows = counts.cpu().tolist()
         differing, compared = sum(d for d, _ in rows), sum(n for _, n in rows)
@@ -104,4 +114,4 @@ def local_real_tokens(mb: dict) -> torch.Tensor:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp > 1:
         real = real.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
-    return real.reshape(-1).cpu()
+    return real.reshape(-1)

@@ -1,0 +1,127 @@
+"""Every figure a run reports, in one table: what it is, how it is combined, where it shows.
+
+Each row is one key of `metrics.jsonl` (and of TensorBoard and Weights & Biases). Everything
+that lists metrics derives from this table: how the loss's per-microbatch figures combine over
+microbatches and ranks (`combine_kinds`), which figures a step that trains nothing reports as
+null (`UPDATE`), the progress line (`printed`) and the plots (`figure`). A figure is either
+here and reported, or not computed; `metrics.RunLog` refuses a key that is not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How a per-microbatch figure of the loss combines over microbatches and data-parallel ranks
+# (gspo_mcore.metrics.combine): "tokens" / "sequences" are means weighted by each part's
+# `num_tokens` / `num_sequences`, "min" / "max" extremes over parts with sequences, "sum" totals.
+# Combined this way they equal the figure of the whole minibatch exactly.
+KINDS = ("sum", "tokens", "sequences", "min", "max")
+# Which optimizer steps of a rollout batch a loss figure covers: "all" of them; "first" (theta =
+# theta_old, so a ratio there is the train-inference mismatch alone); "per_step": the total over
+# all steps divided by their number (the loss and the KL term, shares of each step's global loss).
+SCOPES = ("all", "first", "per_step")
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    doc: str
+    kind: str | None = None  # set for the loss's own figures (gspo_mcore.loss / megatron_loss)
+    scope: str = "all"
+    update: bool = False  # a figure of the update: null in a step that trains nothing
+    printed: str | None = None  # its fragment of the progress line, a format for the value
+    figure: str | None = None  # the plot it is drawn in (OUTPUT_DIR/plots/<figure>.png)
+    label: str | None = None  # its axis label / legend entry there
+
+
+def _loss(name, kind, doc, scope="all", **shown) -> Metric:
+    return Metric(name, doc, kind=kind, scope=scope, update=True, **shown)
+
+
+SCHEMA: tuple[Metric, ...] = (
+    Metric("step", "optimizer updates done: the rollout batch just trained is this one"),
+    # ---- the rollout batch (gspo_mcore.rollout.source)
+    Metric("reward_mean", "mean reward of every response generated this step", printed="reward {:.3f}",
+           figure="reward", label="mean reward"),
+    Metric("reward_std", "reward standard deviation over the same responses", printed="±{:.3f}"),
+    Metric("response_length_mean", "mean response length (tokens) of every response generated",
+           printed="len {:.1f}", figure="response_length", label="mean response length (tokens)"),
+    Metric("response_length_max", "longest response (tokens)"),
+    Metric("truncated_fraction", "share of responses cut at rollout.max_new_tokens"),
+    Metric("groups_kept", "prompt groups trained on (dynamic sampling keeps those with signal)"),
+    Metric("groups_total", "prompt groups generated, over every sampling round"),
+    Metric("sampling_rounds", "generation rounds this step took to fill the batch"),
+    Metric("reward_errors", "responses whose reward raised (scored 0)"),
+    Metric("reward_timeouts", "responses whose reward exceeded reward.timeout_s (scored 0)"),
+    Metric("samples", "responses trained on this step"),
+    # ---- the loss's figures, combined exactly over microbatches and ranks
+    _loss("loss", "sum", "the GSPO loss (+ KL, - entropy bonus), mean over the step's optimizer steps",
+          scope="per_step"),
+    _loss("kl", "sum", "the KL term (before its coefficient), mean over optimizer steps; null when off",
+          scope="per_step"),
+    _loss("entropy", "tokens", "policy entropy per response token; null unless loss.log_entropy or entropy_coef"),
+    _loss("num_tokens", "sum", "response tokens in the loss, summed over optimizer steps"),
+    _loss("num_sequences", "sum", "sequences with response tokens in the loss, summed over optimizer steps"),
+    _loss("clip_fraction", "tokens", "share of response tokens whose ratio the clip stopped", printed="clip {:.3f}",
+          figure="clip_fraction", label="clipped share of response tokens"),
+    _loss("clip_fraction_low", "tokens", "... below 1 - clip_low (negative advantage)"),
+    _loss("clip_fraction_high", "tokens", "... above 1 + clip_high (positive advantage)"),
+    _loss("clip_fraction_sequences", "sequences", "share of sequences clipped (level sequence; null otherwise)"),
+    _loss("ratio_mean", "sequences", "mean sequence ratio s_i (eq. 7) against pi_old"),
+    _loss("ratio_min", "min", "smallest sequence ratio"),
+    _loss("ratio_max", "max", "largest sequence ratio"),
+    _loss("ratio_above_band", "sequences", "share of sequences with s_i > 1 + clip_high, whatever the advantage"),
+    _loss("ratio_below_band", "sequences", "share of sequences with s_i < 1 - clip_low, whatever the advantage"),
+    _loss("abs_log_ratio_mean", "sequences", "mean |log s_i| against pi_old over every minibatch"),
+    _loss("abs_log_ratio_max", "max", "largest |log s_i|"),
+    _loss("abs_log_ratio_token_mean", "tokens", "mean per-token |log pi_theta - log pi_old| (before length "
+          "normalisation)"),
+    _loss("token_mask_fraction", "tokens", "share of response tokens loss.token_mask_band masked; null when off"),
+    _loss("sequence_mask_fraction", "sequences", "share of sequences loss.sequence_mask_threshold masked; null "
+          "when off"),
+    _loss("mismatch_abs_log_ratio_mean", "sequences", "train-inference mismatch: mean |log s_i| of the trainer "
+          "against the engine's log-probs at theta = theta_old (first minibatch)", scope="first",
+          printed="mismatch {:.1e}", figure="mismatch", label="mismatch |log s| (engine vs trainer)"),
+    _loss("mismatch_abs_log_ratio_max", "max", "largest per-sequence mismatch there", scope="first"),
+    _loss("mismatch_token_abs_log_ratio_mean", "tokens", "per-token mismatch there", scope="first"),
+    _loss("mismatch_out_of_band_fraction", "sequences", "share of sequences whose engine ratio is outside the "
+          "configured clip band there", scope="first"),
+    # ---- the update, beside the loss (gspo_mcore.learner)
+    Metric("clip_band_high", "1 + this bounds the ratio in the minibatches after the first (loss.clip_high, or "
+           "wider with loss.band_from_mismatch)", update=True, figure="mismatch", label="clip band (high)"),
+    Metric("grad_norm", "gradient norm before clipping, mean over optimizer steps", update=True),
+    Metric("minibatches", "optimizer steps per epoch on this batch", update=True),
+    Metric("lr", "learning rate", update=True),
+    Metric("router_max_over_mean_load", "per MoE layer: max expert load / mean (1 = balanced)", update=True),
+    Metric("routing_mismatch_fraction", "share of (token, MoE layer) pairs whose trainer top-k differs from the "
+           "engine's, first minibatch (rollout.return_routed_experts; null otherwise)", update=True),
+    Metric("routing_mismatch_fraction_per_layer", "the same per MoE layer", update=True),
+    # ---- the weight-sync check (steps where weight_sync.check_every fires)
+    Metric("sync_check_median", "median |engine - trainer| log-prob over probe tokens, worst server"),
+    Metric("sync_check_max", "largest difference there"),
+    Metric("sync_check_within_0.1", "share of probe tokens within 0.1"),
+    # ---- time
+    Metric("time_rollout_s", "generation, rewards, advantages", printed="| rollout {:.1f}s", figure="step_time",
+           label="rollout"),
+    Metric("time_train_s", "the updates (and any recomputed or reference log-probs)", printed="train {:.1f}s",
+           figure="step_time", label="train"),
+    Metric("time_sync_s", "the weight push (and the sync check)", printed="sync {:.1f}s", figure="step_time",
+           label="sync"),
+    Metric("time_step_s", "the whole step"),
+    Metric("tokens_per_s", "prompt + response tokens trained per second of step", printed="| {:.0f} tok/s"),
+)
+
+BY_NAME = {m.name: m for m in SCHEMA}
+LOSS_METRICS = tuple(m for m in SCHEMA if m.kind is not None)
+UPDATE = tuple(m.name for m in SCHEMA if m.update)
+FIGURES = {m.figure: tuple(n for n in SCHEMA if n.figure == m.figure) for m in SCHEMA if m.figure}
+
+
+def combine_kinds() -> dict[str, str]:
+    """The loss figure name -> its combination kind."""
+    return {m.name: m.kind for m in LOSS_METRICS}
+
+
+def unknown(keys) -> list[str]:
+    """Keys that are not in the schema (per-layer lists are one key)."""
+    return sorted(k for k in keys if k not in BY_NAME)

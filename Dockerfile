@@ -1,16 +1,15 @@
-# GPU image for gspo-mcore (8xH100 nodes): CUDA + torch + Transformer Engine + apex +
+# GPU image for gspo-mcore (8xH100 nodes): CUDA + torch + Transformer Engine +
 # megatron-core 0.16.1 + SGLang 0.5.23 + this package.     make docker
 #
 # Base: SGLang's own release image (CUDA 13: SGLang's install guide says its CUDA 12 images
 # end with v0.5.19-cu129). SGLang pins its torch (2.14.1) and its CUDA
 # kernels (sgl-kernel, flashinfer) are built against exactly that torch, so starting from
-# it keeps SGLang's pin intact; Transformer Engine and apex are then compiled against the
+# it keeps SGLang's pin intact; Transformer Engine is then compiled against the
 # same torch (--no-build-isolation), never pulling another torch, and megatron-core and this
 # package then install beside it (setup.py's ranges accept that torch). (Not built on this project's CPU machines.)
 FROM lmsysorg/sglang:v0.5.23
 
 ARG TE_VERSION=2.10.0
-ARG APEX_COMMIT=25.09
 ENV PIP_NO_CACHE_DIR=1 \
     NVTE_FRAMEWORK=pytorch \
     MAX_JOBS=16
@@ -24,11 +23,13 @@ RUN apt-get update && apt-get install -y --no-install-recommends curl git shellc
 # picks its core library from torch.version.cuda).
 RUN pip install --no-build-isolation "transformer-engine[core_cu13,pytorch]==${TE_VERSION}"
 
-# apex: fused Adam / norms used by Megatron when present.
-RUN git clone --depth 1 --branch "${APEX_COMMIT}" https://github.com/NVIDIA/apex /tmp/apex \
-    && pip install --no-build-isolation --config-settings "--build-option=--cpp_ext" \
-       --config-settings "--build-option=--cuda_ext" /tmp/apex \
-    && rm -rf /tmp/apex
+# No apex: nothing on the path this project runs uses it. megatron-core 0.16.1 imports
+# Transformer Engine's FusedAdam / multi-tensor kernels first and apex's only when TE is
+# missing (optimizer/__init__.py, optimizer.py, distrib_optimizer.py, clip_grads.py); the
+# offloaded optimizer takes that same Adam and torch's AdamW on the host; the te spec normalises with
+# TENorm (apex's FusedLayerNorm is the fallback without TE); gradient accumulation fusion,
+# apex's other use, is off (models/qwen3_moe/model.py). Megatron's import-time "Apex is not
+# installed" warning is harmless.
 
 # setup.py declares version ranges, so the image's torch (2.14.1) and SGLang's transformers and
 # numpy satisfy them and stay; megatron-core at the version tested (constraints.txt).

@@ -56,7 +56,8 @@ def engine_rollouts(config, dtype: str, prompts: list[list[int]], vocab_size: in
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.rollout.client import SGLangClient
     from gspo_mcore.rollout.engine_control import EngineControl
-    from gspo_mcore.rollout.server import ManagedServer, server_for_config
+    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.rollout.server import server_for_config
 
     port = free_port()
     config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine_dtype=dtype))

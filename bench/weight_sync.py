@@ -58,7 +58,8 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_weights
     from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
     from gspo_mcore.rollout.engine_control import EngineControl
-    from gspo_mcore.rollout.server import ManagedServer, sglang_command
+    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.rollout.server import sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
     from gspo_mcore.checkpointing import save_hf_checkpoint
     from gspo_mcore.weight_sync import DistributedWeightSync, bucketed, push_from_disk

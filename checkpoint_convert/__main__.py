@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import warnings
 
 from gspo_mcore.errors import run_cli
 
@@ -33,13 +35,11 @@ def main() -> int:
         p.add_argument("--quiet", action="store_true", help="no progress bar, no library warnings")
     args = parser.parse_args()
     if args.quiet:  # the result (and errors) still print; Megatron's and torch's chatter does not
-        import logging
-        import warnings
 
         logging.disable(logging.WARNING)
         warnings.simplefilter("ignore")
 
-    from checkpoint_convert import convert
+    from checkpoint_convert import convert  # after the filters above: importing Megatron warns
 
     if args.command == "hf-to-mcore":
         convert.hf_to_mcore(args.hf_dir, args.output_dir, args.dtype, args.overwrite, args.quiet)

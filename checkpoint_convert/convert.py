@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_convert.dcp_io import DCPReader, DCPWriter
+from checkpoint_convert.dcp_io import DCPReader, DCPWriter, TensorStorageMetadata
 from checkpoint_convert.progress import Progress
-from gspo_mcore.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
 from gspo_mcore.checkpointing import RELEASE, TRACKER, checkpoint_dir
 from gspo_mcore.errors import CheckpointError, InputError
 from gspo_mcore.files import atomic_output
@@ -33,6 +32,7 @@ from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
     non_layer_rules,
     split,
 )
+from gspo_mcore.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
 
 # Checkpoint keys are the Transformer Engine spec's names; the local spec maps its own names
 # to them (layer_spec.py), so one checkpoint loads into either module set.
@@ -148,8 +148,6 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
 def check_model_keys(reader: DCPReader, arch: Qwen3MoeArch, config_dir: Path) -> None:
     """Every model tensor of the checkpoint is one the config uses: a config with fewer layers
     or experts would otherwise give a truncated model that verifies as fine."""
-    from checkpoint_convert.dcp_io import TensorStorageMetadata
-
     used = {checkpoint_key(rule)[0] for _, rules in groups(arch) for rule in rules}
     used |= {alias for layer in range(arch.num_layers) for alias in local_spec_aliases(arch, layer)}
     for key, meta in reader.metadata.state_dict_metadata.items():

@@ -8,30 +8,29 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_convert.convert import check_model_keys
 from checkpoint_convert.dcp_io import DCPReader
-from gspo_mcore.safetensors_io import HFCheckpointReader
 from gspo_mcore.checkpointing import checkpoint_dir, load_model_weights
 from gspo_mcore.config import DistributedConfig, ModelConfig
 from gspo_mcore.errors import InputError
+from gspo_mcore.models.qwen3_moe.forward import megatron_logits
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.models.qwen3_moe.model import build_model
+from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
+from gspo_mcore.parallel import init_distributed
+from gspo_mcore.parity import compare, hf_logits, sample_tokens
+from gspo_mcore.safetensors_io import HFCheckpointReader
 
 TOLERANCE = 1e-4  # max |logit difference|; both sides run float32 on identical weights
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
-    from gspo_mcore.models.qwen3_moe.model import build_model
-    from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
-    from gspo_mcore.parallel import init_distributed
-    from gspo_mcore.models.qwen3_moe.forward import megatron_logits
-    from gspo_mcore.parity import compare, hf_logits, sample_tokens
-
     if torch.cuda.is_available():
         raise InputError("verify runs on the CPU (the local spec, float32): start it with CUDA_VISIBLE_DEVICES=''")
     hf_dir = Path(hf_dir)
     arch = load_hf_config(hf_dir)
     ckpt = checkpoint_dir(mcore_dir)
-    from checkpoint_convert.convert import check_model_keys
 
     check_model_keys(DCPReader(ckpt), arch, hf_dir)  # a checkpoint with more layers is not "ok"
     dist_cfg = DistributedConfig(device="cpu")

@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore.errors import CheckpointError
+
+# Megatron's modules are imported in the functions that use them: the converter imports this
+# module for its checkpoint names and starts without Megatron (heavy, and it warns at import).
 from gspo_mcore.files import atomic_output, atomic_output_all_ranks
 from gspo_mcore.safetensors_io import HFCheckpointWriter, copy_side_files, write_index_file
 

@@ -48,6 +48,11 @@ class DistributedConfig:
     expert_parallel: int = 1
     expert_tensor_parallel: int = 1
     """TP size inside each expert (1 = experts unsplit, the usual choice for fine-grained MoE)."""
+    timeout_minutes: float = 30.0
+    """The trainer's collectives: a rank that waits longer than this for its peers fails the run."""
+    rollout_timeout_minutes: float = 240.0
+    """How long the other ranks wait, on the host, for rank 0's rollout batch (generation, with
+    every sampling round): longer than the longest step's rollout."""
 
 
 @dataclass
@@ -187,7 +192,9 @@ class WeightSyncConfig:
     check_every: int = 0
     """Every N steps, after the push, compare the engine's log-probs of probe sequences with the
     trainer's (stop if they differ beyond `check_tolerance`); 0: never."""
-    check_tolerance: float = 0.03
+    check_tolerance: float | None = None
+    """The largest median |engine - trainer| log-prob over the probes' response tokens the check
+    accepts; None: by rollout.engine_dtype (float32 0.01, bfloat16 0.2; wrong weights give ~1)."""
 
 
 @dataclass
@@ -213,6 +220,9 @@ class TrainConfig:
     """Checkpoint (model, optimizer, RNG, data position, step) every N steps; 0: only at the end."""
     keep_checkpoints: int = 3
     """Keep the newest N checkpoints (older ones are removed once a newer one is complete); 0: all."""
+    save_final: bool = True
+    """Checkpoint the last step (false: smoke runs that keep nothing; a 30B-A3B checkpoint with
+    Adam states is ~430 GB)."""
     export_hf: bool = True
     """Write the final weights as a Hugging Face checkpoint (OUTPUT_DIR/hf)."""
     wandb_project: str | None = None
@@ -241,6 +251,9 @@ class Config:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel"):
             if getattr(self.distributed, name) < 1:
                 raise ConfigError(f"distributed.{name}: must be >= 1")
+        for name in ("timeout_minutes", "rollout_timeout_minutes"):
+            if getattr(self.distributed, name) <= 0:
+                raise ConfigError(f"distributed.{name}: must be > 0")
         for section, name in (("train", "steps"), ("train", "rollout_batch_size"), ("train", "group_size"),
                               ("train", "num_minibatches"), ("train", "ppo_epochs"), ("rollout", "max_sampling_rounds"),
                               ("train", "max_tokens_per_microbatch"), ("rollout", "num_servers"), ("rollout", "engine_tp"),
@@ -278,6 +291,13 @@ class Config:
         if self.train.keep_checkpoints < 0:
             raise ConfigError("train.keep_checkpoints: must be >= 0")
         return self
+
+    @property
+    def sync_check_tolerance(self) -> float:
+        """weight_sync.check_tolerance, or the engine dtype's."""
+        if self.weight_sync.check_tolerance is not None:
+            return self.weight_sync.check_tolerance
+        return {"float32": 0.01, "bfloat16": 0.2}[self.rollout.engine_dtype]
 
     @property
     def horizon(self) -> int:

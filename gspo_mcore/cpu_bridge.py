@@ -111,6 +111,7 @@ def install() -> None:
     dist.all_to_all_single = _all_to_all_single_with_int_splits(dist.all_to_all_single)
     _CudaDeviceToCpu().__enter__()  # stays on the mode stack for the process
 
+    # After torch.cuda is bridged: these modules read it at import.
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils
 

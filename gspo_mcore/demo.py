@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from gspo_mcore.config import load_config
+from gspo_mcore.plot import plot_runs
+from gspo_mcore.toy_task import make_toy_task
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
@@ -21,15 +26,10 @@ OUTPUT = REPO / "outputs" / "demo" / "tiny_cpu"
 
 
 def main() -> int:
-    from gspo_mcore.config import load_config
-    from gspo_mcore.plot import plot_runs
-    from gspo_mcore.toy_task import make_toy_task
-
     os.chdir(REPO)  # the config's paths are relative to the repository
     config = load_config(CONFIG)
     make_toy_task(Path(config.model.hf_dir).parent, seed=0)
     if OUTPUT.exists():
-        import shutil
 
         shutil.rmtree(OUTPUT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

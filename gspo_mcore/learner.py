@@ -19,9 +19,9 @@ from gspo_mcore.config import Config
 from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
 from gspo_mcore.metrics import combine, to_floats, update_report
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config, reference_model
-from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, response_logprobs, run_schedule
+from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, response_logprobs
 from gspo_mcore.models.qwen3_moe.routing import RouterHooks
-from gspo_mcore.optimizer import setup_training
+from gspo_mcore.optimizer import optimizer_step, setup_training
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches)
 from gspo_mcore.parallel import device
@@ -104,8 +104,8 @@ class Learner:
             extra["ref_logprobs"] = self.token_logprobs_of(self.reference, rollouts)
         if old_logprobs is not None:
             extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
-        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(step_seed(cfg.seed, step)))
-        order = order.tolist()
+        generator = torch.Generator().manual_seed(step_seed(cfg.seed, step))
+        order = torch.randperm(len(rollouts), generator=generator).tolist()  # host: an order of Python lists
         self.routers.reset()
         self.ddp.train()
         parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
@@ -151,16 +151,11 @@ class Learner:
                         compare_routing: bool = False) -> tuple[list[dict], float]:
         """One optimizer step: (each microbatch's metrics (on the last stage; [] elsewhere), the grad norm)."""
         normalizer = global_normalizer(microbatches, self.config.horizon)
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
 
         def loss_for(mb):
             return make_loss_func(mb, normalizer, self.config.loss, self.config.rollout.temperature, len(microbatches),
                                   band=band, on_policy=on_policy)
 
-        outputs = run_schedule(self.ddp, microbatches, loss_for, forward_only=False, routing=self.routers,
-                               compare_routing=compare_routing)
-        self.routers.end_step()
-        _, grad_norm, _ = self.optimizer.step()
-        parts = [to_floats(out) for out in outputs] if parallel_state.is_pipeline_last_stage() else []
-        return parts, float(grad_norm) if grad_norm is not None else float("nan")
+        outputs, grad_norm = optimizer_step(self.ddp, self.optimizer, microbatches, loss_for, routing=self.routers,
+                                            compare_routing=compare_routing)
+        return [to_floats(out) for out in outputs], grad_norm

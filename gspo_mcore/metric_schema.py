@@ -108,6 +108,8 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("time_sync_s", "the weight push (and the sync check)", printed="sync {:.1f}s", figure="step_time",
            label="sync"),
     Metric("time_step_s", "the whole step"),
+    Metric("peak_memory_gb", "this step's peak over the trainer ranks: CUDA memory allocated (GiB), or the "
+           "process's resident memory on CPU; compare with `python -m gspo_mcore.plan`"),
     Metric("tokens_per_s", "prompt + response tokens trained per second of step", printed="| {:.0f} tok/s"),
 )
 

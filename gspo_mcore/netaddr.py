@@ -8,6 +8,9 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
+import psutil
+import torch.distributed as dist
+
 
 def address_towards(host: str) -> str:
     """The local address this machine sends from when it talks to `host` (the kernel's route;
@@ -20,8 +23,6 @@ def address_towards(host: str) -> str:
 
 def local_addresses() -> set[str]:
     """Every IPv4 address of this machine's interfaces, with its names."""
-    import psutil
-
     found = {socket.gethostname(), socket.getfqdn()}
     for addresses in psutil.net_if_addrs().values():
         found |= {a.address for a in addresses if a.family == socket.AF_INET}
@@ -44,8 +45,6 @@ def listening_socket(address: str, port: int = 0) -> tuple[int, int]:
 
 def listening_store(address: str, world_size: int, timeout: timedelta):
     """A torch TCPStore server that listens on `address` only, on a free port."""
-    import torch.distributed as dist
-
     port, fd = listening_socket(address)
     return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=fd)

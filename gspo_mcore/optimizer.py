@@ -7,6 +7,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 
 from gspo_mcore.config import OptimizerConfig
+from gspo_mcore.models.qwen3_moe.forward import run_schedule
 
 
 def setup_training(model, cfg: OptimizerConfig):
@@ -45,3 +46,20 @@ def setup_training(model, cfg: OptimizerConfig):
         [ddp],
     )
     return ddp, optimizer
+
+
+def optimizer_step(ddp, optimizer, microbatches: list[dict], loss_for, *, routing=None,
+                   compare_routing: bool = False) -> tuple[list[dict], float]:
+    """One optimizer step over `microbatches` (forward and backward through the pipeline
+    schedule, the gradient reduction in finalize_model_grads, the step). Returns the loss
+    functions' outputs (last pipeline stage; [] elsewhere) and the gradient norm before clipping
+    (nan when the optimizer skipped the step). The trainer's update and the tests' reference
+    steps both take their steps here."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = run_schedule(ddp, microbatches, loss_for, forward_only=False, routing=routing,
+                           compare_routing=compare_routing)
+    if routing is not None:
+        routing.end_step()
+    _, grad_norm, _ = optimizer.step()
+    return outputs, float(grad_norm) if grad_norm is not None else float("nan")

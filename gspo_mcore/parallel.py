@@ -13,8 +13,8 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from gspo_mcore.config import ConfigError, DistributedConfig
 from gspo_mcore.netaddr import free_port
 
-
 _DEVICE = torch.device("cpu")
+_HOST_GROUP = None
 
 
 def device() -> torch.device:
@@ -28,12 +28,33 @@ def to_device(batch: dict) -> dict:
     return {k: v.to(_DEVICE, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def host_group():
+    """A gloo group of every trainer rank, for waits on the host (set by init_distributed): the
+    other ranks wait here for rank 0's rollout batch, a blocking socket read, where an NCCL
+    broadcast would spin a kernel on their GPUs for the whole rollout (taking SMs from a
+    colocated SGLang) and time out with the trainer's collectives (distributed.timeout_minutes)."""
+    return _HOST_GROUP
+
+
+def broadcast_from_host(value, src: int = 0):
+    """Rank `src`'s Python object on every rank, over the host group (CPU, gloo)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src, group=_HOST_GROUP)
+    return box[0]
+
+
+def world_size() -> int:
+    """The number of trainer ranks, before or after the process group starts (torchrun's env; 1 under plain python)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
 def init_distributed(cfg: DistributedConfig, seed: int) -> None:
-    """Join the process group (torchrun's env, or a world of one), set up TP/PP/EP/DP, and seed
+    """Join the process group (torchrun's env, or a world of one), set up TP/PP/EP/DP (the layout
+    checked first: models.qwen3_moe.model.check_layout), and seed
     Megatron's RNG tracker (its data-, tensor- and expert-parallel states) from `seed`."""
-    global _DEVICE
+    global _DEVICE, _HOST_GROUP
     if cfg.device == "cpu":
-        from gspo_mcore import cpu_bridge
+        from gspo_mcore import cpu_bridge  # the CPU path only: it patches torch.cuda process-wide
 
         cpu_bridge.install()
     else:
@@ -45,14 +66,9 @@ def init_distributed(cfg: DistributedConfig, seed: int) -> None:
         if "RANK" not in os.environ:  # plain `python`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo" if cfg.device == "cpu" else "nccl", timeout=timedelta(minutes=30))
-    world = dist.get_world_size()
-    model_parallel = cfg.tensor_parallel * cfg.pipeline_parallel
-    expert_parallel = cfg.expert_parallel * cfg.expert_tensor_parallel * cfg.pipeline_parallel
-    for size, what in ((model_parallel, "tensor_parallel x pipeline_parallel"),
-                       (expert_parallel, "expert_parallel x expert_tensor_parallel x pipeline_parallel")):
-        if world % size:
-            raise ConfigError(f"distributed: world size {world} is not divisible by {what} = {size}")
+        dist.init_process_group("gloo" if cfg.device == "cpu" else "nccl", timeout=timedelta(minutes=cfg.timeout_minutes))
+    if _HOST_GROUP is None:  # collective: every rank creates it, once per process
+        _HOST_GROUP = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.rollout_timeout_minutes))
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_parallel,

@@ -17,16 +17,17 @@ from megatron.core import parallel_state
 from gspo_mcore.checkpointing import load_model_weights
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import run_cli
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.models.qwen3_moe.forward import megatron_logits
+from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
+from gspo_mcore.safetensors_io import HFCheckpointReader
 
 
 @torch.no_grad()
 def hf_logits(hf_dir: str, tokens: torch.Tensor, weight_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """transformers' logits in float32, with the weights first rounded to `weight_dtype`."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy (seconds): only the HF side of a parity check
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=weight_dtype).float()
     return model(input_ids=tokens).logits
@@ -50,8 +51,6 @@ def run(config: Config, tokens: torch.Tensor, mcore_dir: str | None = None) -> d
     """Build the model under `config.distributed`, load the HF weights (or the converted
     torch_dist checkpoint `mcore_dir`), compare logits and the exported weights with the
     checkpoint. Returns the figures on global rank 0, None on other ranks."""
-    from gspo_mcore.safetensors_io import HFCheckpointReader
-
     arch, model = model_from_config(config, load_weights=not mcore_dir)
     if mcore_dir:
         load_model_weights(model, mcore_dir)

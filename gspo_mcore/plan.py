@@ -1,15 +1,27 @@
-"""Check a run's GPU layout before any GPU is touched, and estimate memory and FLOPs.
+"""Check a run's GPU layout before any GPU is touched, and estimate memory, disk and FLOPs.
 
     python -m gspo_mcore.plan --config X [--nodes N] [--gpus-per-node 8] [--hf-config config.json]
-                              [--gpu-memory-gb 80] [--prompt-tokens 512] [key=value ...]
+                              [--gpu-memory-gb 79.6] [--prompt-tokens 512] [--shell] [key=value ...]
 
 Layout checks (each failure is one line naming the field): world size divisible by
 TP x PP and by EP x ETP x PP, EP divides the experts, TP divides the attention heads and KV
 heads (TP <= KV heads), the vocabulary splits over TP without padding, PP divides the layers,
 every minibatch feeds every data-parallel rank, SGLang's GPUs fit beside the trainer's.
-Then a per-GPU memory estimate (weights, gradients, optimizer states, activations at the
-token budget, logits; SGLang's weights and KV cache, on a colocated GPU added to the trainer's)
-and the FLOPs of one step; host memory of an offloaded optimizer.
+
+Memory per trainer GPU (GiB) in each phase of a step, against the GPU less the trainer's CUDA
+context and NCCL buffers (a phase over it is refused, naming the phase; the margin printed is
+what the largest phase leaves):
+- training: weights, fp32 gradients, optimizer states (unless offloaded), activations at the
+  token budget, logits; a colocated engine has released its weights and KV cache;
+- weight push: the static state (weights, gradients, optimizer states) and one bucket, beside a
+  colocated engine's weights and KV cache at rollout.max_total_tokens;
+- sync check (weight_sync.check_every > 0): the static state and the forward of one probe of
+  prompt + rollout.max_new_tokens tokens, beside the engine;
+- rollout: the static state beside the engine (train.py empties the trainer's cache after the
+  push and the check, so no cached blocks stay).
+Also SGLang's KV capacity on its own GPUs, the host memory of an offloaded optimizer, the disk
+a checkpoint and the Hugging Face export take, and the FLOPs of one step. A refused plan still
+prints its breakdown.
 
 The estimates are arithmetic on the shapes, not measurements: activations follow
 Korthikanti et al. 2022 (sequence parallel, flash attention) adapted to top-k experts;
@@ -26,12 +38,39 @@ from pathlib import Path
 
 from gspo_mcore.config import Config, ConfigError, load_config
 from gspo_mcore.errors import run_cli
+from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
+from gspo_mcore.models.qwen3_moe.model import check_layout as check_model_layout
+import warnings
 
-GB = 1024**3
+GB = 1024**3  # memory in GiB, as torch and nvidia-smi count it
+DISK_GB = 1000**3  # disk in GB, as df -H and drive sizes count it
+# An H100 80GB HBM3 has 81,559 MiB (nvidia-smi's total), not 80 GiB.
+H100_GB = 79.6
+# Held by the trainer process beyond what torch allocates: its CUDA context and NCCL's
+# communicator buffers. A stated allowance, not a measurement.
+TRAINER_CONTEXT_GB = 2.0
 # A colocated SGLang process keeps, beyond its weights and KV cache: the CUDA context, CUDA
 # graphs and its forward's activations. A stated allowance, not a measurement.
 SGLANG_MARGIN_GB = 4.0
+PHASES = ("training", "weight push", "sync check", "rollout")
+# What lowers each phase's memory, for the refusal message.
+PHASE_ADVICE = {
+    "training": "lower train.max_tokens_per_microbatch, raise distributed.expert_parallel / pipeline_parallel, "
+                "or set model.recompute: full / optimizer.cpu_offload: true",
+    "weight push": "lower rollout.max_total_tokens or weight_sync.bucket_mb, raise rollout.engine_tp, "
+                   "or set optimizer.cpu_offload: true",
+    "sync check": "lower rollout.max_new_tokens (the probe length) or rollout.max_total_tokens, "
+                  "set optimizer.cpu_offload: true, or set weight_sync.check_every: 0",
+    "rollout": "lower rollout.max_total_tokens, raise rollout.engine_tp, or set optimizer.cpu_offload: true",
+}
+
+
+class MemoryRefused(ConfigError):
+    """A layout whose estimate does not fit; carries the plan so the refusal can show it."""
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -59,8 +98,6 @@ def param_counts(arch: Qwen3MoeArch) -> dict[str, int]:
 
 
 def check_layout(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int) -> Layout:
-    from gspo_mcore.models.qwen3_moe.model import check_layout as check_model_layout
-
     d, r, t = config.distributed, config.rollout, config.train
     total = nodes * gpus_per_node
     rollout_gpus = 0 if (config.weight_sync.colocate or r.urls) else r.num_servers * r.engine_tp
@@ -78,15 +115,7 @@ def check_layout(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: 
     if arch.num_key_value_heads % r.engine_tp and r.engine_tp % arch.num_key_value_heads:
         raise ConfigError(f"rollout.engine_tp {r.engine_tp} does not split num_key_value_heads "
                           f"{arch.num_key_value_heads}")
-    check_model_layout(arch, d)  # kv heads, vocab, experts, layers, FFN sizes over TP/EP/PP
-    if arch.num_attention_heads % d.tensor_parallel:
-        raise ConfigError(f"num_attention_heads {arch.num_attention_heads} is not divisible by "
-                          f"distributed.tensor_parallel = {d.tensor_parallel}")
-    for size, what in ((d.tensor_parallel * d.pipeline_parallel, "tensor_parallel x pipeline_parallel"),
-                       (d.expert_parallel * d.expert_tensor_parallel * d.pipeline_parallel,
-                        "expert_parallel x expert_tensor_parallel x pipeline_parallel")):
-        if trainer % size:
-            raise ConfigError(f"distributed: {trainer} trainer GPUs are not divisible by {what} = {size}")
+    check_model_layout(arch, d, trainer)  # the trainer's own check: ranks, heads, vocab, experts, layers, FFN
     dp = trainer // (d.tensor_parallel * d.pipeline_parallel)
     expert_dp = trainer // (d.expert_parallel * d.expert_tensor_parallel * d.pipeline_parallel)
     samples = t.rollout_batch_size * t.group_size
@@ -96,56 +125,130 @@ def check_layout(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: 
     return Layout(total, trainer, rollout_gpus, dp, expert_dp)
 
 
-def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict[str, float]:
-    """GB per trainer GPU (the busiest: first pipeline stage) and per SGLang GPU."""
+def _layer_bytes_per_token(config: Config, arch: Qwen3MoeArch) -> float:
+    """Bytes (bf16) one layer's forward keeps per token: attention (norm in, qkv, flash output,
+    o-proj in) split by TP under sequence parallel; experts: k copies of the token (dispatch)
+    and 3 FFN tensors."""
+    d, h = config.distributed, arch.hidden_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
+    return 2 * (4 * h + q + 2 * kv + q) / d.tensor_parallel + 2 * k * (2 * h + 3 * f / d.expert_tensor_parallel)
+
+
+def activation_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> float:
     d, t = config.distributed, config.train
+    tokens = t.max_tokens_per_microbatch
+    layer = tokens * _layer_bytes_per_token(config, arch)
+    layers_here = arch.num_layers // d.pipeline_parallel
+    in_flight = min(d.pipeline_parallel, max(1, t.rollout_batch_size * t.group_size // (t.num_minibatches * layout.dp)))
+    if config.model.recompute == "full":  # each layer's input, + the one layer recomputed
+        stored = layers_here * tokens * 2 * arch.hidden_size / d.tensor_parallel * in_flight + layer
+    else:
+        stored = layers_here * layer * in_flight
+    # The layer in backward holds its activations' gradients beside them (and the expert
+    # all-to-all its send and receive copies): its working set counts twice.
+    return stored + layer
+
+
+def logits_bytes(arch: Qwen3MoeArch, tokens: int, tp: int) -> float:
+    """bf16 logits: two [tokens, vocab / TP] copies at a time (GPTModel's [s, b, v] output and
+    its contiguous [b, s, v] copy, the first freed once copied: the output layer saves its input,
+    not its output; in backward, that copy and its gradient), + gspo_mcore.logprobs' float32 chunk."""
+    return arch.vocab_size / tp * tokens * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4
+
+
+def check_forward_bytes(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> float:
+    """The sync check's trainer forward (weight_sync.check_sync): one probe at a time, of up to
+    prompt + max_new_tokens tokens, forward only (one layer's working set at a time) + its logits."""
+    probe = prompt_tokens + config.rollout.max_new_tokens
+    return probe * _layer_bytes_per_token(config, arch) + logits_bytes(arch, probe, config.distributed.tensor_parallel)
+
+
+def trainer_state_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict[str, float]:
+    """Weights, fp32 gradient buffers and optimizer states on the busiest trainer GPU (the first
+    pipeline stage), and the host memory of an offloaded optimizer."""
+    d = config.distributed
     counts = param_counts(arch)
     dense_local = counts["dense"] / (d.tensor_parallel * d.pipeline_parallel)
     expert_local = counts["experts"] / (d.expert_parallel * d.expert_tensor_parallel * d.pipeline_parallel)
     weight_bytes = 2 if config.model.dtype == "bfloat16" else 4
-    weights = (dense_local + expert_local) * weight_bytes
-    grads = (dense_local + expert_local) * 4  # fp32 gradient buffers
-    shard = (lambda n, dp: n / dp) if config.optimizer.distributed_optimizer else (lambda n, dp: n)
+    sharded = dense_local + expert_local
+    if config.optimizer.distributed_optimizer:
+        sharded = dense_local / layout.dp + expert_local / layout.expert_dp
     # fp32 main params (bf16 runs) + Adam's two moments.
-    optimizer_bytes = (4 if weight_bytes == 2 else 0) + 8
-    optimizer = (shard(dense_local, layout.dp) + shard(expert_local, layout.expert_dp)) * optimizer_bytes
-    if config.optimizer.cpu_offload:  # in host memory; report it, it is not on the GPU
-        # Adam's states and fp32 master weights, plus the pinned fp32 copies of this rank's
-        # gradient shard that the offloaded step reads.
-        grad_copies = (shard(dense_local, layout.dp) + shard(expert_local, layout.expert_dp)) * 4
-        host_optimizer, optimizer = optimizer + grad_copies, 0.0
-    tokens, h, tp = t.max_tokens_per_microbatch, arch.hidden_size, d.tensor_parallel
-    layers_here = arch.num_layers // d.pipeline_parallel
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
-    # Per token per layer, bf16: attention (norm in, qkv, flash output, o-proj in) split by TP
-    # under sequence parallel; experts: k copies of the token (dispatch) and 3 FFN tensors.
-    per_layer = (2 * (4 * h + q + 2 * kv + q) / tp) + 2 * k * (2 * h + 3 * f / d.expert_tensor_parallel)
-    in_flight = min(d.pipeline_parallel, max(1, t.rollout_batch_size * t.group_size // (t.num_minibatches * layout.dp)))
-    if config.model.recompute == "full":
-        stored = layers_here * tokens * 2 * h / tp  # each layer's input only
-        activations = stored * in_flight + tokens * per_layer  # + one layer recomputed at a time
-    else:
-        activations = layers_here * tokens * per_layer * in_flight
-    # bf16 logits [s, b, v], the contiguous [b, s, v] copy GPTModel returns, their gradient,
-    # plus gspo_mcore.logprobs' float32 chunk.
-    from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
+    optimizer = sharded * ((4 if weight_bytes == 2 else 0) + 8)
+    out = {"weights": (dense_local + expert_local) * weight_bytes, "gradients": (dense_local + expert_local) * 4,
+           "optimizer": optimizer}
+    if config.optimizer.cpu_offload:  # in host memory, not on the GPU
+        # + the pinned fp32 copies of this rank's gradient shard that the offloaded step reads
+        out["host_optimizer"], out["optimizer"] = optimizer + sharded * 4, 0.0
+    return out
 
-    logits = arch.vocab_size / tp * tokens * (2 + 2 + 2) + DEFAULT_CHUNK_ELEMENTS * 4
-    trainer = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": activations,
-               "logits": logits}
+
+def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int = 512) -> dict[str, float]:
+    """GiB per trainer GPU (the busiest: first pipeline stage) and per SGLang GPU."""
+    state = trainer_state_bytes(config, arch, layout)
+    host = state.pop("host_optimizer", None)
+    tokens, tp = config.train.max_tokens_per_microbatch, config.distributed.tensor_parallel
+    trainer = {**state, "activations": activation_bytes(config, arch, layout),
+               "logits": logits_bytes(arch, tokens, tp)}
     out = {f"trainer_{k}_gb": v / GB for k, v in trainer.items()}
     out["trainer_total_gb"] = sum(trainer.values()) / GB
-    if config.optimizer.cpu_offload:
-        out["host_optimizer_gb_per_gpu"] = host_optimizer / GB
+    out["trainer_static_gb"] = sum(state.values()) / GB
+    out["trainer_check_forward_gb"] = check_forward_bytes(config, arch, prompt_tokens) / GB
+    if host is not None:
+        out["host_optimizer_gb_per_gpu"] = host / GB
     etp = config.rollout.engine_tp
-    out["sglang_weights_gb"] = counts["total"] * 2 / etp / GB
+    out["sglang_weights_gb"] = param_counts(arch)["total"] * 2 / etp / GB
     kv_per_token = 2 * arch.num_layers * max(1, arch.num_key_value_heads // etp) * arch.head_dim * 2
     out["sglang_kv_bytes_per_token"] = kv_per_token
     if config.weight_sync.colocate:  # what the engine holds on a GPU the trainer shares
-        kv_gb = config.rollout.max_total_tokens * kv_per_token / GB
-        out["sglang_resident_gb"] = out["sglang_weights_gb"] + kv_gb + SGLANG_MARGIN_GB
+        out["sglang_kv_cache_gb"] = config.rollout.max_total_tokens * kv_per_token / GB
+        out["sglang_resident_gb"] = out["sglang_weights_gb"] + out["sglang_kv_cache_gb"] + SGLANG_MARGIN_GB
     return out
+
+
+def phase_totals(config: Config, memory: dict[str, float]) -> dict[str, float]:
+    """GiB per trainer GPU in each phase of a step (the trainer's CUDA context not included);
+    a colocated engine's share is in every phase (only its allowance while released)."""
+    static, engine = memory["trainer_static_gb"], memory.get("sglang_resident_gb", 0.0)
+    released = SGLANG_MARGIN_GB if config.weight_sync.colocate else 0.0
+    bucket = config.weight_sync.bucket_mb / 1024 * 2  # the flat bucket and its engine-dtype copy
+    phases = {"training": memory["trainer_total_gb"] + released, "weight push": static + bucket + engine,
+              "sync check": static + memory["trainer_check_forward_gb"] + engine, "rollout": static + engine}
+    if not config.weight_sync.check_every:
+        del phases["sync check"]
+    return phases
+
+
+def check_fits(config: Config, result: dict) -> None:
+    """Refuse the first phase over the GPU's usable memory, naming it and what lowers it."""
+    for phase, total in result["phases_gb"].items():
+        if total > result["usable_gb"]:
+            who = ("weight_sync.colocate: during the {} phase the trainer and SGLang (weights, KV cache for "
+                   f"rollout.max_total_tokens {config.rollout.max_total_tokens}, {SGLANG_MARGIN_GB:g} GiB allowance) need"
+                   if config.weight_sync.colocate else "during the {} phase the trainer needs").format(phase)
+            raise MemoryRefused(
+                f"{who} an estimated {total:.1f} GiB per GPU > {result['usable_gb']:.1f} GiB "
+                f"usable (--gpu-memory-gb {result['gpu_memory_gb']:g} less {TRAINER_CONTEXT_GB:g} for the trainer's "
+                f"CUDA context): {PHASE_ADVICE[phase]}", result)
+
+
+def disk_estimate(config: Config, arch: Qwen3MoeArch) -> dict[str, float]:
+    """GB on disk: one checkpoint (weights, fp32 master weights of a bf16 run, Adam's two
+    moments), how many at once, the Hugging Face export, and what a disk weight sync writes per push."""
+    params, t = param_counts(arch)["total"], config.train
+    weight_bytes = 2 if config.model.dtype == "bfloat16" else 4
+    # Adam's two moments (SGD: Megatron's momentum buffer) + fp32 master weights of a bf16 run
+    state_bytes = (8 if config.optimizer.name == "adam" else 4) + (4 if weight_bytes == 2 else 0)
+    # Saves every save_every steps and at the end (train.save_final); the newest keep_checkpoints
+    # stay, the oldest removed only once the next is complete.
+    saves = ((t.steps - 1) // t.save_every if t.save_every else 0) + int(t.save_final)
+    at_once = min(saves, t.keep_checkpoints + 1) if t.keep_checkpoints else saves
+    engine_bytes = 2 if config.rollout.engine_dtype == "bfloat16" else 4
+    return {"checkpoint_gb": params * (weight_bytes + state_bytes) / DISK_GB, "checkpoints_on_disk": at_once,
+            "hf_export_gb": params * weight_bytes / DISK_GB if t.export_hf else 0.0,
+            "weight_sync_disk_gb": params * engine_bytes / DISK_GB if config.weight_sync.method == "disk" else 0.0}
 
 
 def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> dict[str, float]:
@@ -168,48 +271,78 @@ def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> di
             "tokens_per_step": train_tokens}
 
 
-def check_colocated(config: Config, memory: dict[str, float], gpu_memory_gb: float) -> None:
-    """A colocated GPU in its two phases: training (the engine released its weights and KV
-    cache and keeps its margin) and the push (the trainer emptied its cache, keeping weights,
-    gradients, optimizer states and one bucket; the engine resumed weights and KV cache)."""
-    static = sum(memory[f"trainer_{k}_gb"] for k in ("weights", "gradients", "optimizer"))
-    bucket = config.weight_sync.bucket_mb / 1024 * 2  # the flat bucket and its engine-dtype copy
-    phases = {"training": memory["trainer_total_gb"] + SGLANG_MARGIN_GB,
-              "the weight push": static + bucket + memory["sglang_resident_gb"]}
-    for phase, total in phases.items():
-        if total > gpu_memory_gb:
-            raise ConfigError(
-                f"weight_sync.colocate: during {phase} the trainer and SGLang (weights "
-                f"{memory['sglang_weights_gb']:.1f} GB, KV cache for rollout.max_total_tokens "
-                f"{config.rollout.max_total_tokens}, {SGLANG_MARGIN_GB:g} GB margin) need an estimated {total:.1f} GB "
-                f"per GPU > {gpu_memory_gb:g} GB: lower rollout.max_total_tokens or train.max_tokens_per_microbatch, "
-                "raise rollout.engine_tp, or set model.recompute: full / optimizer.cpu_offload: true")
-    memory["colocated_training_gb"], memory["colocated_push_gb"] = phases["training"], phases["the weight push"]
-
-
 def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu_memory_gb: float,
          prompt_tokens: int) -> dict:
+    """The layout, memory per phase with the margin kept, disk and FLOPs; raises MemoryRefused
+    (carrying all of it) when a phase does not fit."""
+    if gpu_memory_gb <= TRAINER_CONTEXT_GB:
+        raise ConfigError(f"--gpu-memory-gb {gpu_memory_gb:g}: must exceed the trainer's {TRAINER_CONTEXT_GB:g} GiB "
+                          "CUDA context")
     layout = check_layout(config, arch, nodes, gpus_per_node)
-    memory = memory_estimate(config, arch, layout)
-    if "sglang_resident_gb" in memory:
-        check_colocated(config, memory, gpu_memory_gb)
-    if memory["trainer_total_gb"] > gpu_memory_gb:
-        raise ConfigError(
-            f"estimated {memory['trainer_total_gb']:.1f} GB per trainer GPU > {gpu_memory_gb:g} GB: raise "
-            "distributed.expert_parallel / pipeline_parallel, or lower train.max_tokens_per_microbatch, "
-            "or set model.recompute: full"
-        )
+    memory = memory_estimate(config, arch, layout, prompt_tokens)
+    phases = phase_totals(config, memory)
+    usable = gpu_memory_gb - TRAINER_CONTEXT_GB
+    tightest = max(phases, key=phases.get)
     if layout.rollout_gpus:
         free = gpu_memory_gb * 0.85 - memory["sglang_weights_gb"]
         if free <= 0:
             raise ConfigError(f"rollout.engine_tp {config.rollout.engine_tp}: SGLang's weights alone "
-                              f"({memory['sglang_weights_gb']:.1f} GB) do not fit a {gpu_memory_gb:g} GB GPU")
+                              f"({memory['sglang_weights_gb']:.1f} GiB) do not fit a {gpu_memory_gb:g} GiB GPU")
         memory["sglang_kv_cache_tokens"] = int(free * GB / memory["sglang_kv_bytes_per_token"])
     counts = param_counts(arch)
-    return {"gpus": layout.total_gpus, "trainer_gpus": layout.trainer_gpus, "rollout_gpus": layout.rollout_gpus,
-            "data_parallel": layout.dp, "expert_data_parallel": layout.expert_dp,
-            "params_total_b": counts["total"] / 1e9, "params_active_b": counts["active"] / 1e9,
-            **memory, **flops_per_step(config, arch, prompt_tokens)}
+    result = {"gpus": layout.total_gpus, "trainer_gpus": layout.trainer_gpus, "rollout_gpus": layout.rollout_gpus,
+              "data_parallel": layout.dp, "expert_data_parallel": layout.expert_dp,
+              "params_total_b": counts["total"] / 1e9, "params_active_b": counts["active"] / 1e9,
+              **memory, "gpu_memory_gb": gpu_memory_gb, "usable_gb": usable, "phases_gb": phases,
+              "tightest_phase": tightest, "margin_gb": usable - phases[tightest],
+              **disk_estimate(config, arch), **flops_per_step(config, arch, prompt_tokens)}
+    check_fits(config, result)
+    return result
+
+
+def report(config: Config, result: dict, out) -> None:
+    """The plan for a person: layout, memory by phase with the margin, disk, FLOPs."""
+    d, r, w = config.distributed, result, (lambda line: print(line, file=out))
+    w(f"{r['gpus']} GPUs: {r['trainer_gpus']} trainer (TP {d.tensor_parallel} x PP {d.pipeline_parallel}"
+      f" x DP {r['data_parallel']}; experts EP {d.expert_parallel} x ETP {d.expert_tensor_parallel} x "
+      f"expert-DP {r['expert_data_parallel']}), "
+      + ("SGLang on the same GPUs (colocated)" if config.weight_sync.colocate else f"{r['rollout_gpus']} SGLang"))
+    w(f"model: {r['params_total_b']:.1f}B parameters, {r['params_active_b']:.2f}B active per token")
+    w("per trainer GPU while training (GiB): " + ", ".join(
+        f"{k} {r[f'trainer_{k}_gb']:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "logits"))
+      + f"; sync-check forward {r['trainer_check_forward_gb']:.1f}")
+    if "host_optimizer_gb_per_gpu" in r:
+        w(f"host memory: {r['host_optimizer_gb_per_gpu']:.1f} GiB per trainer GPU (offloaded Adam + fp32 gradient "
+          f"copies)")
+    if "sglang_resident_gb" in r:
+        w(f"SGLang beside it (GiB): weights {r['sglang_weights_gb']:.1f}, KV cache {r['sglang_kv_cache_gb']:.1f} "
+          f"(rollout.max_total_tokens {config.rollout.max_total_tokens}), allowance {SGLANG_MARGIN_GB:g}")
+    w(f"per GPU by phase (GiB of {r['usable_gb']:.1f} usable: {r['gpu_memory_gb']:g} less {TRAINER_CONTEXT_GB:g} for "
+      "the trainer's CUDA context and NCCL buffers): "
+      + ", ".join(f"{phase} {total:.1f}" for phase, total in r["phases_gb"].items()))
+    w(f"margin: {r['margin_gb']:.1f} GiB per GPU at the {r['tightest_phase']} phase"
+      + (" (REFUSED)" if r["margin_gb"] < 0 else ""))
+    if r["rollout_gpus"]:
+        w(f"per SGLang GPU: weights {r['sglang_weights_gb']:.1f} GiB, KV cache for ~{r['sglang_kv_cache_tokens']:,} tokens")
+    t = config.train
+    w(f"disk warning: each checkpoint ~{r['checkpoint_gb']:,.0f} GB (weights + fp32 master weights + 2 Adam "
+      f"moments), written {f'every {t.save_every} steps and ' if t.save_every else ''}at the end, up to "
+      f"{r['checkpoints_on_disk']} at once (train.keep_checkpoints {t.keep_checkpoints}): "
+      f"~{r['checkpoint_gb'] * r['checkpoints_on_disk']:,.0f} GB"
+      + (f"; Hugging Face export ~{r['hf_export_gb']:,.0f} GB (train.export_hf)" if r["hf_export_gb"] else "")
+      + (f"; each weight push writes ~{r['weight_sync_disk_gb']:,.0f} GB (weight_sync.method disk)"
+         if r["weight_sync_disk_gb"] else ""))
+    w(f"one step (upper bound, full-length responses): rollout {r['rollout_tflops']:.0f} TFLOP, "
+      f"train {r['train_tflops']:.0f} TFLOP")
+
+
+def shell_lines(config: Config, result: dict) -> list[str]:
+    """KEY=value lines the launch scripts eval."""
+    r = config.rollout
+    values = (("TRAINER_GPUS", result["trainer_gpus"]), ("ROLLOUT_GPUS", result["rollout_gpus"]),
+              ("NUM_SERVERS", r.num_servers), ("ENGINE_TP", r.engine_tp),
+              ("COLOCATE", int(config.weight_sync.colocate)), ("EXTERNAL_SERVERS", int(bool(r.urls))))
+    return [f"GSPO_{key}={value}" for key, value in values]
 
 
 def main(argv=None) -> int:
@@ -218,46 +351,26 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--hf-config", help="the model's config.json (default: model.hf_dir/config.json)")
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the FLOPs bound")
-    parser.add_argument("--shell", action="store_true", help="print KEY=value lines for the launch scripts")
+    parser.add_argument("--gpu-memory-gb", type=float, default=H100_GB, help="GiB per GPU (default: an H100's)")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for the FLOPs bound and the probes")
+    parser.add_argument("--shell", action="store_true",
+                        help="print KEY=value lines for the launch scripts (the plan goes to stderr)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
-    import warnings
 
     warnings.filterwarnings("ignore", module="megatron")  # "Apex / TE not installed" on planning machines
     config = load_config(args.config, args.overrides)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be >= 1")
     arch = load_hf_config(args.hf_config or Path(config.model.hf_dir) / "config.json")
-    result = plan(config, arch, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.prompt_tokens)
-    d = config.distributed
-    if args.shell:  # validated above: the scripts start nothing for a layout that cannot work
-        r = config.rollout
-        for key, value in (("TRAINER_GPUS", result["trainer_gpus"]), ("ROLLOUT_GPUS", result["rollout_gpus"]),
-                           ("NUM_SERVERS", r.num_servers), ("ENGINE_TP", r.engine_tp),
-                           ("COLOCATE", int(config.weight_sync.colocate)), ("EXTERNAL_SERVERS", int(bool(r.urls)))):
-            print(f"GSPO_{key}={value}")
-        return 0
-    print(f"{result['gpus']} GPUs: {result['trainer_gpus']} trainer (TP {d.tensor_parallel} x PP {d.pipeline_parallel}"
-          f" x DP {result['data_parallel']}; experts EP {d.expert_parallel} x ETP {d.expert_tensor_parallel} x "
-          f"expert-DP {result['expert_data_parallel']}), {result['rollout_gpus']} SGLang"
-          f"{' (colocated)' if config.weight_sync.colocate else ''}")
-    print(f"model: {result['params_total_b']:.1f}B parameters, {result['params_active_b']:.2f}B active per token")
-    print("per trainer GPU (GB): " + ", ".join(
-        f"{k.removeprefix('trainer_').removesuffix('_gb')} {result[k]:.1f}" for k in result
-        if k.startswith("trainer_") and k.endswith("_gb")))
-    if "host_optimizer_gb_per_gpu" in result:
-        print(f"host memory: {result['host_optimizer_gb_per_gpu']:.1f} GB per trainer GPU (offloaded Adam + fp32 "
-              f"gradient copies), {result['host_optimizer_gb_per_gpu'] * args.gpus_per_node:.0f} GB per node")
-    if "sglang_resident_gb" in result:
-        print(f"colocated, per GPU of {args.gpu_memory_gb:g} GB: {result['colocated_training_gb']:.1f} while training, "
-              f"{result['colocated_push_gb']:.1f} during the weight push (SGLang {result['sglang_resident_gb']:.1f})")
-    print(f"per SGLang GPU: weights {result['sglang_weights_gb']:.1f} GB"
-          + (f", KV cache for ~{result['sglang_kv_cache_tokens']:,} tokens" if "sglang_kv_cache_tokens" in result else ""))
-    print(f"one step (upper bound, full-length responses): rollout {result['rollout_tflops']:.0f} TFLOP, "
-          f"train {result['train_tflops']:.0f} TFLOP")
-    print(json.dumps(result))
+    out = sys.stderr if args.shell else sys.stdout  # --shell: stdout is eval'd
+    try:
+        result = plan(config, arch, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.prompt_tokens)
+    except MemoryRefused as refused:  # the breakdown shows why, then the one-line error
+        report(config, refused.result, out)
+        raise
+    report(config, result, out)
+    print("\n".join(shell_lines(config, result)) if args.shell else json.dumps(result), flush=True)
     return 0
 
 

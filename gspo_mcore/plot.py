@@ -2,8 +2,9 @@
 
     python -m gspo_mcore.plot OUTPUT_DIR [OTHER_OUTPUT_DIR ...] [--out DIR] [--labels a,b]
 
-One figure per quantity (reward, clip fraction, response length, train-inference mismatch,
-step-time breakdown), each run a line (e.g. GSPO vs GRPO on the same task). Written to
+One figure per `figure` of gspo_mcore.metric_schema (reward, clip fraction, response length,
+train-inference mismatch beside the clip band, step-time breakdown), each run a line (e.g.
+GSPO vs GRPO on the same task). Written to
 --out (default: the first run's OUTPUT_DIR/plots).
 """
 
@@ -14,16 +15,17 @@ import json
 import sys
 from pathlib import Path
 
+import matplotlib
+
 from gspo_mcore.errors import InputError, run_cli
 from gspo_mcore.files import atomic_output
+from gspo_mcore.metric_schema import FIGURES
 
-FIGURES = {
-    "reward": ("reward_mean", "mean reward"),
-    "clip_fraction": ("clip_fraction", "clipped share of response tokens"),
-    "response_length": ("response_length_mean", "mean response length (tokens)"),
-    "mismatch": ("mismatch_abs_log_ratio_mean", "|log ratio| on the on-policy minibatch (engine vs trainer)"),
-}
-TIMES = ("time_rollout_s", "time_train_s", "time_sync_s")
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+STACKED = "step_time"  # drawn as a stack per run (its parts add up to the step)
+LOG_SCALE = {"mismatch"}  # the mismatch (1e-7 in float32, 1e-3 in bf16) beside the band it must stay under
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -43,45 +45,49 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot_runs(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = None) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """One PNG per figure of the metric schema: its metrics, each run a line (the step time as a
+    stack per run)."""
     runs = [read_metrics(d) for d in run_dirs]
     labels = labels or [Path(d).name for d in run_dirs]
     if len(labels) != len(runs):
         raise InputError(f"--labels: {len(labels)} labels for {len(runs)} runs")
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, (key, title) in FIGURES.items():
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for label, rows in zip(labels, runs):
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if points:
-                ax.plot(*zip(*points), label=label)
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        if name == "mismatch":
-            ax.set_yscale("symlog", linthresh=1e-7)
-        ax.legend()
-        ax.grid(alpha=0.3)
+    for name, metrics in FIGURES.items():
+        fig = _stacked(metrics, labels, runs) if name == STACKED else _lines(metrics, labels, runs, name in LOG_SCALE)
         written.append(_save(fig, out_dir / f"{name}.png"))
-    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4), squeeze=False)
-    for ax, label, rows in zip(axes[0], labels, runs):
-        steps = [r["step"] for r in rows]
-        ax.stackplot(steps, *[[r.get(k, 0.0) for r in rows] for k in TIMES],
-                     labels=[k.removeprefix("time_").removesuffix("_s") for k in TIMES])
-        ax.set_title(f"{label}: step time (s)")
-        ax.set_xlabel("step")
-        ax.legend(loc="upper left")
-    written.append(_save(fig, out_dir / "step_time.png"))
     return written
 
 
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+def _lines(metrics, labels: list[str], runs: list[list[dict]], log: bool = False):
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if log:
+        ax.set_yscale("log")
+    for metric in metrics:
+        for label, rows in zip(labels, runs):
+            points = [(r["step"], r[metric.name]) for r in rows if r.get(metric.name) is not None]
+            if points:
+                ax.plot(*zip(*points), label=label if len(metrics) == 1 else f"{label}: {metric.label}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metrics[0].label)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
 
+
+def _stacked(metrics, labels: list[str], runs: list[list[dict]]):
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4), squeeze=False)
+    for ax, label, rows in zip(axes[0], labels, runs):
+        steps = [r["step"] for r in rows]
+        ax.stackplot(steps, *[[r.get(m.name) or 0.0 for r in rows] for m in metrics], labels=[m.label for m in metrics])
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.set_ylabel("step time (s)")
+        ax.legend(loc="upper left")
+    return fig
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     with atomic_output(path) as tmp:
         fig.savefig(tmp, dpi=100, format="png")  # the temporary's name has no .png to go by

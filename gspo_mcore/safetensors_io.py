@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from gspo_mcore.errors import CheckpointError
-
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -172,8 +172,6 @@ def _nbytes(entry) -> int:
 
 def copy_side_files(src_dir: Path, dst_dir: Path) -> None:
     """config.json, generation config and tokenizer files: everything but the weights."""
-    import shutil
-
     for file in sorted(Path(src_dir).iterdir()):
         if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
             shutil.copy2(file, Path(dst_dir) / file.name)

@@ -1,21 +1,33 @@
-"""`python -m gspo_mcore.torchrun ...`: torchrun whose own stores listen on one address.
+"""`python -m gspo_mcore.torchrun ...`: torchrun whose own stores listen on one address, and
+whose workers get a gloo interface and OpenMP threads chosen for the node. Arguments are torchrun's.
 
-torchrun's rendezvous store (and the agent store its workers share) is a TCPStore, which binds
-every interface; torch 2.13 has no bind address for it. Here the store's socket is bound
-first, to the address its host name resolves to, and handed over (`master_listen_fd`), so a
-single-node run (`--standalone`: localhost) listens on loopback only and a multi-node run on
-the rendezvous address only. When the name resolves to a loopback address that is not what
-it says (a node's own name on stock Debian/Ubuntu maps to 127.0.1.1, which other nodes cannot
-reach), it keeps torch's bind-all rather than break the job. Arguments are torchrun's."""
+- Stores: torchrun's rendezvous store (and the agent store its workers share) is a TCPStore,
+  which binds every interface; torch 2.13 has no bind address for it. Here the store's socket
+  is bound first, to the address its host name resolves to, and handed over
+  (`master_listen_fd`), so a single-node run (`--standalone`: localhost) listens on loopback
+  only and a multi-node run on the rendezvous address only. When the name resolves to a
+  loopback address that is not what it says (a node's own name on stock Debian/Ubuntu maps to
+  127.0.1.1, which other nodes cannot reach), it keeps torch's bind-all rather than break the job.
+- GLOO_SOCKET_IFNAME, unless set: the interface whose address routes to the rendezvous host.
+  Megatron's gloo groups otherwise bind the address the host name resolves to, which on
+  clusters can be another network than the one the nodes reach each other on. Left unset for
+  a loopback rendezvous (one node: the default works, and a loopback interface would cut
+  gloo groups to servers on other hosts).
+- OMP_NUM_THREADS, unless set: the cores this process may run on over the node's ranks
+  (torchrun's default is 1, which leaves a CPU-offloaded Adam step on one core per rank).
+"""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
+import sys
 
 import torch.distributed as dist
 
-from gspo_mcore.netaddr import listening_socket
+from gspo_mcore.netaddr import address_towards, listening_socket
+import psutil
 
 _TCPStore = dist.TCPStore
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -34,7 +46,6 @@ def bind_address(host: str) -> str | None:
 
 class BoundTCPStore(_TCPStore):
     """A TCPStore whose server, when this process hosts it, listens on `bind_address(host)`."""
-
     def __init__(self, host_name, port, *args, **kwargs):
         names = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd")
         given = dict(zip(names, args), **kwargs)
@@ -44,10 +55,70 @@ class BoundTCPStore(_TCPStore):
         super().__init__(host_name, port, **given)
 
 
+def interface_towards(host: str) -> str | None:
+    """The name of the local interface holding the address this machine sends from to `host`."""
+    address = address_towards(host)
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
+            return name
+    return None
+
+
+def gloo_interface(host: str | None) -> str | None:
+    """GLOO_SOCKET_IFNAME for a rendezvous at `host`; None for none, a loopback route or an
+    unresolvable name (gloo's own default then)."""
+    if not host:
+        return None
+    try:
+        if ipaddress.ip_address(address_towards(host)).is_loopback:
+            return None
+        return interface_towards(host)
+    except OSError:
+        return None
+
+
+def rendezvous_host(args) -> str | None:
+    """The rendezvous host torchrun's parsed `args` name; None for --standalone (localhost)."""
+    # torch.distributed.run / elastic: imported after main's TCPStore patch (they bind the name at import).
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if args.standalone:
+        return None
+    endpoint = args.rdzv_endpoint or (args.master_addr if args.rdzv_backend == "static" else "")
+    return parse_rendezvous_endpoint(endpoint, default_port=29400)[0] if endpoint else None
+
+
+def omp_threads(ranks_per_node: int) -> int:
+    """OpenMP threads per rank: the cores this process may run on (Slurm's and cgroups' cpuset
+    included) over the node's ranks."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, ranks_per_node))
+
+
+def worker_environment(args, environ) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and OMP_NUM_THREADS for the workers, those `environ` lacks."""
+    from torch.distributed.run import determine_local_world_size
+
+    chosen = {}
+    if "GLOO_SOCKET_IFNAME" not in environ:
+        interface = gloo_interface(rendezvous_host(args))
+        if interface:
+            chosen["GLOO_SOCKET_IFNAME"] = interface
+    if "OMP_NUM_THREADS" not in environ:
+        try:
+            chosen["OMP_NUM_THREADS"] = str(omp_threads(determine_local_world_size(args.nproc_per_node)))
+        except ValueError:  # e.g. --nproc-per-node gpu without a GPU: torchrun reports it
+            pass
+    return chosen
+
+
 def main() -> None:
     dist.TCPStore = BoundTCPStore  # before torchrun's modules bind the name
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import main as torchrun, parse_args  # after the patch above
 
+    chosen = worker_environment(parse_args(sys.argv[1:]), os.environ)
+    if chosen:  # the workers inherit this process's environment
+        os.environ.update(chosen)
+        print("gspo_mcore.torchrun: " + " ".join(f"{k}={v}" for k, v in chosen.items()), file=sys.stderr, flush=True)
     torchrun()
 
 

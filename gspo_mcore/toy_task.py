@@ -20,6 +20,13 @@ import random
 import sys
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from gspo_mcore.files import atomic_output
+from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+
 CATEGORIES = ("color", "animal", "fruit", "number")
 WORDS_PER_CATEGORY = 60
 SPECIALS = ("<pad>", "<eos>", "<unk>", "user:", "assistant:", "name", "a", "an", "(", ")")
@@ -45,9 +52,6 @@ def category_reward(response: str, answer: str) -> float:
 
 
 def make_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {word: i for i, word in enumerate(vocabulary())}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -71,11 +75,6 @@ def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024, write_prompts
     """OUT_DIR/model (random all-MoE tiny model + tokenizer) and OUT_DIR/prompts.jsonl (by
     `write_prompts(path, count, seed)`: this task's, or another task's on the same model), written
     to a temporary sibling first; an existing complete OUT_DIR is left as is."""
-    import torch
-
-    from gspo_mcore.files import atomic_output
-    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
-
     out_dir = Path(out_dir)
     if (out_dir / "prompts.jsonl").is_file():
         return out_dir

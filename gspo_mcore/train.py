@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -28,20 +29,42 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
-from gspo_mcore import weight_sync
+from gspo_mcore import plan, weight_sync
 from gspo_mcore.checkpointing import Checkpointer
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
 from gspo_mcore.learner import Learner
 from gspo_mcore.metric_schema import UPDATE
 from gspo_mcore.metrics import Progress, RunLog
+from gspo_mcore.parallel import broadcast_from_host, host_group
+from gspo_mcore.torchrun import omp_threads
 from gspo_mcore.rollout.engine_control import EngineControl
-from gspo_mcore.rollout.http import API_KEY_ENV
+from gspo_mcore.rollout.http import api_key_from_env
 from gspo_mcore.rollout.server import start_servers
 from gspo_mcore.rollout.source import RolloutSource
+
+
+def release_cached_memory() -> None:
+    """Give the CUDA caching allocator's free blocks back (a colocated engine and the next phase
+    need them); nothing on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def peak_memory_gb() -> float:
+    """This step's peak over the trainer ranks: CUDA memory allocated (reset each step), or the
+    process's resident memory on CPU. Collective (host group)."""
+    if torch.cuda.is_available():
+        mine = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        mine = psutil.Process().memory_info().rss / 2**30
+    peak = torch.tensor([mine], dtype=torch.float64)  # host: reduced over the gloo host group
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=host_group())
+    return peak.item()
 
 
 @contextmanager
@@ -49,13 +72,6 @@ def timed(metrics: dict, key: str):
     began = time.perf_counter()
     yield
     metrics[key] = time.perf_counter() - began
-
-
-def broadcast(value, src: int = 0):
-    """Rank `src`'s Python object on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 # What a run writes into OUTPUT_DIR (--overwrite removes them); the first two mark a run.
@@ -103,14 +119,15 @@ class Trainer:
                 self.stack.callback(self.source.close)
             # The servers' API key (a run's own servers get one made for it) on every rank:
             # weight-sync owners on any rank call the servers.
-            urls, key = broadcast((self._server_urls(), os.environ.get(API_KEY_ENV)) if self.rank == 0 else None)
-            if key:
-                os.environ[API_KEY_ENV] = key
-            self.control = EngineControl(urls, timeout_s=config.rollout.request_timeout_s)
+            urls, key = broadcast_from_host(self._servers() if self.rank == 0 else None)
+            self.control = EngineControl(urls, timeout_s=config.rollout.request_timeout_s, api_key=key)
             if self.source is not None:
                 arch = self.learner.arch
                 routing_shape = (arch.num_layers, arch.num_experts_per_tok) if config.rollout.return_routed_experts else None
-                self.source.connect(urls, arch.vocab_size, routing_shape)
+                # As many requests in flight as the servers run at once (their own limits, whoever started them).
+                concurrency = sum(self.control.max_running_requests(url, config.rollout.max_running_requests)
+                                  for url in urls)
+                self.source.connect(urls, arch.vocab_size, routing_shape, api_key=key, max_concurrency=concurrency)
             self.start_step = 0
             if resume:
                 self.start_step, rollout_state = self.checkpoints.load()
@@ -129,21 +146,29 @@ class Trainer:
             if self.log is not None:
                 self.stack.callback(self.log.close)
             self.progress = Progress(config.train.steps, self.start_step) if self.rank == 0 else None
-            self.probes: list[list[int]] = []
+            self.probes: list[tuple[list[int], int]] = []
+            self.peak_gb = 0.0  # (tokens, first response token)
         except BaseException:
             self.stack.close()
             raise
 
-    def _server_urls(self) -> list[str]:
-        if self.config.rollout.urls or self.rank != 0:
-            return list(self.config.rollout.urls)
-        return start_servers(self.config, self.output_dir / "logs", self.stack)
+    def _servers(self) -> tuple[list[str], str | None]:
+        """(URLs, API key): the config's servers with the key the launch scripts handed the run,
+        or the servers this run starts, behind a key made for them."""
+        if self.config.rollout.urls:
+            return list(self.config.rollout.urls), api_key_from_env()
+        key = api_key_from_env() or secrets.token_hex(16)
+        return start_servers(self.config, self.output_dir / "logs", self.stack, api_key=key), key
 
     def step(self, step: int) -> dict:
         """One rollout batch -> updates -> push (-> sync check). Metrics on every rank."""
         config, timings = self.config, {}
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         with timed(timings, "time_rollout_s"):
-            rollouts, advantages, metrics = broadcast(self.source.collect(step, self.version) if self.source else None)
+            # The other ranks wait on the host (gspo_mcore.parallel.host_group), not in an NCCL kernel.
+            batch = self.source.collect(step, self.version) if self.source else None
+            rollouts, advantages, metrics = broadcast_from_host(batch)
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate and self.rank == 0:
                 self.control.release_memory()
@@ -152,24 +177,33 @@ class Trainer:
                 old = self.learner.recompute_old_logprobs(rollouts) if config.train.recompute_old_logprobs else None
                 metrics.update(self.learner.update(rollouts, advantages, step, old))
         with timed(timings, "time_sync_s"):
-            if config.weight_sync.colocate:
-                if torch.cuda.is_available():  # the training peak must not stay reserved beside the engine
-                    torch.cuda.empty_cache()
-                dist.barrier()
-                if self.rank == 0:
-                    self.control.resume_memory()
-            self.version = f"step-{step + 1}"
-            self.sync.push(self.version)
-            # Probes: sequences of the latest batch that had any (the same on every rank).
-            self.probes = [r.prompt_ids + r.response_ids for r in rollouts[:4]] or self.probes
-            every = config.weight_sync.check_every
-            if every and (step + 1) % every == 0 and self.probes:
-                metrics.update(weight_sync.check_sync(self.learner.model, self.control, self.probes,
-                                                      config.weight_sync.check_tolerance))
+            metrics.update(self._push_and_check(step, rollouts))
         total = sum(timings.values())
         tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
         return {**metrics, "step": step + 1, **timings, "time_step_s": total, "tokens_per_s": tokens / total,
-                "samples": len(rollouts)}
+                "samples": len(rollouts), "peak_memory_gb": peak_memory_gb()}
+
+    def _push_and_check(self, step: int, rollouts: list) -> dict:
+        """The new weights to the engine, tagged step-N (and, every `check_every` steps, the proof)."""
+        config = self.config
+        if config.weight_sync.colocate:
+            release_cached_memory()  # the training peak must not stay reserved beside the engine
+            dist.barrier()
+            if self.rank == 0:
+                self.control.resume_memory()
+        self.version = f"step-{step + 1}"
+        self.sync.push(self.version)
+        release_cached_memory()  # the push's buckets: the rollout phase holds static state only
+        # Probes: sequences of the latest batch that had any (the same on every rank).
+        self.probes = [(r.prompt_ids + r.response_ids, len(r.prompt_ids)) for r in rollouts[:4]] or self.probes
+        every = config.weight_sync.check_every
+        if not (every and (step + 1) % every == 0 and self.probes):
+            return {}
+        tokens, scored_from = zip(*self.probes)
+        figures = weight_sync.check_sync(self.learner.model, self.control, list(tokens), config.sync_check_tolerance,
+                                         list(scored_from))
+        release_cached_memory()  # the check forward's logits
+        return figures
 
     def _resume_hint(self) -> str:
         try:
@@ -195,10 +229,24 @@ class Trainer:
                 if self.rank == 0:
                     self.log.write(summary)
                     self.progress.update(summary)
-            self.save(cfg.steps)
+                self.peak_gb = max(self.peak_gb, summary["peak_memory_gb"])
+            if cfg.save_final:
+                self.save(cfg.steps)
             if cfg.export_hf:
                 self.checkpoints.export_hf(self.learner.arch, self.config.model.spec, self.config.model.hf_dir)
+        if self.rank == 0:
+            print(self._memory_line(), flush=True)
         return summary
+
+    def _memory_line(self) -> str:
+        """The run's peak memory beside the planner's estimate (GPU): a first run checks the planner."""
+        if not torch.cuda.is_available():
+            return f"peak resident memory per rank: {self.peak_gb:.1f} GiB"
+        gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        layout = plan.check_layout(self.config, self.learner.arch, max(1, dist.get_world_size() // gpus), gpus)
+        estimate = plan.memory_estimate(self.config, self.learner.arch, layout)["trainer_total_gb"]
+        return (f"peak CUDA memory allocated per rank: {self.peak_gb:.1f} GiB; the planner's estimate for the "
+                f"trainer's training phase: {estimate:.1f} GiB (python -m gspo_mcore.plan)")
 
 
 def parse_args(argv=None):
@@ -225,7 +273,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
     output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "OMP_NUM_THREADS" not in os.environ:
+        # CPU runs share the cores with the SGLang server; GPU ranks (CPU-offloaded Adam) take the node's
+        # cores over its ranks. torch is imported already: set its pool too, not only the variable.
+        threads = 1 if config.distributed.device == "cpu" else omp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     if config.distributed.device == "cuda" and config.weight_sync.method == "distributed":
         # SGLang runs with NCCL_CUMEM_ENABLE=0; members of one communicator that disagree on it
         # fail with "invalid argument". NCCL reads it once per process: set it before any group.

@@ -40,6 +40,20 @@ gspo_wait_healthy() {
     return 1
 }
 
+# gspo_check_compute_mode: a colocated config puts SGLang and the trainer on the same GPUs,
+# two CUDA contexts each, which the compute modes Exclusive_Process (common on shared clusters)
+# and Prohibited refuse at the second context. One line and status 2 if any GPU is in such a
+# mode; nothing to check without nvidia-smi (the GPU steps report their own errors).
+gspo_check_compute_mode() {
+    command -v nvidia-smi >/dev/null 2>&1 || return 0
+    local mode
+    mode=$(nvidia-smi -q -d COMPUTE | awk -F' *: *' '/^ *Compute Mode *:/ && $2 != "Default" {print $2; exit}') || true
+    if [[ -n $mode ]]; then
+        gspo_log "error: GPU compute mode is $mode, but weight_sync.colocate puts SGLang and the trainer on the same GPUs (two CUDA contexts each): set it to Default (nvidia-smi -c DEFAULT, as root) or use a split config"
+        return 2
+    fi
+}
+
 # gspo_teardown: SIGTERM every started process group, SIGKILL what is left after 10 s.
 gspo_teardown() {
     local status=$? pid

@@ -7,7 +7,8 @@
 # nodes first), GSPO_TRAINER_NODES (how many of them train), GSPO_NODE_RANK (this node's
 # index; default SLURM_NODEID), MASTER_ADDR, MASTER_PORT, GSPO_PYTHON, GSPO_BASE_PORT (30000), GSPO_SERVER_TIMEOUT,
 # GSPO_SGLANG_API_KEY (made per job by the template: the servers listen on all interfaces and
-# take requests, weight loads included, only with it).
+# take requests, weight loads included, only with it); GLOO_SOCKET_IFNAME and OMP_NUM_THREADS
+# (default: set by gspo_mcore.torchrun, see launch/README.md).
 # Rollout nodes (index >= GSPO_TRAINER_NODES) serve SGLang on all their GPUs; with no rollout
 # nodes (colocated configs) every node serves and trains. Trainer nodes wait for every
 # server, then join torchrun's rendezvous at MASTER_ADDR:MASTER_PORT.
@@ -36,6 +37,7 @@ fi
 # inside eval "$(...)" it would surface later as an unbound variable.
 plan=$("$py" -m gspo_mcore.plan --config "$config" --nodes "${#nodes[@]}" --gpus-per-node "$gpus" --shell "$@")
 eval "$plan"
+if ((GSPO_COLOCATE)); then gspo_check_compute_mode || exit 2; fi
 # Colocated configs: every node serves and trains. Split: the rollout nodes serve.
 rollout_nodes=$((${#nodes[@]} - trainer_nodes))
 if ((GSPO_COLOCATE)); then
@@ -62,7 +64,7 @@ if [[ " ${serving[*]} " == *" $host "* ]]; then
     for ((i = 0; i < per_node; i++)); do
         first=$((i * GSPO_ENGINE_TP))
         CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
-            gspo_start "$out/logs/$host/sglang_$i.log" "$py" -m gspo_mcore.rollout.server --config "$config" \
+            gspo_start "$out/logs/$host/sglang_$i.log" "$py" -m gspo_mcore.rollout.serve --config "$config" \
             --host 0.0.0.0 --port $((base_port + i)) "$@"
     done
 fi

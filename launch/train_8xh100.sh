@@ -11,8 +11,10 @@
 #   trainer the rest.
 # Logs: OUTPUT_DIR/logs/sglang_<i>.log, OUTPUT_DIR/logs/torchrun/ (one per rank).
 # A checkpoint in OUTPUT_DIR means --resume. Everything started here is stopped on exit.
+# Colocated configs need the GPUs in compute mode Default (checked with nvidia-smi).
 # Environment: GSPO_PYTHON (python), GSPO_GPUS_PER_NODE (8), GSPO_BASE_PORT (30000),
-# GSPO_SERVER_TIMEOUT (900 s).
+# GSPO_SERVER_TIMEOUT (900 s); OMP_NUM_THREADS (default: the node's cores over its ranks,
+# set by gspo_mcore.torchrun).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launch/lib.sh
@@ -33,8 +35,10 @@ trap gspo_teardown EXIT INT TERM
 GSPO_SGLANG_API_KEY=${GSPO_SGLANG_API_KEY:-$("$py" -c 'import secrets; print(secrets.token_hex(16))')}
 export GSPO_SGLANG_API_KEY
 
+# The planner's breakdown goes to stderr (this log); a refused plan stops here with its one-line error.
 plan=$("$py" -m gspo_mcore.plan --config "$config" --gpus-per-node "$gpus" --shell "$@")
 eval "$plan"
+if ((GSPO_COLOCATE)); then gspo_check_compute_mode || exit 2; fi
 mkdir -p "$out/logs"
 
 urls=()
@@ -43,7 +47,7 @@ if ((GSPO_EXTERNAL_SERVERS == 0)); then
         first=$((i * GSPO_ENGINE_TP))
         port=$((base_port + i))
         CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
-            gspo_start "$out/logs/sglang_$i.log" "$py" -m gspo_mcore.rollout.server --config "$config" \
+            gspo_start "$out/logs/sglang_$i.log" "$py" -m gspo_mcore.rollout.serve --config "$config" \
             --port "$port" "$@"
         urls+=("http://127.0.0.1:$port")
     done

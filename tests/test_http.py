@@ -2,11 +2,16 @@
 answers JSON, text, 4xx/5xx, or dies in the middle of its answer."""
 
 import json
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from conftest import REPO
+from gspo_mcore.errors import InputError
 from gspo_mcore.netaddr import free_port
 from gspo_mcore.rollout.client import RetryableError, SGLangClient
 from gspo_mcore.errors import WeightSyncError
@@ -49,7 +54,7 @@ class Handler(BaseHTTPRequestHandler):
             "/refused_text": lambda: self._answer(404, b"Not Found", "text/plain", 9),
             "/busy": lambda: self._json(503, {"error": "busy"}),
             "/failed": lambda: self._json(200, {"success": False, "message": "shape mismatch"}),
-            "/get_server_info": lambda: self._json(200, {"tp_size": 2}),
+            "/get_server_info": lambda: self._json(200, {"tp_size": 2, "max_running_requests": 48}),
             # Dies mid-answer: fewer bytes than promised (IncompleteRead) ...
             "/cut_short": lambda: self._answer(200, b'{"output_ids": [1,', "application/json", 100),
             # ... or, with no length given, a JSON body that just stops.
@@ -79,23 +84,25 @@ def test_json_post_and_get(url):
 
 
 def test_the_run_api_key_goes_with_every_request(url, monkeypatch):
+    from gspo_mcore.rollout.client import SGLangClient
     from gspo_mcore.rollout.http import API_KEY_ENV
 
-    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.setenv(API_KEY_ENV, "from-the-environment")  # read once by entry points, never here
     assert get_json(f"{url}/auth", 5) == {"authorization": None}
-    monkeypatch.setenv(API_KEY_ENV, "k3y")
-    assert get_json(f"{url}/auth", 5) == {"authorization": "Bearer k3y"}
-    assert post_json(f"{url}/auth", {}, 5) == {"authorization": "Bearer k3y"}
+    assert get_json(f"{url}/auth", 5, api_key="k3y") == {"authorization": "Bearer k3y"}
+    assert post_json(f"{url}/auth", {}, 5, api_key="k3y") == {"authorization": "Bearer k3y"}
+    assert EngineControl([url], api_key="k3y").call(url, "/auth") == {"authorization": "Bearer k3y"}
+    assert SGLangClient([url], 256, api_key="k3y")._post(f"{url}/auth", {}) == {"authorization": "Bearer k3y"}
 
 
 def test_a_server_for_other_hosts_needs_an_api_key(monkeypatch):
-    """`python -m gspo_mcore.rollout.server` binds 127.0.0.1 by default; 0.0.0.0 without a key
+    """`python -m gspo_mcore.rollout.serve` binds 127.0.0.1 by default; 0.0.0.0 without a key
     is refused (anyone reaching /update_weights_* could load weights into it)."""
     import pytest as _pytest
 
     from gspo_mcore.errors import InputError
     from gspo_mcore.rollout.http import API_KEY_ENV
-    from gspo_mcore.rollout.server import main
+    from gspo_mcore.rollout.serve import main
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with _pytest.raises(InputError, match=f"--host 0.0.0.0: a server other hosts can reach needs an API key in {API_KEY_ENV}"):
@@ -160,3 +167,39 @@ def test_engine_control_errors(url):
     gone = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(WeightSyncError, match=f"^server {gone}/get_server_info: URLError"):
         control.tp_size(gone)
+
+
+def test_serve_help_shows_the_host_default():
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.rollout.serve", "--help"], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 0 and "default: 127.0.0.1" in " ".join(proc.stdout.split())
+
+
+def test_a_server_log_never_holds_the_api_key(tmp_path):
+    """SGLang logs its arguments, the API key among them: the log a run keeps has it redacted,
+    also for output that arrives before the server is healthy and output after."""
+    from gspo_mcore.processes import ManagedServer, start_redacted
+
+    script = "import sys, time; print('server_args=api_key=s3cret-k3y port=1', flush=True); time.sleep(30)"
+    with pytest.raises(InputError, match="not healthy"):
+        with ManagedServer([sys.executable, "-c", script], "http://127.0.0.1:9", tmp_path / "server.log",
+                           startup_timeout_s=8, secrets=("s3cret-k3y",)):
+            pass
+    assert _eventually(tmp_path / "server.log") == "server_args=api_key=<redacted> port=1\n"
+    with open(tmp_path / "plain.log", "wb") as out:
+        start_redacted([sys.executable, "-c", "print('a s3cret-k3y b')"], out, ("s3cret-k3y",)).wait()
+    assert _eventually(tmp_path / "plain.log") == "a <redacted> b\n"
+
+
+def _eventually(path, timeout_s: float = 10.0) -> str:
+    """The file's text once something is in it (the copying thread drains the pipe)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def test_the_rollout_client_keeps_as_many_requests_in_flight_as_the_servers_run(url):
+    """Concurrency from the servers' own limits (a fixed 64 left 256-request servers mostly idle)."""
+    control = EngineControl([url])
+    assert control.tp_size(url) == 2 and control.max_running_requests(url, 64) == 48

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from gspo_mcore.parallel import free_port
+from gspo_mcore.netaddr import free_port
 
 pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
 
@@ -74,9 +74,16 @@ def test_multi_node_sbatch_takes_config_output_and_overrides_as_arguments(tmp_pa
                             "configs/qwen3_30b_a3b_gspo_2node.yaml", str(out), "train.steps=10"]
     assert srun["env"]["GSPO_NODES"] == "gpu-a gpu-b gpu-c" and srun["env"]["GSPO_TRAINER_NODES"] == "2"
     assert srun["env"]["MASTER_ADDR"] == "gpu-a" and len(srun["env"]["GSPO_SGLANG_API_KEY"]) == 32
+    # Network names are the cluster's: none guessed (ib0 / mlx5 missed DGX H100's ibp* names).
+    for name in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "GLOO_SOCKET_IFNAME"):
+        assert name not in srun["env"] or srun["env"][name] == os.environ.get(name), name
     # Every node trains unless told otherwise; a wrong count and missing arguments are one line.
-    subprocess.run(["bash", str(spooled), "c.yaml", str(out)], cwd=tmp_path, env=env, timeout=60, check=True)
+    # The user's own network variables reach the nodes as set.
+    subprocess.run(["bash", str(spooled), "c.yaml", str(out)], cwd=tmp_path, timeout=60, check=True,
+                   env={**env, "NCCL_SOCKET_IFNAME": "ibp12s0", "GLOO_SOCKET_IFNAME": "enp1s0"})
     assert json.loads(record.read_text())["env"]["GSPO_TRAINER_NODES"] == "3"
+    assert json.loads(record.read_text())["env"]["NCCL_SOCKET_IFNAME"] == "ibp12s0"
+    assert json.loads(record.read_text())["env"]["GLOO_SOCKET_IFNAME"] == "enp1s0"
     proc = subprocess.run(["bash", str(spooled), "c.yaml", str(out)], capture_output=True, text=True, cwd=tmp_path,
                           env={**env, "GSPO_TRAINER_NODES": "4"}, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: GSPO_TRAINER_NODES=4: must be 1..3 (the job's nodes)"
@@ -258,3 +265,194 @@ def test_multi_node_script_reports_the_planners_own_error(tmp_path, tiny_hf_dir)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: rollout: 1 servers x engine_tp 1 = 1 GPUs"), proc.stderr
     assert "unbound variable" not in proc.stderr
+
+
+def _stand_in(tmp_path: Path, name: str, output: str) -> dict:
+    """An environment whose PATH starts with a `name` that prints `output`."""
+    import tempfile
+
+    bin_dir = Path(tempfile.mkdtemp(dir=tmp_path, prefix="bin-"))
+    (bin_dir / name).write_text(f"#!/bin/sh\ncat <<'OUT'\n{output}\nOUT\n")
+    (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+EXCLUSIVE = """==============NVSMI LOG==============
+Attached GPUs                             : 2
+GPU 00000000:18:00.0
+    Compute Mode                          : Default
+GPU 00000000:2A:00.0
+    Compute Mode                          : Exclusive_Process"""
+
+
+def test_compute_mode_check_in_lib(tmp_path):
+    def check(env):
+        return subprocess.run(["bash", "-c", "source launch/lib.sh; gspo_check_compute_mode"], capture_output=True,
+                              text=True, cwd=REPO, env=env, timeout=30)
+
+    assert shutil.which("nvidia-smi") is None  # none here: the check has nothing to ask
+    assert check(os.environ).returncode == 0
+    assert check(_stand_in(tmp_path, "nvidia-smi", EXCLUSIVE.replace("Exclusive_Process", "Default"))).returncode == 0
+    proc = check(_stand_in(tmp_path, "nvidia-smi", EXCLUSIVE))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "error: GPU compute mode is Exclusive_Process, but weight_sync.colocate" in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["train_8xh100.sh", "node.sh"])
+def test_colocated_launch_refuses_an_exclusive_process_gpu(tmp_path, tiny_hf_dir, script):
+    """A stand-in nvidia-smi reporting Exclusive_Process: the colocated launch stops in one line,
+    exit 2, before any server starts; the same GPUs pass a split config."""
+    env = {**_stand_in(tmp_path, "nvidia-smi", "    Compute Mode                          : Exclusive_Process"),
+           "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "PYTHONPATH": str(REPO), "GSPO_NODES": "127.0.0.1",
+           "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+           "GSPO_SGLANG_API_KEY": "k"}
+    out = tmp_path / "run"
+    proc = subprocess.run([f"launch/{script}", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={tiny_hf_dir}",
+                           "weight_sync.colocate=true", "weight_sync.method=tensor"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: GPU compute mode is Exclusive_Process" in proc.stderr.strip().splitlines()[-1]
+    assert not list(out.rglob("sglang_*.log"))
+
+
+def test_smoke_script_needs_a_gpu(tmp_path):
+    """No nvidia-smi (this machine), or one but a torch without CUDA: one line, exit 2, nothing written."""
+    env = {**os.environ, "GSPO_PYTHON": sys.executable}
+    for environment in (env, {**_stand_in(tmp_path, "nvidia-smi", EXCLUSIVE), "GSPO_PYTHON": sys.executable}):
+        proc = subprocess.run(["launch/smoke_1gpu.sh", str(tmp_path / "smoke")], capture_output=True, text=True,
+                              cwd=REPO, env=environment, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.strip() == ("error: launch/smoke_1gpu.sh needs a CUDA GPU "
+                                       "(nvidia-smi and torch.cuda.is_available())")
+        assert not (tmp_path / "smoke").exists()
+
+
+def _smoke_parts() -> tuple[dict[str, list[str]], list[str]]:
+    """The smoke script's override arrays (as bash expands them, WORK_DIR = /w) and its verdict programs."""
+    import re
+
+    text = (REPO / "launch/smoke_1gpu.sh").read_text()
+    arrays = {}
+    for name in ("toy", "memory"):
+        definition = re.search(rf"^{name}=\(.*?\)\n", text, re.S | re.M).group(0)
+        proc = subprocess.run(["bash", "-c", f'work=/w\n{definition}printf "%s\\0" "${{{name}[@]}}"'],
+                              capture_output=True, text=True, check=True)
+        arrays[name] = proc.stdout.split("\0")[:-1]
+    return arrays, re.findall(r"<<'EOF'\n(.*?)\nEOF\n", text, re.S)
+
+
+def _verdict(program: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-", *map(str, args)], input=program, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_smoke_configs_plan_on_one_gpu_and_its_verdicts(tmp_path):
+    """What CPU can check of launch/smoke_1gpu.sh: its two runs' overrides load and the planner
+    fits them on one H100 (colocated); each verdict program passes good figures and fails bad
+    ones in one line."""
+    from checkpoint_convert.synthetic import QWEN3_30B_A3B
+    from gspo_mcore.config import load_config
+    from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config, parse_hf_config
+    from gspo_mcore.plan import plan
+    from gspo_mcore.toy_task import make_toy_task
+
+    arrays, (parity, colocated, memory) = _smoke_parts()
+    toy = make_toy_task(tmp_path / "toy", seed=0)
+    config = REPO / "configs/qwen3_30b_a3b_gspo.yaml"
+    fits = plan(load_config(config, [*arrays["toy"], "train.steps=2"]), load_hf_config(toy / "model"), 1, 1, 79.6, 16)
+    assert fits["margin_gb"] > 60 and tuple(fits["phases_gb"]) == ("training", "weight push", "sync check", "rollout")
+    synthetic = parse_hf_config({**QWEN3_30B_A3B, "num_hidden_layers": 2})
+    estimate = plan(load_config(config, arrays["memory"]), synthetic, 1, 1, 79.6, 16)
+    assert estimate["trainer_total_gb"] > 20 and estimate["margin_gb"] > 0  # real widths at a 16k budget
+
+    good = {"max_abs_logit_diff": 1.4, "mean_abs_logit_diff": 0.019, "top1_agreement": 0.965, "logit_std": 1.0,
+            "export_bitwise_identical": True}  # this CPU's bf16 figures, local spec
+    assert _verdict(parity, json.dumps(good)).stdout.startswith("PASS 1/3 TE parity")
+    wrong = _verdict(parity, json.dumps({**good, "mean_abs_logit_diff": 0.9, "top1_agreement": 0.01}))
+    assert wrong.returncode == 1 and wrong.stdout.startswith("FAIL 1/3") and len(wrong.stdout.splitlines()) == 1
+    assert _verdict(parity, "").stdout.startswith("FAIL 1/3 TE parity: no figures")
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "sync_check_median": 0.004, "peak_memory_gb": 20.0}) + "\n"
+                               for s in (1, 2, 3)))
+    assert _verdict(colocated, metrics).stdout.startswith("PASS 2/3 colocated")
+    assert _verdict(memory, json.dumps(estimate), metrics, "FusedAttention").stdout.startswith(
+        "PASS 3/3 memory (2 layers at Qwen3-30B-A3B widths, 16k tokens): attention FusedAttention; trainer peak 20.0 GiB")
+    over = tmp_path / "over.jsonl"
+    over.write_text(json.dumps({"step": 1, "peak_memory_gb": estimate["trainer_total_gb"] + 5}) + "\n")
+    assert _verdict(colocated, over).returncode == 1
+    assert _verdict(memory, json.dumps(estimate), over, "x").stdout.startswith("FAIL 3/3")
+    over.write_text(json.dumps({"step": 1}) + "\n")
+    assert "trainer peak not in metrics.jsonl" in _verdict(memory, json.dumps(estimate), over, "x").stdout
+
+
+def test_torchrun_gloo_interface_is_the_one_routing_to_the_rendezvous():
+    import psutil
+    import socket
+
+    from gspo_mcore.torchrun import gloo_interface, interface_towards
+
+    holding = {a.address: name for name, addresses in psutil.net_if_addrs().items() for a in addresses
+               if a.family == socket.AF_INET}
+    assert interface_towards("127.0.0.1") == holding["127.0.0.1"]  # loopback routes over its own interface
+    assert gloo_interface("127.0.0.1") is None and gloo_interface(None) is None  # one node: gloo's default
+    assert gloo_interface("no-such-host.invalid") is None
+    for address, name in holding.items():
+        if not address.startswith("127."):
+            assert interface_towards(address) == name and gloo_interface(address) == name
+    from torch.distributed.run import parse_args
+
+    from gspo_mcore.torchrun import rendezvous_host
+
+    assert rendezvous_host(parse_args(["--standalone", "x.py"])) is None
+    assert rendezvous_host(parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-a:29400", "x.py"])) == "gpu-a"
+    assert rendezvous_host(parse_args(["--rdzv-endpoint", "[fe80::1]:5", "--rdzv-backend", "c10d", "x.py"])) == "fe80::1"
+    assert rendezvous_host(parse_args(["--nnodes", "2", "--master-addr", "gpu-b", "x.py"])) == "gpu-b"
+
+
+PROBE_ENV = """
+import json, os
+print(json.dumps({k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}))
+"""
+
+
+def test_torchrun_sets_the_gloo_interface_and_omp_threads_the_user_did_not(tmp_path):
+    import psutil
+    import socket
+
+    from gspo_mcore.netaddr import free_port
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE_ENV)
+    cores = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
+    env.update(PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+
+    def workers(args, **extra):
+        proc = subprocess.run([sys.executable, "-m", "gspo_mcore.torchrun", *args, str(probe)], capture_output=True,
+                              text=True, env={**env, **extra}, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+    assert workers(["--standalone", "--nproc_per_node", "2"]) == [
+        {"GLOO_SOCKET_IFNAME": None, "OMP_NUM_THREADS": str(max(1, cores // 2))}] * 2
+    assert workers(["--standalone", "--nproc_per_node", "1"], OMP_NUM_THREADS="7") == [
+        {"GLOO_SOCKET_IFNAME": None, "OMP_NUM_THREADS": "7"}]
+    others = [(a.address, name) for name, addresses in psutil.net_if_addrs().items() for a in addresses
+              if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not others:
+        pytest.skip("no non-loopback IPv4 interface for a rendezvous address")
+    address, name = others[0]
+    # static rendezvous: node 0 hosts the store at MASTER_ADDR (c10d hosts it only when the
+    # endpoint matches the host name's addresses, which a secondary interface may not)
+    rendezvous = ["--nnodes", "1", "--node-rank", "0", "--nproc_per_node", "1", "--master-addr", address,
+                  "--master-port", str(free_port())]
+    assert workers(rendezvous) == [{"GLOO_SOCKET_IFNAME": name, "OMP_NUM_THREADS": str(cores)}]
+    assert workers(rendezvous, GLOO_SOCKET_IFNAME="lo")[0]["GLOO_SOCKET_IFNAME"] == "lo"  # the user's choice stays
+
+
+def test_docker_context_leaves_out_local_state_and_the_image_has_no_apex():
+    ignored = set((REPO / ".dockerignore").read_text().split())
+    assert {".venv", "outputs", "runs", ".git", "**/__pycache__", "**/*.egg-info", "**/.pytest_cache"} <= ignored
+    assert "apex" not in "\n".join(line for line in (REPO / "Dockerfile").read_text().splitlines()
+                                     if not line.lstrip().startswith("#"))

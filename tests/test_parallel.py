@@ -1,8 +1,13 @@
 """Process-group setup: the configured seed reaches Megatron's RNG tracker."""
 
 import json
+import os
+import subprocess
+import sys
 
-from conftest import run_module
+import pytest
+
+from conftest import REPO, run_module
 
 SCRIPT = """
 import json, sys
@@ -31,3 +36,40 @@ def test_two_seeds_give_two_tracker_states(tiny_hf_dir, tmp_path):
     (second,) = states["2"]
     assert first == again and set(first) == set(second) and len(first) == 3
     assert all(first[name] != second[name] for name in first), (first, second)
+
+
+WAITS = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from gspo_mcore.config import DistributedConfig
+from gspo_mcore.parallel import broadcast_from_host, init_distributed
+
+init_distributed(DistributedConfig(timeout_minutes=0.05, rollout_timeout_minutes=1.0), seed=0)
+if dist.get_rank() == 0:
+    time.sleep(6)  # a rollout twice as long as the trainer's collectives may wait
+value = broadcast_from_host({"batch": [1, 2, 3]} if dist.get_rank() == 0 else None)
+assert value == {"batch": [1, 2, 3]}
+print("host wait ok", flush=True)
+if dist.get_rank() == 0:
+    time.sleep(6)
+try:
+    dist.barrier()  # the trainer's own group keeps its short timeout
+    print("barrier ok", flush=True)
+except Exception as err:
+    print("barrier timed out", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_the_rollout_on_the_host_with_their_own_timeout(tmp_path):
+    """Rank 0's rollout may outlast the trainer's collective timeout (distributed.timeout_minutes):
+    the others wait for the batch in the host group (distributed.rollout_timeout_minutes), not in
+    a collective of the trainer's group (on GPUs: an NCCL kernel spinning for the whole rollout)."""
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.count("host wait ok") == 2, proc.stdout + proc.stderr[-3000:]
+    assert "barrier timed out" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -13,7 +13,8 @@ from gspo_mcore.errors import InputError
 from gspo_mcore.netaddr import free_port
 from gspo_mcore.rollout.client import SGLangClient, check_sampling_params
 from gspo_mcore.errors import RolloutError
-from gspo_mcore.rollout.server import ManagedServer, sglang_command
+from gspo_mcore.processes import ManagedServer
+from gspo_mcore.rollout.server import sglang_command
 
 PARAMS = {"max_new_tokens": 4, "temperature": 1.0}
 PROMPTS = [[i, i + 1, 3] for i in range(12)]

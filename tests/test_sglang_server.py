@@ -9,7 +9,8 @@ import torch
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 from gspo_mcore.netaddr import free_port
 from gspo_mcore.rollout.client import SGLangClient
-from gspo_mcore.rollout.server import ManagedServer, sglang_command
+from gspo_mcore.processes import ManagedServer
+from gspo_mcore.rollout.server import sglang_command
 from gspo_mcore.rollout.sglang_cpu import server_env
 
 # Slow: starts torchrun and SGLang servers; one xdist group, so the module's server starts once.

@@ -41,7 +41,8 @@ def server(toy, tmp_path_factory):
     """One engine for the runs below (the default run starts its own): each run pushes its
     initial weights first, so a previous run's weights do not leak in."""
     from gspo_mcore.netaddr import free_port
-    from gspo_mcore.rollout.server import ManagedServer, sglang_command
+    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.rollout.server import sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
 
     port = free_port()

@@ -23,7 +23,8 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     none differ. The free run also sizes its later minibatches' band from the mismatch it
     measured on the first (loss.band_from_mismatch), which a bf16 engine puts far above 4e-4."""
     from gspo_mcore.netaddr import free_port
-    from gspo_mcore.rollout.server import ManagedServer, sglang_command
+    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.rollout.server import sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
 
     port = free_port()
@@ -83,7 +84,8 @@ def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
     import os
 
     from gspo_mcore.netaddr import free_port
-    from gspo_mcore.rollout.server import ManagedServer, sglang_command
+    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.rollout.server import sglang_command
     from gspo_mcore.rollout.sglang_cpu import server_env
 
     port = free_port()
@@ -130,13 +132,14 @@ def test_real_shaped_run_ep2_two_bf16_servers_uneven_lengths_save_and_prune(toy,
     _train(out, [f"model.hf_dir={toy / 'model'}", f"data.path={prompts}", "distributed.expert_parallel=2",
                  "rollout.num_servers=2", "rollout.engine_dtype=bfloat16", "rollout.max_new_tokens=24",
                  "train.max_tokens_per_microbatch=48", "train.steps=3", "train.save_every=1", "train.keep_checkpoints=2",
-                 "weight_sync.check_every=1", "weight_sync.check_tolerance=0.3", "train.export_hf=false"],
+                 "weight_sync.check_every=1", "train.export_hf=false"],
            nproc=2, timeout=900)
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    # bf16 engine vs float32 trainer over probes whose prompts are random filler words (unlikely
-    # tokens): medians ~0.1 measured; pushed-but-wrong or stale weights differ by ~1.
-    assert all(r["sync_check_median"] < 0.3 for r in rows)
+    # bf16 engine vs float32 trainer, scored on the probes' response tokens under the bf16 default
+    # tolerance (0.2; with every probe token, prompts of random filler words gave medians ~0.1 and the
+    # old 0.03 stopped such runs); pushed-but-wrong or stale weights differ by ~1.
+    assert all(r["sync_check_median"] < 0.2 for r in rows)
     assert any(r["response_length_mean"] < r["response_length_max"] for r in rows), rows  # some stop early
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
     assert len(list((out / "logs").glob("sglang_*.log"))) == 2

@@ -28,7 +28,7 @@ def _records(path: Path):
                     except json.JSONDecodeError as err:
                         raise InputError(f"{path}:{number}: not valid JSON ({err})") from None
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: Parquet datasets only
 
         for number, record in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path} row {number}", record

@@ -20,7 +20,7 @@ def last_boxed(text: str) -> str | None:
 
 def math_reward(response: str, answer: str) -> float:
     """1.0 if the response's final boxed answer is mathematically equivalent to `answer`."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # heavy: loaded by the reward worker that uses it
 
     predicted = last_boxed(response)
     if predicted is None:

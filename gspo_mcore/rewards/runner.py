@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo_mcore.errors import InputError
+from gspo_mcore.processes import die_with_parent, in_main_thread
+from gspo_mcore.rewards import load_reward_fn
 
 STARTUP_TIMEOUT_S = 300.0  # importing a heavy reward (a math checker, a tokenizer) on a busy node
 
@@ -31,8 +33,6 @@ class _Worker:
     """One worker process and its private request/reply pipe pair."""
 
     def __init__(self, reward_name: str):
-        from gspo_mcore.rollout.server import die_with_parent, in_main_thread
-
         # The repository and the trainer's sys.path (a reward named `tests.x:f` or a module
         # beside the config), so the worker imports what the trainer could.
         path = os.pathsep.join([str(Path.cwd()), *filter(None, sys.path)])
@@ -77,8 +77,6 @@ class RewardRunner:
     """`score(responses, answers) -> (rewards, stats)` over `workers` processes, started once."""
 
     def __init__(self, reward_name: str, timeout_s: float = 10.0, workers: int = 2):
-        from gspo_mcore.rewards import load_reward_fn
-
         load_reward_fn(reward_name)  # fail fast on a bad name, in this process
         self.reward_name, self.timeout_s, self.workers = reward_name, timeout_s, workers
         self._pool: list[_Worker] = []

@@ -17,7 +17,7 @@ def main() -> int:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else written to stdout goes to stderr
     sys.stdout = sys.stderr
-    from gspo_mcore.rewards import load_reward_fn
+    from gspo_mcore.rewards import load_reward_fn  # after stdout is redirected: the reward's import may print
 
     try:
         reward_fn = load_reward_fn(sys.argv[1])

@@ -36,19 +36,19 @@ def check_sampling_params(params: dict) -> None:
 class SGLangClient:
     def __init__(self, urls: list[str], vocab_size: int, *, request_timeout_s: float = 600.0,
                  max_attempts: int = 5, backoff_s: float = 1.0, max_concurrency: int = 64,
-                 routing_shape: tuple[int, int] | None = None):
+                 routing_shape: tuple[int, int] | None = None, api_key: str | None = None):
         """`routing_shape` (MoE layers, top-k): also ask for each token's routed experts (the
-        servers must run with --enable-return-routed-experts)."""
+        servers must run with --enable-return-routed-experts). `api_key`: the servers' --api-key."""
         if not urls:
             raise InputError("rollout: no server URLs")
         self.urls = [u.rstrip("/") for u in urls]
-        self.routing_shape = routing_shape
+        self.routing_shape, self.api_key = routing_shape, api_key
         self.vocab_size, self.request_timeout_s = vocab_size, request_timeout_s
         self.max_attempts, self.backoff_s, self.max_concurrency = max_attempts, backoff_s, max_concurrency
 
     def _post(self, url: str, body: dict) -> dict:
         try:
-            answer = post_json(f"{url}/generate", body, self.request_timeout_s)
+            answer = post_json(f"{url}/generate", body, self.request_timeout_s, self.api_key)
         except HTTPStatusError as err:
             if err.status >= 500:
                 raise RetryableError(f"HTTP {err.status}") from None

@@ -13,11 +13,12 @@ from gspo_mcore.rollout.http import HTTPRequestError, request_json
 
 
 class EngineControl:
-    def __init__(self, urls: list[str], timeout_s: float = 600.0):
+    def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
+        """`api_key`: the servers' --api-key (weight loads are admin calls)."""
         if not urls:
             raise InputError("weight sync: no server URLs")
         self.urls = [u.rstrip("/") for u in urls]
-        self.timeout_s = timeout_s
+        self.timeout_s, self.api_key = timeout_s, api_key
 
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
         """POST `body` as JSON to url+path; the answer as a dict ({} for a plain-text 200)."""
@@ -33,16 +34,34 @@ class EngineControl:
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             return list(pool.map(lambda url: self.call(url, path, body), self.urls))
 
-    def tp_size(self, url: str) -> int:
+    def server_info(self, url: str) -> dict:
+        """The server's /get_server_info: its launch arguments and scheduler state."""
         answer = self._request(url, "/get_server_info", None, "GET")  # GET only in SGLang
+        if not isinstance(answer, dict):
+            raise WeightSyncError(f"server {url}/get_server_info: not a server description: {str(answer)[:200]!r}")
+        return answer
+
+    def tp_size(self, url: str) -> int:
+        info = self.server_info(url)
         try:
-            return int(answer.get("tp_size", 1))
-        except (AttributeError, TypeError, ValueError):
-            raise WeightSyncError(f"server {url}/get_server_info: no tp_size in {str(answer)[:200]!r}") from None
+            return int(info.get("tp_size", 1))
+        except (TypeError, ValueError):
+            raise WeightSyncError(f"server {url}/get_server_info: no tp_size in {str(info)[:200]!r}") from None
+
+    def max_running_requests(self, url: str, default: int) -> int:
+        """How many requests the server runs at once (what the rollout client keeps in flight): its
+        --max-running-requests, else the scheduler's effective limit (SGLang 0.5.23 reports it in
+        internal_states[i].effective_max_running_requests_per_dp), else `default`."""
+        info = self.server_info(url)
+        states = info.get("internal_states") or [{}]
+        for value in (info.get("max_running_requests"), states[0].get("effective_max_running_requests_per_dp")):
+            if isinstance(value, int) and value > 0:
+                return value
+        return default
 
     def _request(self, url: str, path: str, body: dict | None, method: str) -> object:
         try:
-            return request_json(f"{url}{path}", body, self.timeout_s, method=method)
+            return request_json(f"{url}{path}", body, self.timeout_s, method=method, api_key=self.api_key)
         except HTTPRequestError as err:  # "HTTP 400: <SGLang's message>", "URLError: <reason>", ...
             raise WeightSyncError(f"server {url}{path}: {err}") from None
 

@@ -6,9 +6,10 @@ mid-answer: an `IncompleteRead`, or a JSON body cut off); callers may retry it.
 A 200 whose body is not JSON and not labelled JSON (SGLang's /flush_cache answers text)
 comes back as the text.
 
-Servers reachable from other hosts run with SGLang's `--api-key`: the key is in the
-environment (`API_KEY_ENV`, generated per run by the launch scripts, or by a run for the
-servers it starts), and every request here carries it.
+Servers reachable from other hosts run with SGLang's `--api-key`. The key reaches a run through
+the environment (`API_KEY_ENV`, made per job by the launch scripts; a run makes one for the
+servers it starts); entry points read it once (`api_key_from_env`) and pass it to the clients,
+whose every request carries it.
 """
 
 from __future__ import annotations
@@ -47,13 +48,19 @@ def _detail(raw: bytes) -> str:
     return str(message if message is not None else text)[:DETAIL_CHARS]
 
 
-def request_json(url: str, body: dict | None = None, timeout_s: float = 600.0, *, method: str = "POST") -> object:
-    """Send `body` as JSON (POST) or nothing (GET) to `url`; the decoded JSON answer, or the
-    text of a 200 that is not JSON."""
+def api_key_from_env() -> str | None:
+    """The servers' API key the launch scripts hand a run (None: servers without one)."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def request_json(url: str, body: dict | None = None, timeout_s: float = 600.0, *, method: str = "POST",
+                 api_key: str | None = None) -> object:
+    """Send `body` as JSON (POST) or nothing (GET) to `url`, with `api_key` as the bearer token;
+    the decoded JSON answer, or the text of a 200 that is not JSON."""
     data = json.dumps(body or {}).encode() if method == "POST" else None
     headers = {"Content-Type": "application/json"} if data is not None else {}
-    if os.environ.get(API_KEY_ENV):
-        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -75,9 +82,9 @@ def request_json(url: str, body: dict | None = None, timeout_s: float = 600.0, *
         return raw.decode(errors="replace")
 
 
-def post_json(url: str, body: dict | None, timeout_s: float) -> object:
-    return request_json(url, body, timeout_s, method="POST")
+def post_json(url: str, body: dict | None, timeout_s: float, api_key: str | None = None) -> object:
+    return request_json(url, body, timeout_s, method="POST", api_key=api_key)
 
 
-def get_json(url: str, timeout_s: float) -> object:
-    return request_json(url, None, timeout_s, method="GET")
+def get_json(url: str, timeout_s: float, api_key: str | None = None) -> object:
+    return request_json(url, None, timeout_s, method="GET", api_key=api_key)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers import AutoTokenizer
 
 from gspo_mcore import advantages as adv
 from gspo_mcore.config import Config
+from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
 from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
+from gspo_mcore.rewards.runner import RewardRunner
+from gspo_mcore.rollout.client import SGLangClient
 from gspo_mcore.rollout.response import Rollout
 from gspo_mcore.seeds import step_seed
 
@@ -25,11 +29,6 @@ class RolloutSource:
     def __init__(self, config: Config):
         """Loads the tokenizer, the dataset and the reward (bad input fails here, before any
         server starts); `connect` then names the servers."""
-        from transformers import AutoTokenizer
-
-        from gspo_mcore.data import PromptDataset, PromptSampler
-        from gspo_mcore.rewards.runner import RewardRunner
-
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or config.model.hf_dir)
         if not config.data.path:
@@ -42,12 +41,13 @@ class RolloutSource:
         self.running = adv.RunningMoments()
         self.client = None
 
-    def connect(self, urls: list[str], vocab_size: int, routing_shape: tuple[int, int] | None = None) -> None:
-        """`routing_shape` (MoE layers, top-k): ask for the routed experts too."""
-        from gspo_mcore.rollout.client import SGLangClient
-
+    def connect(self, urls: list[str], vocab_size: int, routing_shape: tuple[int, int] | None = None,
+                api_key: str | None = None, max_concurrency: int = 64) -> None:
+        """`routing_shape` (MoE layers, top-k): ask for the routed experts too. `max_concurrency`:
+        requests in flight over all servers (their max_running_requests, summed)."""
         self.client = SGLangClient(urls, vocab_size, request_timeout_s=self.config.rollout.request_timeout_s,
-                                   max_attempts=self.config.rollout.max_attempts, routing_shape=routing_shape)
+                                   max_attempts=self.config.rollout.max_attempts, routing_shape=routing_shape,
+                                   api_key=api_key, max_concurrency=max_concurrency)
 
     def collect(self, step: int, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
         """Rounds of generation until `rollout_batch_size` groups with signal are kept (at most
@@ -82,8 +82,6 @@ class RolloutSource:
     def _round(self, step: int, weight_version: str, wanted: int, offset: int) -> tuple[list, list, dict]:
         """One generation round: `wanted` x oversample prompts; keeps at most `wanted` groups.
         `offset`: requests already made this step (their seeds are taken)."""
-        from gspo_mcore.data import chat_prompt_ids
-
         cfg = self.config.train
         num_prompts = math.ceil(wanted * self.config.rollout.oversample)
         samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]

@@ -46,3 +46,12 @@ def update_session(control: EngineControl, weight_version: str):
     if dist.get_rank() == 0:
         control.end_update(weight_version)
     dist.barrier()
+
+
+def settle(tensor: torch.Tensor) -> None:
+    """Block the host until every kernel queued so far on `tensor`'s device stream has run (the
+    gathers that built a bucket, a broadcast into it). NCCL calls and copies return before their
+    data moves (gloo blocks, so CPU runs never need this): a bucket must be complete before a
+    server is told to read it."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()

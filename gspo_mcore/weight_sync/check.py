@@ -6,25 +6,31 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, sequence_logprobs
 from gspo_mcore.rollout.engine_control import EngineControl
 
 
-def check_sync(model, control: EngineControl, probes: list[list[int]], median_tolerance: float) -> dict:
+def check_sync(model, control: EngineControl, probes: list[list[int]], median_tolerance: float,
+               scored_from: list[int] | None = None) -> dict:
     """Every server's log-probs of `probes` (one prefill each) against the trainer's forward of
-    the same tokens. Collective; returns the figures (the worst server's) on every rank and
-    raises WeightSyncError naming the server when its median difference exceeds
-    `median_tolerance` (a wrong, stale or renumbered tensor moves most tokens by ~1; bf16
-    noise is a few 0.01)."""
-    from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, sequence_logprobs
-
+    the same tokens, from token `scored_from[i]` of probe i on (a rollout's response: its own
+    tokens are likely ones; a prompt's unlikely tokens spread bf16 noise to ~0.1). Collective;
+    returns the figures (the worst server's) on every rank and raises WeightSyncError naming the
+    server when its median difference exceeds `median_tolerance` (a wrong, stale or renumbered
+    tensor moves most tokens by ~1)."""
     last = last_stage_rank()
     ours = sequence_logprobs(model, probes)
     found = [None]
     if dist.get_rank() == last:
-        ours = torch.cat([torch.tensor(values) for values in ours])
+        starts = [max(0, first - 1) for first in scored_from] if scored_from else [0] * len(probes)  # log-prob t: token t+1
+
+        def scored(values_per_probe):  # lists from the forward and from HTTP answers
+            return torch.cat([torch.tensor(v[start:]) for v, start in zip(values_per_probe, starts)])  # host: compared here
+
+        ours = scored(ours)
         per_server = []
         for url in control.urls:
-            engine = torch.cat([torch.tensor(values) for values in control.prompt_logprobs(url, probes)])
+            engine = scored(control.prompt_logprobs(url, probes))
             d = (ours - engine).abs()
             per_server.append((url, {"sync_check_median": d.median().item(), "sync_check_max": d.max().item(),
                                      "sync_check_within_0.1": (d < 0.1).float().mean().item()}))

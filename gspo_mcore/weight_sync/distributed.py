@@ -5,13 +5,16 @@ from __future__ import annotations
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan, owned_hf_weights
+from gspo_mcore.netaddr import address_towards, listening_store
 from gspo_mcore.rollout.engine_control import EngineControl
-from gspo_mcore.weight_sync.buckets import bucketed, flatten, update_session
+from gspo_mcore.weight_sync.buckets import bucketed, flatten, settle, update_session
 
 
 class DistributedWeightSync:
@@ -27,7 +30,6 @@ class DistributedWeightSync:
 
     def __init__(self, model, arch, spec: str, control: EngineControl, *, backend: str,
                  master_address: str, bucket_bytes: int, dtype: torch.dtype, group_timeout_s: float = 600.0):
-        from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan
 
         self.model, self.arch, self.spec, self.control = model, arch, spec, control
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
@@ -44,11 +46,9 @@ class DistributedWeightSync:
         dist.barrier()
 
     def _join(self, url: str, name: str, backend: str, master_address: str, timeout_s: float):
-        from sglang.srt.utils import init_custom_process_group
+        from sglang.srt.utils import init_custom_process_group  # heavy (SGLang): this method only
 
-        from urllib.parse import urlparse
 
-        from gspo_mcore.netaddr import address_towards, listening_store
 
         world_size = 1 + self.control.tp_size(url)
         if master_address == "auto":  # multi-node: the address this rank reaches the server from
@@ -82,6 +82,11 @@ class DistributedWeightSync:
     def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         bucket = [(name, t.to(self.dtype)) for name, t in bucket]
         flat = flatten(bucket)
+        # Before any post: the TP all_gathers that built this bucket must have run. Else (GPUs,
+        # TP > 1) this owner's broadcast could queue behind a gather that rank 0 has not
+        # enqueued, while rank 0 waits for the server this owner just posted to: a cycle
+        # (SGLang's update_weights_from_distributed answers before its broadcast completes).
+        settle(flat)
         body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "flush_cache": False, "load_format": "flattened_bucket"}
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -93,8 +98,6 @@ class DistributedWeightSync:
     def push(self, weight_version: str) -> int:
         """Send every weight; afterwards the servers generate with them, tagged `weight_version`.
         Returns the bytes this rank sent (per server)."""
-        from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_weights
-
         sent = 0
         with update_session(self.control, weight_version):
             # Every rank iterates: the export gathers TP shards collectively.

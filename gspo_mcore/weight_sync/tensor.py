@@ -5,13 +5,17 @@ from __future__ import annotations
 import math
 import os
 import socket
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owns
+from gspo_mcore.netaddr import local_addresses
+from gspo_mcore.parallel import device
 from gspo_mcore.rollout.engine_control import EngineControl
-from gspo_mcore.weight_sync.buckets import bucketed, flatten, update_session
+from gspo_mcore.weight_sync.buckets import bucketed, flatten, settle, update_session
 
 
 def _host_addresses(host: str) -> set[str]:
@@ -23,8 +27,6 @@ def _host_addresses(host: str) -> set[str]:
 
 def where_ranks_run() -> list[tuple[set[str], int]]:
     """(names and addresses of its host, LOCAL_RANK) of every trainer rank. Collective."""
-    from gspo_mcore.netaddr import local_addresses
-
     # Interface addresses, not the name lookup of our own hostname (127.0.1.1 on Debian).
     mine = (local_addresses(), int(os.environ.get("LOCAL_RANK", 0)))
     ranks = [None] * dist.get_world_size()
@@ -36,8 +38,6 @@ def colocated_readers(urls: list[str], tps: list[int], ranks: list[tuple[set[str
     """For each server, the trainer ranks whose GPUs its TP ranks run on: the i-th server of a
     host (URL order) on that host's GPUs i * tp .. i * tp + tp - 1, matched to the trainer
     ranks (`where_ranks_run`, in any rank order) with those LOCAL_RANKs on that host."""
-    from urllib.parse import urlparse
-
     hosts = {frozenset(addresses) for addresses, _ in ranks}
     readers, next_gpu = [], {}
     for url, tp in zip(urls, tps):
@@ -76,8 +76,6 @@ class TensorWeightSync:
     Construction and `push` are collective over all trainer ranks."""
 
     def __init__(self, model, arch, spec: str, control: EngineControl, *, bucket_bytes: int, dtype: torch.dtype):
-        from gspo_mcore.parallel import device
-
         if device().type == "cuda":
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
@@ -94,7 +92,7 @@ class TensorWeightSync:
         self.posts = [(url, ranks) for url, ranks in zip(control.urls, readers) if ranks[0] == dist.get_rank()]
 
     def _load_everywhere(self, flat: torch.Tensor, metadata: list) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils import MultiprocessingSerializer  # heavy (SGLang): this method only
 
         payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
         payloads = [None] * dist.get_world_size()
@@ -108,9 +106,8 @@ class TensorWeightSync:
     def _share(self, src: int, layout: list[tuple[str, tuple[int, ...]]], bucket: list) -> int:
         """Rank `src`'s bucket (names and shapes `layout`; the tensors `bucket` on `src`) on every
         rank, then loaded by every server. Returns the bytes this rank contributed."""
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata  # heavy (SGLang)
 
-        from gspo_mcore.parallel import device
 
         metadata, start = [], 0
         for name, shape in layout:
@@ -121,14 +118,13 @@ class TensorWeightSync:
         mine = dist.get_rank() == src
         flat = flatten(bucket) if mine else torch.empty(start, dtype=torch.uint8, device=device())
         dist.broadcast(flat, src=src)
+        settle(flat)  # the servers read this memory directly (CUDA IPC): the broadcast must have landed
         self._load_everywhere(flat, metadata)
         return start if mine else 0
 
     def push(self, weight_version: str) -> int:
         """Send every weight; afterwards the servers generate with them, tagged `weight_version`.
         Returns the bytes this rank owned."""
-        from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owns
-
         sent, exhausted = 0, False
         with update_session(self.control, weight_version):
             stream = bucketed(export_hf_weights(self.model, self.arch, self.spec), self.bucket_bytes, self.dtype)

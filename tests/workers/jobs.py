@@ -25,7 +25,7 @@ from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.models.qwen3_moe.forward import run_schedule
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
-from gspo_mcore.optimizer import setup_training
+from gspo_mcore.optimizer import optimizer_step, setup_training
 from gspo_mcore.rollout.response import Rollout
 from gspo_mcore.checkpointing import save_hf_checkpoint
 from gspo_mcore.weight_sync import bucketed
@@ -89,11 +89,7 @@ def cross_entropy_step(model, config, tokens: torch.Tensor) -> dict:
         return loss_func
 
     ddp.train()
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    outputs = run_schedule(ddp, microbatches, loss_for, forward_only=False)
-    update_ok, grad_norm, _ = optimizer.step()
-    assert update_ok
+    outputs, grad_norm = optimizer_step(ddp, optimizer, microbatches, loss_for)
     loss = None
     if parallel_state.is_pipeline_last_stage():
         # Each microbatch reports its share of the global loss.

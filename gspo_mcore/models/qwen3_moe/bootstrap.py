@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from gspo_mcore.checkpointing import load_model_weights
 from gspo_mcore.config import Config
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
 from gspo_mcore.models.qwen3_moe.model import build_model, check_layout
 from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
-from gspo_mcore.parallel import init_distributed
+from gspo_mcore.parallel import init_distributed, world_size
+from gspo_mcore.safetensors_io import HFCheckpointReader
 
 
 def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3MoeArch, object]:
@@ -14,7 +16,7 @@ def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3M
     process groups, build this rank's GPTModel and, by default, fill it from the HF checkpoint
     (or model.mcore_dir)."""
     arch = load_hf_config(config.model.hf_dir)
-    check_layout(arch, config.distributed)
+    check_layout(arch, config.distributed, world_size())
     init_distributed(config.distributed, seed=config.train.seed)
     model = build_model(arch, config.model, config.distributed, routing_replay=config.train.routing_replay)
     if load_weights:
@@ -24,10 +26,7 @@ def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3M
 
 def load_initial_weights(model, arch: Qwen3MoeArch, config: Config) -> None:
     """The run's starting weights: model.mcore_dir's torch_dist checkpoint, else model.hf_dir's safetensors."""
-    from gspo_mcore.safetensors_io import HFCheckpointReader
-
     if config.model.mcore_dir:
-        from gspo_mcore.checkpointing import load_model_weights
 
         load_model_weights(model, config.model.mcore_dir)
     else:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from gspo_mcore.logprobs import token_logprobs
 from gspo_mcore.packing import microbatch_tensors
@@ -54,7 +55,6 @@ def megatron_logits(model, tokens: torch.Tensor, micro_batch_size: int = 1) -> t
     """Full-vocabulary logits [B, T, V] (on device()), forward only. For parity checks on small
     models: at Qwen3's vocabulary this is GBs; training paths use `token_logprobs`. Returns
     them on the last pipeline stage, None elsewhere."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     def collect(mb):
         def loss_func(output_tensor):

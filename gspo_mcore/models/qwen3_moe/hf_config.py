@@ -87,8 +87,8 @@ def _rope_theta(cfg: dict) -> float:
     return float(_take(cfg, "rope_theta"))
 
 
-def parse_hf_config(cfg: dict) -> Qwen3MoeArch:
-    """Validate a config.json dict and return the architecture it describes."""
+def _check_fields(cfg: dict) -> None:
+    """The model type, the fields whose only supported value is fixed, and no unknown field."""
     architectures = cfg.get("architectures") or [_ARCHITECTURE]
     if cfg.get("model_type") != "qwen3_moe" or architectures != [_ARCHITECTURE]:
         raise HFConfigError(
@@ -115,8 +115,9 @@ def parse_hf_config(cfg: dict) -> Qwen3MoeArch:
             f"config.json: unknown field '{unknown[0]}' (its effect on the model is not known; refusing to guess)"
         )
 
-    num_layers = int(_take(cfg, "num_hidden_layers"))
-    num_experts = int(_take(cfg, "num_experts", "num_local_experts"))
+
+def _moe_layers(cfg: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
+    """Which layers are MoE (the rest dense), by transformers' Qwen3MoeDecoderLayer's rule."""
     sparse_step = int(cfg.get("decoder_sparse_step", 1))
     mlp_only = [int(i) for i in (cfg.get("mlp_only_layers") or [])]
     bad = [i for i in mlp_only if not 0 <= i < num_layers]
@@ -126,11 +127,15 @@ def parse_hf_config(cfg: dict) -> Qwen3MoeArch:
         raise HFConfigError(
             f"config.json: num_experts {num_experts} / decoder_sparse_step {sparse_step} must be positive"
         )
-    # Same rule as transformers' Qwen3MoeDecoderLayer.
-    moe_layers = tuple(
-        i not in mlp_only and (i + 1) % sparse_step == 0 for i in range(num_layers)
-    )
+    return tuple(i not in mlp_only and (i + 1) % sparse_step == 0 for i in range(num_layers))
 
+
+def parse_hf_config(cfg: dict) -> Qwen3MoeArch:
+    """Validate a config.json dict and return the architecture it describes."""
+    _check_fields(cfg)
+    num_layers = int(_take(cfg, "num_hidden_layers"))
+    num_experts = int(_take(cfg, "num_experts", "num_local_experts"))
+    moe_layers = _moe_layers(cfg, num_layers, num_experts)
     heads = int(_take(cfg, "num_attention_heads"))
     kv_heads = int(_take(cfg, "num_key_value_heads"))
     hidden = int(_take(cfg, "hidden_size"))

@@ -8,19 +8,22 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from gspo_mcore.config import DistributedConfig, ModelConfig
+from gspo_mcore.config import ConfigError, DistributedConfig, ModelConfig
 from gspo_mcore.models.qwen3_moe.hf_config import HFConfigError, Qwen3MoeArch
 from gspo_mcore.models.qwen3_moe.layer_spec import decoder_block_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def check_layout(arch: Qwen3MoeArch, dist: DistributedConfig) -> None:
-    """Divisibility the sharding needs; each message names the field that does not fit."""
+def check_layout(arch: Qwen3MoeArch, dist: DistributedConfig, world_size: int) -> None:
+    """The one layout check (the trainer, the converter and the planner call it): the divisibility
+    the sharding needs, of the model's shapes and of the `world_size` trainer ranks; each message
+    names the field that does not fit."""
     tp, ep, etp, pp = (
         dist.tensor_parallel, dist.expert_parallel, dist.expert_tensor_parallel, dist.pipeline_parallel
     )
     checks = [
+        (arch.num_attention_heads % tp == 0, f"num_attention_heads {arch.num_attention_heads}", "tensor_parallel", tp),
         (arch.num_key_value_heads % tp == 0, f"num_key_value_heads {arch.num_key_value_heads}", "tensor_parallel", tp),
         (arch.vocab_size % tp == 0, f"vocab_size {arch.vocab_size}", "tensor_parallel", tp),
         (arch.num_experts % ep == 0, f"num_experts {arch.num_experts}", "expert_parallel", ep),
@@ -32,11 +35,32 @@ def check_layout(arch: Qwen3MoeArch, dist: DistributedConfig) -> None:
     for ok, what, field, size in checks:
         if not ok:
             raise HFConfigError(f"{what} is not divisible by distributed.{field} = {size}")
+    for size, what in ((tp * pp, "tensor_parallel x pipeline_parallel"),
+                       (ep * etp * pp, "expert_parallel x expert_tensor_parallel x pipeline_parallel")):
+        if world_size % size:
+            raise ConfigError(f"distributed: {world_size} trainer ranks are not divisible by {what} = {size}")
+
+
+def _parallelism(dist: DistributedConfig) -> dict:
+    return dict(
+        tensor_model_parallel_size=dist.tensor_parallel,
+        pipeline_model_parallel_size=dist.pipeline_parallel,
+        expert_model_parallel_size=dist.expert_parallel,
+        expert_tensor_parallel_size=dist.expert_tensor_parallel,
+        sequence_parallel=dist.tensor_parallel > 1,
+        # RL microbatches differ in length and size: the pipeline sends shapes first.
+        variable_seq_lengths=dist.pipeline_parallel > 1,
+    )
+
+
+def _fusions(on_gpu: bool) -> dict:
+    """Fused kernels exist only with CUDA / Transformer Engine."""
+    return dict(bias_activation_fusion=on_gpu, bias_dropout_fusion=on_gpu, masked_softmax_fusion=on_gpu,
+                apply_rope_fusion=on_gpu, moe_permute_fusion=on_gpu, gradient_accumulation_fusion=False)
 
 
 def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig,
                        routing_replay: bool = False) -> TransformerConfig:
-    check_layout(arch, dist)
     dtype = DTYPES[model.dtype]
     on_gpu = model.spec == "te"
     return TransformerConfig(
@@ -73,14 +97,7 @@ def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: Distributed
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=on_gpu,
-        # parallelism
-        tensor_model_parallel_size=dist.tensor_parallel,
-        pipeline_model_parallel_size=dist.pipeline_parallel,
-        expert_model_parallel_size=dist.expert_parallel,
-        expert_tensor_parallel_size=dist.expert_tensor_parallel,
-        sequence_parallel=dist.tensor_parallel > 1,
-        # RL microbatches differ in length and size: the pipeline sends shapes first.
-        variable_seq_lengths=dist.pipeline_parallel > 1,
+        **_parallelism(dist),
         # Memory: keep only each layer's input and recompute the layer in backward.
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
            if model.recompute == "full" else {}),
@@ -89,13 +106,7 @@ def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: Distributed
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=dist.device == "cpu",
-        # fused kernels exist only with CUDA / Transformer Engine
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        apply_rope_fusion=on_gpu,
-        moe_permute_fusion=on_gpu,
-        gradient_accumulation_fusion=False,
+        **_fusions(on_gpu),
     )
 
 

@@ -38,7 +38,7 @@ def make_tiny_checkpoint(
     out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
 ) -> Path:
     """Write config.json + model.safetensors of a random tiny Qwen3-MoE to `out_dir`."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # heavy: test and demo models only
 
     config = Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,141 @@
+"""Child processes that never outlive the run: servers in their own process group, stopped on
+every exit path, tied to the parent by the kernel (also on SIGKILL), their logs free of secrets.
+Used for SGLang servers (gspo_mcore.rollout) and reward workers (gspo_mcore.rewards)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from gspo_mcore.errors import InputError
+from gspo_mcore.rollout.http import HTTPRequestError, get_json
+
+REDACTED = b"<redacted>"
+
+# A launcher's identity (torchrun / torch.distributed.run): a server started from a trainer
+# rank that inherits them joins the trainer's rendezvous and hangs at start-up (measured).
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(env: dict | None = None) -> dict:
+    """`env` (default: ours) without a launcher's identity, for a child that is not a trainer rank."""
+    env = dict(os.environ if env is None else env)
+    for key in list(env):
+        if key in LAUNCHER_VARS or key.startswith("TORCHELASTIC_"):
+            del env[key]
+    return env
+
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child between fork and exec (Linux): the kernel sends it `sig` when the process that
+    started it dies, by any signal, SIGKILL included, so a killed trainer orphans no server
+    (SGLang's launcher takes its own workers down on SIGTERM). Elsewhere: nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def start_redacted(cmd: list[str], out, secrets: tuple[str, ...], env: dict | None = None,
+                   new_session: bool = False) -> subprocess.Popen:
+    """Start `cmd` (stderr into stdout), its output copied to the binary file `out` by a daemon
+    thread with every one of `secrets` replaced: SGLang logs its arguments, the API key among
+    them. Without secrets the child writes to `out` itself."""
+    kwargs = dict(stderr=subprocess.STDOUT, env=child_env(env), start_new_session=new_session,
+                  # The kernel ties it to the starting *thread*: only the main thread's
+                  # children, or a thread's end kills them.
+                  preexec_fn=die_with_parent if in_main_thread() else None)
+    secrets = tuple(s for s in secrets if s)
+    if not secrets:
+        return subprocess.Popen(cmd, stdout=out, **kwargs)
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, **kwargs)
+    threading.Thread(target=_copy_redacted, args=(process.stdout, out, secrets), daemon=True).start()
+    return process
+
+
+def _copy_redacted(source, out, secrets: tuple[str, ...]) -> None:
+    for line in iter(source.readline, b""):
+        for secret in secrets:
+            line = line.replace(secret.encode(), REDACTED)
+        out.write(line)
+        out.flush()
+
+
+class ManagedServer:
+    """A server subprocess in its own process group, its output streamed to `log_file` (with
+    `secrets` redacted). `with ManagedServer(...) as server:` starts it, waits for /health, and
+    always stops it."""
+
+    def __init__(self, cmd: list[str], url: str, log_file: str | Path, env: dict | None = None,
+                 startup_timeout_s: float = 300.0, secrets: tuple[str, ...] = ()):
+        self.cmd, self.url, self.log_file = cmd, url.rstrip("/"), Path(log_file)
+        self.env, self.startup_timeout_s, self.secrets = env, startup_timeout_s, secrets
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "ManagedServer":
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_file, "ab")
+        self.process = start_redacted(self.cmd, log, self.secrets, self.env, new_session=True)
+        if not self.secrets:
+            log.close()  # the child holds its own copy of the descriptor
+        self.wait_healthy()
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            get_json(f"{self.url}/health", timeout_s=5)  # SGLang answers 200 with an empty body
+            return True
+        except HTTPRequestError:
+            return False
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise InputError(
+                    f"server {self.url} exited with code {self.process.returncode} while starting; see {self.log_file}"
+                )
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise InputError(f"server {self.url} not healthy after {self.startup_timeout_s:.0f} s; see {self.log_file}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the whole process group (the server's workers too), then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Workers that outlived the leader share its process group.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "ManagedServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,49 @@
+"""The order of a push's calls where NCCL would deadlock and gloo cannot show it (gloo blocks the
+host; NCCL returns before its data moves): a bucket is settled on its stream before any server
+is told to read it."""
+
+import torch
+
+from gspo_mcore.weight_sync import distributed, tensor
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def settle(self, flat):
+        self.calls.append("settle")
+
+    def call(self, url, path, body=None):
+        self.calls.append(f"post {path}")
+        return {}
+
+    def broadcast(self, flat, **kwargs):
+        self.calls.append("broadcast")
+
+
+def test_distributed_sync_settles_the_bucket_before_posting_it(monkeypatch):
+    """An expert-only owner posting while its broadcast is queued behind a TP gather rank 0 has
+    not enqueued: rank 0 -> server -> owner -> all_gather -> rank 0, a hang on GPUs with TP > 1."""
+    record = Recorder()
+    monkeypatch.setattr(distributed, "settle", record.settle)
+    monkeypatch.setattr(distributed.dist, "broadcast", record.broadcast)
+    sync = object.__new__(distributed.DistributedWeightSync)
+    sync.dtype, sync.groups = torch.float32, [("g0", None), ("g1", None)]
+    sync.control = type("Control", (), {"urls": ["http://a", "http://b"], "call": staticmethod(record.call)})()
+    sync._send([("w", torch.ones(3)), ("v", torch.zeros(2))])
+    # The posts run on a thread beside their broadcasts: only "settled first" is ordered.
+    assert record.calls[0] == "settle" and sorted(record.calls[1:]) == [
+        "broadcast", "broadcast", "post /update_weights_from_distributed", "post /update_weights_from_distributed"]
+
+
+def test_tensor_sync_settles_the_broadcast_before_servers_map_the_memory(monkeypatch):
+    record = Recorder()
+    monkeypatch.setattr(tensor, "settle", record.settle)
+    monkeypatch.setattr(tensor.dist, "broadcast", record.broadcast)
+    monkeypatch.setattr(tensor.dist, "get_rank", lambda: 0)
+    sync = object.__new__(tensor.TensorWeightSync)
+    sync.dtype = torch.float32
+    sync._load_everywhere = lambda flat, metadata: record.calls.append("post /update_weights_from_tensor")
+    sync._share(0, [("w", (3,))], [("w", torch.ones(3))])
+    assert record.calls == ["broadcast", "settle", "post /update_weights_from_tensor"]

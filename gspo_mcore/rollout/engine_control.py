@@ -75,6 +75,19 @@ class EngineControl:
         self.on_all("/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
         self.on_all("/flush_cache")  # KV/prefix cache entries of the old weights
 
+    def pause_generation(self) -> None:
+        """Asynchronous runs, before a push: every server stops generating and retracts its
+        running requests, keeping their generated tokens and log-probs (SGLang 0.5.23's
+        `retract` mode: Scheduler.retract_all / Req.reset_for_retract keep output_ids and the
+        logprob lists); their /generate calls stay open. Weight loads are then allowed without
+        waiting for requests to finish."""
+        self.on_all("/pause_generation", {"mode": "retract"})
+
+    def continue_generation(self) -> None:
+        """After the push: retracted requests are prefilled again (prompt + the tokens so far,
+        under the new weights; the earlier tokens keep their log-probs) and continue."""
+        self.on_all("/continue_generation", {"torch_empty_cache": False})
+
     def release_memory(self) -> None:
         """Colocated runs: the engine frees its weights and KV cache while the trainer trains."""
         self.on_all("/release_memory_occupation")

@@ -108,6 +108,9 @@ class LossConfig:
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     """Entropy bonus: the loss minus this times the policy entropy (aggregated like the loss)."""
+    behavior_weight_cap: float = 2.0
+    """Asynchronous modes (decoupled GSPO): each sequence's loss is weighted by its behaviour
+    ratio pi_prox / pi_engine over its stale tokens (length-normalised), truncated at this."""
     log_entropy: bool = False
     """Report the policy entropy (`entropy` in metrics.jsonl; one more pass over the logits).
     Always reported when entropy_coef > 0."""
@@ -144,6 +147,16 @@ class RolloutConfig:
     urls: list[str] = field(default_factory=list)
     """Running SGLang servers. Empty: the run starts `num_servers` itself (the CPU default, tests)."""
     num_servers: int = 1
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """sync: generate a batch, train on it, push, repeat. one_step_off: batch k+1 is generated
+    while batch k trains. async: groups stay in flight on every server continuously, paced so
+    no trained token is more than max_staleness weight versions old; the trainer takes the
+    oldest full batch. In both asynchronous modes a push pauses generation (requests keep their
+    tokens), loads the weights and continues: responses span versions, each token's engine
+    log-prob exact for its version (README, Asynchronous GSPO)."""
+    max_staleness: int = 1
+    """Asynchronous modes: the most weight versions between a trained token and the weights
+    being updated."""
     temperature: float = 1.0
     """The engine's sampling temperature; the trainer divides its logits by it too, so the
     ratio compares the distribution that was sampled."""
@@ -268,6 +281,14 @@ class Config:
             raise ConfigError("weight_sync.method: 'tensor' needs weight_sync.colocate (the servers on the trainer's GPUs)")
         if ws.method == "tensor" and d.expert_tensor_parallel != 1:
             raise ConfigError("weight_sync.method: 'tensor' needs distributed.expert_tensor_parallel 1")
+        if self.rollout.mode != "sync" and self.weight_sync.colocate:
+            raise ConfigError(f"rollout.mode: {self.rollout.mode!r} overlaps generation and training, which colocated "
+                              "servers cannot (they share the trainer's GPUs): use a split config or mode 'sync'")
+        if self.rollout.mode == "async" and self.reward.norm == "batch":
+            raise ConfigError("reward.norm: 'batch' has no batch in rollout.mode 'async' (groups finish one by one): "
+                              "use 'group', 'running' or 'none'")
+        if self.rollout.max_staleness < 0 or self.loss.behavior_weight_cap < 1:
+            raise ConfigError("rollout.max_staleness must be >= 0 and loss.behavior_weight_cap >= 1")
         if self.train.routing_replay and not self.rollout.return_routed_experts:
             raise ConfigError("train.routing_replay: needs rollout.return_routed_experts (the routing to replay)")
         if self.rollout.oversample < 1:

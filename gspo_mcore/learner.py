@@ -90,11 +90,14 @@ class Learner:
     # ------------------------------------------------------------ the update
 
     def update(self, rollouts: list[Rollout], advantages: list[float], step: int,
-               old_logprobs: list[list[float]] | None = None) -> dict:
+               old_logprobs: list[list[float]] | None = None, stale: list[list[float]] | None = None) -> dict:
         """`num_minibatches` optimizer steps (x ppo_epochs) on one rollout batch; the update's
         figures (metric_schema rows with `update`), the loss's combined exactly over microbatches
         and ranks, on every rank. {} when the batch is too small for the data-parallel ranks.
-        `old_logprobs`: pi_old recomputed by the trainer (default: the engine's log-probs)."""
+        `old_logprobs`: pi_old recomputed by the trainer (default: the engine's log-probs).
+        `stale` (asynchronous modes, with `old_logprobs` = pi_prox): 1 for each response token an
+        older weight version generated: decoupled GSPO (loss.behavior_weight), ratios against
+        pi_prox, so no band widening."""
         cfg = self.config.train
         num_minibatches = min(cfg.num_minibatches, len(rollouts) // parallel_state.get_data_parallel_world_size())
         if num_minibatches == 0:
@@ -104,6 +107,8 @@ class Learner:
             extra["ref_logprobs"] = self.token_logprobs_of(self.reference, rollouts)
         if old_logprobs is not None:
             extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
+        if stale is not None:
+            extra["stale"] = stale
         generator = torch.Generator().manual_seed(step_seed(cfg.seed, step))
         order = torch.randperm(len(rollouts), generator=generator).tolist()  # host: an order of Python lists
         self.routers.reset()
@@ -119,7 +124,7 @@ class Learner:
                     compare_routing=first)
                 parts.append(step_parts)
                 grad_norms.append(grad_norm)
-                if first and self.config.loss.band_from_mismatch:
+                if first and self.config.loss.band_from_mismatch and stale is None:
                     band = self._band_from_mismatch(parts[0])
         return {**self._report(parts), "grad_norm": sum(grad_norms) / len(grad_norms),
                 "clip_band_high": band[1] if band else self.config.loss.clip_high,

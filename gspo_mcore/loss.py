@@ -274,8 +274,13 @@ def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(),
     clip_low, clip_high = band or (cfg.clip_low, cfg.clip_high)
     aggregation = cfg.aggregation or DEFAULT_AGGREGATION
     old_logprobs = logprobs.detach() if on_policy else batch["old_logprobs"]
+    advantages, weight_metrics = batch["advantages"], {}
+    if "stale" in batch:  # asynchronous modes: decoupled GSPO
+        weight, weight_metrics = behavior_weight(old_logprobs, batch["engine_logprobs"], batch["stale"], batch["mask"],
+                                                 cfg.behavior_weight_cap)
+        advantages = advantages * (weight if advantages.dim() == 1 else weight[:, None])
     loss, metrics = policy_loss(
-        logprobs, old_logprobs, batch["advantages"], batch["mask"], level=cfg.level, clip_low=clip_low,
+        logprobs, old_logprobs, advantages, batch["mask"], level=cfg.level, clip_low=clip_low,
         clip_high=clip_high, aggregation=aggregation, dual_clip=cfg.dual_clip, entropy=entropy, normalizer=normalizer,
         token_mask_band=tuple(cfg.token_mask_band) if cfg.token_mask_band else None,
         sequence_mask_threshold=cfg.sequence_mask_threshold,
@@ -290,4 +295,22 @@ def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(),
         metrics["kl"] = kl.detach()
     if cfg.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
         loss = loss - cfg.entropy_coef * aggregate(entropy, batch["mask"], aggregation, normalizer)
-    return loss, metrics
+    return loss, {**metrics, **weight_metrics}
+
+
+@torch.no_grad()
+def behavior_weight(prox_logprobs, engine_logprobs, stale, mask, cap: float) -> tuple[torch.Tensor, dict]:
+    """Decoupled GSPO's per-sequence behaviour weight (the sequence-level form of AReaL's
+    decoupled PPO): w_i = min(cap, exp((1/|y_i|) sum_t stale_t (log pi_prox - log pi_engine))),
+    over the tokens an older weight version generated (`stale` 1), length-normalised like eq. 7.
+    pi_prox is the trainer at the start of the step; the clipped ratio is taken against it, so w
+    carries the rest of the importance ratio to the engine's behaviour policy. A sequence with no
+    stale token weighs exactly 1: with nothing stale the loss is the synchronous one."""
+    mask = mask.to(_wide(prox_logprobs).dtype)
+    log_ratio = ((_wide(prox_logprobs) - _wide(engine_logprobs)) * mask * stale).sum(-1) / mask.sum(-1).clamp(min=1)
+    raw = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    weight = raw.clamp(max=cap)
+    has_tokens = (mask.sum(-1) > 0).to(mask.dtype)
+    count = has_tokens.sum().clamp(min=1)
+    return weight, {"behavior_weight_mean": (weight * has_tokens).sum() / count,
+                    "behavior_weight_truncated_fraction": ((raw > cap).to(mask.dtype) * has_tokens).sum() / count}

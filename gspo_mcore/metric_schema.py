@@ -86,6 +86,10 @@ SCHEMA: tuple[Metric, ...] = (
     _loss("mismatch_token_abs_log_ratio_mean", "tokens", "per-token mismatch there", scope="first"),
     _loss("mismatch_out_of_band_fraction", "sequences", "share of sequences whose engine ratio is outside the "
           "configured clip band there", scope="first"),
+    _loss("behavior_weight_mean", "sequences", "asynchronous modes: mean per-sequence behaviour weight "
+          "pi_prox / pi_engine over stale tokens (decoupled GSPO); null in sync"),
+    _loss("behavior_weight_truncated_fraction", "sequences", "... share of sequences whose weight hit "
+          "loss.behavior_weight_cap"),
     # ---- the update, beside the loss (gspo_mcore.learner)
     Metric("clip_band_high", "1 + this bounds the ratio in the minibatches after the first (loss.clip_high, or "
            "wider with loss.band_from_mismatch)", update=True, figure="mismatch", label="clip band (high)"),
@@ -96,6 +100,16 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("routing_mismatch_fraction", "share of (token, MoE layer) pairs whose trainer top-k differs from the "
            "engine's, first minibatch (rollout.return_routed_experts; null otherwise)", update=True),
     Metric("routing_mismatch_fraction_per_layer", "the same per MoE layer", update=True),
+    # ---- asynchronous modes (gspo_mcore.rollout.producer); null in sync
+    Metric("staleness_mean", "mean over trained responses of (the step's weight version - the response's oldest "
+           "token's version)", printed="| stale {:.2f}"),
+    Metric("staleness_max", "the largest (bounded by rollout.max_staleness)", printed="max {:.0f}"),
+    Metric("multi_version_fraction", "share of trained responses whose tokens span several weight versions"),
+    Metric("version_span_max", "the most weight versions one response spans"),
+    Metric("trainer_wait_s", "time the trainer waited for its batch"),
+    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="idle {:.2f}"),
+    Metric("engine_pause_s", "time the servers were paused for the push (asynchronous modes)"),
+    Metric("samples_per_s", "responses trained per second of step"),
     # ---- the weight-sync check (steps where weight_sync.check_every fires)
     Metric("sync_check_median", "median |engine - trainer| log-prob over probe tokens, worst server"),
     Metric("sync_check_max", "largest difference there"),
@@ -116,6 +130,8 @@ SCHEMA: tuple[Metric, ...] = (
 BY_NAME = {m.name: m for m in SCHEMA}
 LOSS_METRICS = tuple(m for m in SCHEMA if m.kind is not None)
 UPDATE = tuple(m.name for m in SCHEMA if m.update)
+ASYNC_METRICS = ("staleness_mean", "staleness_max", "multi_version_fraction", "version_span_max", "trainer_wait_s",
+                 "trainer_idle_fraction", "engine_pause_s")  # null in sync runs
 FIGURES = {m.figure: tuple(n for n in SCHEMA if n.figure == m.figure) for m in SCHEMA if m.figure}
 
 

@@ -38,13 +38,14 @@ from gspo_mcore.checkpointing import Checkpointer
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
 from gspo_mcore.learner import Learner
-from gspo_mcore.metric_schema import UPDATE
+from gspo_mcore.metric_schema import ASYNC_METRICS, UPDATE
 from gspo_mcore.metrics import Progress, RunLog
 from gspo_mcore.parallel import broadcast_from_host, host_group
 from gspo_mcore.torchrun import omp_threads
 from gspo_mcore.rollout.engine_control import EngineControl
 from gspo_mcore.rollout.http import api_key_from_env
 from gspo_mcore.rollout.server import start_servers
+from gspo_mcore.rollout.producer import make_producer
 from gspo_mcore.rollout.source import RolloutSource
 
 
@@ -139,6 +140,11 @@ class Trainer:
             # long-lived server, older weights on a resume), it now gets the trainer's.
             self.version = f"step-{self.start_step}"
             self.sync.push(self.version)
+            # After the first push: asynchronous producers start generating with these weights.
+            self.asynchronous = config.rollout.mode != "sync"
+            self.producer = make_producer(self.source, self.start_step) if self.source is not None else None
+            if self.producer is not None:
+                self.stack.callback(self.producer.close)
             # Created only now: bad input found above (prompts, reward, servers) leaves no directory.
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self.log = RunLog(self.output_dir, self.start_step, config.train.wandb_project,
@@ -167,21 +173,32 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
         with timed(timings, "time_rollout_s"):
             # The other ranks wait on the host (gspo_mcore.parallel.host_group), not in an NCCL kernel.
-            batch = self.source.collect(step, self.version) if self.source else None
+            batch = self.producer.get_batch(step) if self.producer else None
             rollouts, advantages, metrics = broadcast_from_host(batch)
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate and self.rank == 0:
                 self.control.release_memory()
             metrics.update(dict.fromkeys(UPDATE))  # null unless this step trains
             if rollouts:
-                old = self.learner.recompute_old_logprobs(rollouts) if config.train.recompute_old_logprobs else None
-                metrics.update(self.learner.update(rollouts, advantages, step, old))
+                metrics.update(self._update(rollouts, advantages, step))
         with timed(timings, "time_sync_s"):
             metrics.update(self._push_and_check(step, rollouts))
         total = sum(timings.values())
         tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
-        return {**metrics, "step": step + 1, **timings, "time_step_s": total, "tokens_per_s": tokens / total,
-                "samples": len(rollouts), "peak_memory_gb": peak_memory_gb()}
+        waited = metrics.pop("trainer_wait_s")
+        return {**dict.fromkeys(ASYNC_METRICS), **metrics, "step": step + 1, **timings, "time_step_s": total,
+                "tokens_per_s": tokens / total, "samples": len(rollouts), "samples_per_s": len(rollouts) / total,
+                "peak_memory_gb": peak_memory_gb(),
+                **({"trainer_wait_s": waited, "trainer_idle_fraction": waited / total} if self.asynchronous else {})}
+
+    def _update(self, rollouts: list, advantages: list[float], step: int) -> dict:
+        """The learner's update. Asynchronous modes: decoupled GSPO, pi_prox (this step's weights)
+        from a forward of the batch, each token marked stale when an older version made it."""
+        if self.config.rollout.mode == "sync":
+            old = self.learner.recompute_old_logprobs(rollouts) if self.config.train.recompute_old_logprobs else None
+            return self.learner.update(rollouts, advantages, step, old)
+        stale = [[float(v < step) for v in r.token_versions] or [0.0] * len(r.response_ids) for r in rollouts]
+        return self.learner.update(rollouts, advantages, step, self.learner.recompute_old_logprobs(rollouts), stale)
 
     def _push_and_check(self, step: int, rollouts: list) -> dict:
         """The new weights to the engine, tagged step-N (and, every `check_every` steps, the proof)."""
@@ -192,16 +209,26 @@ class Trainer:
             if self.rank == 0:
                 self.control.resume_memory()
         self.version = f"step-{step + 1}"
+        paused = time.perf_counter()
+        if self.asynchronous and self.rank == 0:
+            self.control.pause_generation()  # requests keep their tokens; the push needs no wait
+        dist.barrier()
         self.sync.push(self.version)
+        dist.barrier()
+        if self.asynchronous and self.rank == 0:
+            self.control.continue_generation()
+            self.producer.set_version(step + 1)
+        pause_s = time.perf_counter() - paused
         release_cached_memory()  # the push's buckets: the rollout phase holds static state only
         # Probes: sequences of the latest batch that had any (the same on every rank).
         self.probes = [(r.prompt_ids + r.response_ids, len(r.prompt_ids)) for r in rollouts[:4]] or self.probes
         every = config.weight_sync.check_every
+        figures = {"engine_pause_s": pause_s if self.asynchronous else None}
         if not (every and (step + 1) % every == 0 and self.probes):
-            return {}
+            return figures
         tokens, scored_from = zip(*self.probes)
-        figures = weight_sync.check_sync(self.learner.model, self.control, list(tokens), config.sync_check_tolerance,
-                                         list(scored_from))
+        figures.update(weight_sync.check_sync(self.learner.model, self.control, list(tokens),
+                                              config.sync_check_tolerance, list(scored_from)))
         release_cached_memory()  # the check forward's logits
         return figures
 
@@ -212,7 +239,7 @@ class Trainer:
             return "no checkpoint yet (train.save_every), a new run starts over"
 
     def save(self, step: int) -> None:
-        self.checkpoints.save(step, self.source.state_dict() if self.source else None)
+        self.checkpoints.save(step, self.producer.state_dict() if self.producer else None)
 
     def run(self) -> dict:
         """Steps start_step..train.steps, checkpoints every `save_every` and at the end, the HF

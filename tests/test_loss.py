@@ -248,3 +248,52 @@ def test_sequence_mask_drops_only_negative_sequences_the_policy_moved_away_from(
     assert metrics["sequence_mask_fraction"].item() == pytest.approx(1 / 6)
     _, off = policy_loss(logp, old, adv, mask)
     assert "sequence_mask_fraction" not in off and "token_mask_fraction" not in off
+
+
+def _async_batch(seed=0, B=6, T=9):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, T, generator=g) > 0.2).float()
+    mask[2] = 0.0  # an empty response
+    prox = -torch.rand(B, T, generator=g) * 3
+    return {"old_logprobs": prox, "engine_logprobs": prox + 0.3 * torch.randn(B, T, generator=g),
+            "advantages": torch.randn(B, generator=g), "mask": mask}
+
+
+def test_decoupled_gspo_with_nothing_stale_is_the_synchronous_loss():
+    """max_staleness 0 in effect: no stale token, every behaviour weight exactly 1, the same loss
+    and gradient as the synchronous objective."""
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import objective
+
+    batch, cfg = _async_batch(), LossConfig(clip_low=0.05, clip_high=0.05)
+    logp = (batch["old_logprobs"] + 0.02 * torch.randn(batch["mask"].shape)).requires_grad_()
+    sync_loss, _ = objective(logp, batch, cfg)
+    (sync_grad,) = torch.autograd.grad(sync_loss, logp)
+    loss, metrics = objective(logp, {**batch, "stale": torch.zeros_like(batch["mask"])}, cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == sync_loss.item() and torch.equal(grad, sync_grad)
+    assert metrics["behavior_weight_mean"].item() == 1.0 and metrics["behavior_weight_truncated_fraction"].item() == 0
+
+
+def test_the_behaviour_weight_is_the_length_normalised_stale_ratio_truncated():
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import behavior_weight, objective
+
+    batch = _async_batch(seed=1)
+    stale = torch.zeros_like(batch["mask"])
+    stale[:, :4] = 1.0  # the first tokens came from the previous weights
+    weight, metrics = behavior_weight(batch["old_logprobs"], batch["engine_logprobs"], stale, batch["mask"], cap=1.2)
+    mask = batch["mask"]
+    expected = (((batch["old_logprobs"] - batch["engine_logprobs"]) * mask * stale).sum(-1)
+                / mask.sum(-1).clamp(min=1)).exp().clamp(max=1.2)
+    torch.testing.assert_close(weight, expected)
+    assert weight[2].item() == 1.0  # no tokens, no weight
+    kept = mask.sum(-1) > 0
+    assert metrics["behavior_weight_truncated_fraction"].item() == pytest.approx(
+        ((expected >= 1.2) & kept).sum().item() / kept.sum().item())
+    # In the loss: the advantage of each sequence scaled by its weight.
+    logp = batch["old_logprobs"] + 0.01
+    cfg = LossConfig(clip_low=0.05, clip_high=0.05, behavior_weight_cap=1.2)
+    loss, _ = objective(logp, {**batch, "stale": stale}, cfg)
+    scaled, _ = objective(logp, {**batch, "advantages": batch["advantages"] * expected}, cfg)
+    assert loss.item() == pytest.approx(scaled.item(), rel=1e-12)

@@ -3,6 +3,7 @@ engine: groups without signal are dropped, and further generation rounds (fresh 
 fresh seeds) refill the batch up to `rollout.max_sampling_rounds`."""
 
 import re
+import time
 
 import pytest
 import torch
@@ -19,11 +20,14 @@ class ScriptedEngine:
     """A prompt asking for a color gets a right answer from its even members only (a group with
     signal); every other prompt gets a wrong answer from all members (no signal)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, delay_s: float = 0.0):
+        self.tokenizer, self.delay_s = tokenizer, delay_s
         self.calls = []  # (categories asked, seeds) per generate call
+        self.version = 0  # the weights it generates with (the producer tests move it)
 
-    def generate(self, prompts, params, weight_version=None, seeds=None):
+    def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None):
+        version = self.version
+        time.sleep(self.delay_s)
         categories = [re.search(r"name an? (\w+)", self.tokenizer.decode(p)).group(1) for p in prompts]
         self.calls.append((categories, seeds))
         out = []
@@ -31,7 +35,9 @@ class ScriptedEngine:
             right = category == "color" and i % GROUP % 2 == 0
             word = f"{category}_0" if right else ("animal_0" if category == "color" else "color_0")
             ids = self.tokenizer.convert_tokens_to_ids([word, "<eos>"])
-            out.append(Rollout(prompt, ids, [-1.0, -0.5], "stop", weight_version))
+            # Generated across a version change when one happened while it ran.
+            out.append(Rollout(prompt, ids, [-1.0, -0.5], "stop", weight_version or f"step-{self.version}",
+                               token_versions=(version, self.version)))
         return out
 
 
@@ -47,7 +53,8 @@ def source_for(task, **options) -> tuple[RolloutSource, ScriptedEngine]:
     """options: train.rollout_batch_size, or a rollout field (sampling)."""
     overrides = [f"data.path={task / 'prompts.jsonl'}", f"data.tokenizer_dir={task / 'tokenizer'}",
                  "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1", f"train.group_size={GROUP}",
-                 *(f"{'train' if k == 'rollout_batch_size' else 'rollout'}.{k}={v}" for k, v in options.items())]
+                 *(f"{'train' if k == 'rollout_batch_size' else 'rollout'}.{k}={v}" for k, v in options.items()),
+                 "reward.norm=group"]
     source = RolloutSource(load_config(None, overrides))
     source.client = engine = ScriptedEngine(source.tokenizer)
     return source, engine
@@ -112,3 +119,42 @@ def test_max_sampling_rounds_must_be_positive():
 
     with pytest.raises(ConfigError, match="rollout.max_sampling_rounds: must be >= 1"):
         load_config(None, ["rollout.max_sampling_rounds=0"])
+
+
+def _producer_run(task, mode, steps=4, batch=3, staleness=1):
+    from gspo_mcore.rollout.producer import make_producer
+
+    source, engine = source_for(task, rollout_batch_size=batch, mode=mode, max_staleness=staleness,
+                                max_sampling_rounds=50)
+    engine.delay_s = 0.05
+    producer = make_producer(source, version=0)
+    outstanding, rows = [], []
+    try:
+        for step in range(steps):
+            rollouts, advantages, metrics = producer.get_batch(step)
+            if mode == "async":
+                with producer.changed:  # the pacing rule's count against its bound at this version
+                    outstanding.append((producer._outstanding(), (staleness + step + 1) * batch))
+            rows.append((rollouts, advantages, metrics))
+            time.sleep(0.1)  # the update: generation goes on meanwhile
+            engine.version = step + 1  # the push
+            if mode == "async":
+                producer.set_version(step + 1)
+    finally:
+        producer.close()
+        source.close()
+    return rows, outstanding
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_asynchronous_producers_keep_the_staleness_bound_and_full_batches(task, mode):
+    rows, outstanding = _producer_run(task, mode)
+    for step, (rollouts, advantages, metrics) in enumerate(rows):
+        assert len(rollouts) == 3 * GROUP and len(advantages) == len(rollouts)  # full batches of informative groups
+        assert metrics["groups_kept"] == 3 and 0 <= metrics["staleness_max"] <= 1
+        assert all(step - r.oldest_version <= 1 for r in rollouts)
+    # Generation overlapped the updates: later batches hold tokens of the previous version.
+    assert any(metrics["staleness_max"] == 1 for _, _, metrics in rows[1:])
+    # Pacing: groups accepted or running never exceed (max_staleness + version + 1) batches; groups
+    # without signal are replaced (dynamic sampling), not counted.
+    assert all(count <= bound for count, bound in outstanding), outstanding

@@ -59,7 +59,8 @@ class SGLangClient:
             raise RetryableError(f"not a /generate answer: {str(answer)[:100]!r}")
         return answer
 
-    def _one(self, index: int, prompt_ids: list[int], sampling_params: dict, weight_version: str | None) -> Rollout:
+    def _one(self, index: int, prompt_ids: list[int], sampling_params: dict, weight_version: str | None,
+             oldest_version: int | None = None) -> Rollout:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True,
                 "logprob_start_len": -1}
         if self.routing_shape is not None:
@@ -72,7 +73,7 @@ class SGLangClient:
                 if (payload.get("meta_info", {}).get("finish_reason") or {}).get("type") == "abort":
                     raise RetryableError("generation aborted by the server")
                 return parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version,
-                                               self.routing_shape)
+                                               self.routing_shape, oldest_version)
             except RetryableError as err:
                 error = f"server {url}: {err}"
                 if attempt + 1 < self.max_attempts:
@@ -80,17 +81,20 @@ class SGLangClient:
         raise RolloutError(f"request {index}: failed after {self.max_attempts} attempts; last: {error}")
 
     def generate(self, prompts: list[list[int]], sampling_params: dict,
-                 weight_version: str | None = None, seeds: list[int] | None = None) -> list[Rollout]:
+                 weight_version: str | None = None, seeds: list[int] | None = None,
+                 oldest_version: int | None = None) -> list[Rollout]:
         """One rollout per prompt, in prompt order. `seeds`: a sampling seed per request (a
         retried request samples the same tokens; used by servers started with
-        --enable-deterministic-inference, ignored by others)."""
+        --enable-deterministic-inference, ignored by others). `weight_version` / `oldest_version`:
+        what parse_generate_response accepts."""
         check_sampling_params(sampling_params)
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         params = [sampling_params if seeds is None else {**sampling_params, "sampling_seed": seed} for seed in
                   (seeds if seeds is not None else [None] * len(prompts))]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(prompts)))) as pool:
-            futures = [pool.submit(self._one, i, p, params[i], weight_version) for i, p in enumerate(prompts)]
+            futures = [pool.submit(self._one, i, p, params[i], weight_version, oldest_version)
+                       for i, p in enumerate(prompts)]
             try:
                 return [f.result() for f in futures]
             except BaseException:

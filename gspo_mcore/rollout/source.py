@@ -8,6 +8,7 @@ those with signal) and generates more rounds until `rollout_batch_size` groups a
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from transformers import AutoTokenizer
@@ -40,6 +41,7 @@ class RolloutSource:
         self.group_filter = by_name(config.rollout.group_filter, adv.GROUP_FILTERS, "rollout.group_filter")
         self.running = adv.RunningMoments()
         self.client = None
+        self.lock = threading.Lock()
 
     def connect(self, urls: list[str], vocab_size: int, routing_shape: tuple[int, int] | None = None,
                 api_key: str | None = None, max_concurrency: int = 64) -> None:
@@ -49,58 +51,49 @@ class RolloutSource:
                                    max_attempts=self.config.rollout.max_attempts, routing_shape=routing_shape,
                                    api_key=api_key, max_concurrency=max_concurrency)
 
-    def collect(self, step: int, weight_version: str) -> tuple[list[Rollout], list[float], dict]:
+    def collect(self, step: int, weight_version: str | None = None,
+                oldest_version: int | None = None) -> tuple[list[Rollout], list[float], dict]:
         """Rounds of generation until `rollout_batch_size` groups with signal are kept (at most
         `max_sampling_rounds`; each asks for `oversample` x the groups still missing). Metrics
-        are over everything generated this step."""
+        are over everything generated this step. `weight_version` (sync) / `oldest_version`
+        (one_step_off): the versions the responses may come from."""
         rollouts, advantages, rounds = [], [], []
         for _ in range(self.config.rollout.max_sampling_rounds):
             missing = self.config.train.rollout_batch_size - sum(r["groups_kept"] for r in rounds)
             if missing <= 0:
                 break
-            kept, kept_advantages, figures = self._round(step, weight_version, missing,
-                                                         offset=sum(r["requests"] for r in rounds))
+            # Seeds from (run seed, step, request): with a deterministic server, a resumed run
+            # samples what the uninterrupted one did.
+            seeds_base = step_seed(self.config.train.seed, step) * 100_003 + sum(r["requests"] for r in rounds)
+            kept, kept_advantages, figures = self.round(missing, math.ceil(missing * self.config.rollout.oversample),
+                                                        seeds_base, weight_version, oldest_version)
             rollouts += kept
             advantages += kept_advantages
             rounds.append(figures)
-        rewards = torch.cat([r["rewards"] for r in rounds])
-        lengths = torch.cat([r["lengths"] for r in rounds])
-        metrics = {
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std(unbiased=False).item(),
-            "response_length_mean": lengths.mean().item(),
-            "response_length_max": lengths.max().item(),
-            "truncated_fraction": sum(r["truncated"] for r in rounds) / len(lengths),
-            "groups_kept": sum(r["groups_kept"] for r in rounds),
-            "groups_total": sum(r["groups_total"] for r in rounds),
-            "sampling_rounds": len(rounds),
-            "reward_errors": sum(r["reward_errors"] for r in rounds),
-            "reward_timeouts": sum(r["reward_timeouts"] for r in rounds),
-        }
-        return rollouts, advantages, metrics
+        return rollouts, advantages, round_metrics(rounds)
 
-    def _round(self, step: int, weight_version: str, wanted: int, offset: int) -> tuple[list, list, dict]:
-        """One generation round: `wanted` x oversample prompts; keeps at most `wanted` groups.
-        `offset`: requests already made this step (their seeds are taken)."""
+    def round(self, wanted: int, num_prompts: int, seeds_base: int, weight_version: str | None = None,
+              oldest_version: int | None = None) -> tuple[list, list, dict]:
+        """One generation round: `num_prompts` groups; keeps at most `wanted` of them, the first
+        the group filter keeps. Thread-safe: the asynchronous producer runs one per group."""
         cfg = self.config.train
-        num_prompts = math.ceil(wanted * self.config.rollout.oversample)
-        samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
+        with self.lock:  # the sampler's position
+            samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
         prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
         requests = [p for p in prompts for _ in range(cfg.group_size)]
         params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.rollout.temperature}
-        # Seeds from (run seed, step, request): with a deterministic server, a resumed run
-        # samples what the uninterrupted one did.
-        base = step_seed(cfg.seed, step) * 100_003 + offset
-        seeds = [base + i for i in range(len(requests))]
-        rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds)
+        seeds = [seeds_base + i for i in range(len(requests))]
+        rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds,
+                                        oldest_version=oldest_version)
         texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
         answers = [s.answer for s in samples for _ in range(cfg.group_size)]
-        scores, stats = self.rewards.score(texts, answers)
-        rewards = torch.tensor(scores, dtype=torch.float32)
         group_ids = torch.arange(len(samples)).repeat_interleave(cfg.group_size)
-        # reward_norm "batch" / "running": over this round's rewards / updated by each round.
         reward = self.config.reward
-        normed = adv.normalize_rewards(rewards, group_ids, reward.norm, self.running)
+        with self.lock:  # one reward runner; the running moments
+            scores, stats = self.rewards.score(texts, answers)
+            rewards = torch.tensor(scores, dtype=torch.float32)
+            # reward.norm "batch" / "running": over this round's rewards / updated by each round.
+            normed = adv.normalize_rewards(rewards, group_ids, reward.norm, self.running)
         advantages = adv.clip(adv.group_advantages(normed, group_ids, normalize_std=reward.advantage_std_norm),
                               reward.advantage_clip)
         keep = self.group_filter(rewards, group_ids)
@@ -123,3 +116,21 @@ class RolloutSource:
 
     def close(self) -> None:
         self.rewards.close()
+
+
+def round_metrics(rounds: list[dict]) -> dict:
+    """A step's rollout figures over every round (or group) generated for it."""
+    rewards = torch.cat([r["rewards"] for r in rounds])
+    lengths = torch.cat([r["lengths"] for r in rounds])
+    return {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std(unbiased=False).item(),
+        "response_length_mean": lengths.mean().item(),
+        "response_length_max": lengths.max().item(),
+        "truncated_fraction": sum(r["truncated"] for r in rounds) / len(lengths),
+        "groups_kept": sum(r["groups_kept"] for r in rounds),
+        "groups_total": sum(r["groups_total"] for r in rounds),
+        "sampling_rounds": len(rounds),
+        "reward_errors": sum(r["reward_errors"] for r in rounds),
+        "reward_timeouts": sum(r["reward_timeouts"] for r in rounds),
+    }

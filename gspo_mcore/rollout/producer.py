@@ -1,0 +1,184 @@
+"""Where the trainer's batches come from, one `get_batch(step)` for every `rollout.mode` (rank 0).
+
+- `SyncProducer`: generate the batch now, with the weights of this step (the default).
+- `OneStepOffProducer`: batch k+1 is generated on a thread while batch k trains.
+- `AsyncProducer`: groups stay in flight on the servers continuously. Admission is paced so the
+  staleness bound holds (AReaL's rule: admit while (max_staleness + version + 1) x batch >
+  accepted + running, in groups) and the trainer takes groups in admission order, so a group
+  admitted at version v is trained at version v + max_staleness at the latest, whatever its
+  length; nothing is discarded for being stale (which would favour short responses).
+
+In both asynchronous modes the trainer pauses the servers around each push (requests keep their
+tokens, gspo_mcore.rollout.engine_control.pause_generation), so a response spans versions and
+every token carries its own (Rollout.token_versions).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.rollout.source import RolloutSource, round_metrics
+from gspo_mcore.seeds import step_seed
+
+
+def staleness_metrics(rollouts: list[Rollout], version: int) -> dict:
+    """How old the trained tokens are against the weights being updated (`version`), and how
+    many responses span several weight versions."""
+    if not rollouts or not all(r.token_versions for r in rollouts):
+        return {"staleness_mean": None, "staleness_max": None, "multi_version_fraction": None,
+                "version_span_max": None}
+    staleness = [version - r.oldest_version for r in rollouts]
+    spans = [max(r.token_versions) - min(r.token_versions) + 1 for r in rollouts]
+    return {"staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+            "multi_version_fraction": sum(s > 1 for s in spans) / len(spans), "version_span_max": max(spans)}
+
+
+class SyncProducer:
+    def __init__(self, source: RolloutSource):
+        self.source = source
+
+    def get_batch(self, step: int) -> tuple[list[Rollout], list[float], dict]:
+        rollouts, advantages, metrics = self.source.collect(step, weight_version=f"step-{step}")
+        return rollouts, advantages, {**metrics, "trainer_wait_s": 0.0}
+
+    def set_version(self, version: int) -> None:
+        """After a push: nothing to pace here (the next batch names its version itself)."""
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOffProducer(SyncProducer):
+    """Batch k+1 is generated while batch k trains: its tokens come from version k (before the
+    push that ends step k) or k + 1, and it trains at version k + 1."""
+
+    def __init__(self, source: RolloutSource, max_staleness: int):
+        super().__init__(source)
+        self.max_staleness = max_staleness
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-step-off")
+        self.next: tuple[int, Future, dict] | None = None  # (step, batch, sampler state before it)
+
+    def _start(self, step: int) -> None:
+        state = self.source.state_dict()
+        oldest = max(0, step - self.max_staleness)
+        self.next = (step, self.pool.submit(self.source.collect, step, None, oldest), state)
+
+    def get_batch(self, step: int) -> tuple[list[Rollout], list[float], dict]:
+        if self.next is None or self.next[0] != step:
+            self._start(step)
+        began = time.monotonic()
+        rollouts, advantages, metrics = self.next[1].result()
+        waited = time.monotonic() - began
+        self._start(step + 1)
+        return rollouts, advantages, {**metrics, **staleness_metrics(rollouts, step), "trainer_wait_s": waited}
+
+    def state_dict(self) -> dict:
+        """The data position before the batch in flight: a resume generates it again (the responses
+        in flight are dropped, their prompts re-queued in the same order)."""
+        return self.next[2] if self.next is not None else self.source.state_dict()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class AsyncProducer:
+    """Groups in flight continuously (see the module's docstring). `set_version(v)` after each
+    push; `get_batch(step)` returns the oldest `rollout_batch_size` groups with signal."""
+
+    def __init__(self, source: RolloutSource, max_staleness: int, version: int):
+        self.source, self.max_staleness = source, max_staleness
+        self.batch_groups = source.config.train.rollout_batch_size
+        self.version = self.start_version = version
+        self.pending: list[dict] = []  # admitted, not yet taken: in admission order
+        self.taken = 0  # groups with signal handed to the trainer
+        self.admitted = 0
+        self.changed = threading.Condition()
+        self.closed = False
+        self.pool = ThreadPoolExecutor(max_workers=(max_staleness + 1) * self.batch_groups,
+                                       thread_name_prefix="async-group")
+        self.admitter = threading.Thread(target=self._admit_forever, name="async-admission", daemon=True)
+        self.admitter.start()
+
+    def _outstanding(self) -> int:
+        """Groups accepted (taken or waiting) or still running: what the pacing rule counts."""
+        return self.taken + sum(1 for g in self.pending if not g["future"].done() or g["kept"])
+
+    def _admit_forever(self) -> None:
+        while True:
+            with self.changed:
+                # Versions count from this producer's first batch (a resumed run starts later).
+                self.changed.wait_for(lambda: self.closed or self._outstanding() < (
+                    self.max_staleness + self.version - self.start_version + 1) * self.batch_groups)
+                if self.closed:
+                    return
+                self._admit()
+
+    def _admit(self) -> None:
+        """One more group (called with the lock held): its prompt, its seeds, the oldest version
+        its tokens may carry (the version now: the engine holds nothing older)."""
+        state = self.source.state_dict()
+        index, self.admitted = self.admitted, self.admitted + 1
+        seeds_base = step_seed(self.source.config.train.seed, index) * 100_003
+        group = {"index": index, "state": state, "kept": False}
+        group["future"] = self.pool.submit(self.source.round, 1, 1, seeds_base, None, self.version)
+        group["future"].add_done_callback(lambda future, group=group: self._finished(group, future))
+        self.pending.append(group)
+
+    def _finished(self, group: dict, future: Future) -> None:
+        with self.changed:
+            group["kept"] = future.exception() is None and future.result()[2]["groups_kept"] > 0
+            self.changed.notify_all()
+
+    def set_version(self, version: int) -> None:
+        with self.changed:
+            self.version = version
+            self.changed.notify_all()
+
+    def get_batch(self, step: int) -> tuple[list[Rollout], list[float], dict]:
+        """The next `rollout_batch_size` groups with signal in admission order (waiting for the
+        oldest ones to finish); the figures of every group finished on the way."""
+        began, rollouts, advantages, rounds, kept = time.monotonic(), [], [], [], 0
+        while kept < self.batch_groups:
+            with self.changed:
+                self.changed.wait_for(lambda: self.pending[0]["future"].done() if self.pending else self.closed)
+                group = self.pending.pop(0)
+                self.taken += group["kept"]
+                self.changed.notify_all()
+            got, got_advantages, figures = group["future"].result()  # a failed group raises here
+            rollouts += got
+            advantages += got_advantages
+            rounds.append(figures)
+            kept += figures["groups_kept"]
+        metrics = {**round_metrics(rounds), "sampling_rounds": len(rounds), **staleness_metrics(rollouts, step),
+                   "trainer_wait_s": time.monotonic() - began}
+        worst = metrics["staleness_max"]
+        if worst is not None and worst > self.max_staleness:  # the pacing rule's promise: a bug if broken
+            raise AssertionError(f"staleness {worst} exceeds rollout.max_staleness {self.max_staleness}")
+        return rollouts, advantages, metrics
+
+    def state_dict(self) -> dict:
+        """The data position before the oldest group not yet taken: a resume admits those groups
+        again, in the same order (their responses in flight are dropped)."""
+        with self.changed:
+            return self.pending[0]["state"] if self.pending else self.source.state_dict()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_producer(source: RolloutSource, version: int):
+    rollout = source.config.rollout
+    if rollout.mode == "one_step_off":
+        return OneStepOffProducer(source, rollout.max_staleness)
+    if rollout.mode == "async":
+        return AsyncProducer(source, rollout.max_staleness, version)
+    return SyncProducer(source)

@@ -143,7 +143,7 @@ class Progress:
         bar = "#" * round(width * done / self.total) + "-" * (width - round(width * done / self.total))
         per_step = (time.monotonic() - self.began) / max(1, done - self.start)
         eta = per_step * (self.total - done)
-        figures = " ".join(metric.printed.format(float("nan") if m.get(metric.name) is None else m[metric.name])
-                           for metric in PRINTED)
+        # A figure that was not measured (a step that trained nothing; staleness in sync mode) is left out.
+        figures = " ".join(metric.printed.format(m[metric.name]) for metric in PRINTED if m.get(metric.name) is not None)
         self.stream.write(f"step {done:>4}/{self.total} [{bar}] {figures} | ETA {int(eta) // 60}m{int(eta) % 60:02d}s\n")
         self.stream.flush()

@@ -1,0 +1,92 @@
+"""Asynchronous GSPO against synchronous, measured side by side: the same task, seed and steps in
+rollout.mode sync, one_step_off and async, with the trainer and the SGLang server pinned to
+separate cores (taskset) so that overlap is physically possible on a 2-core machine.
+
+    python bench/async.py --out DIR [--steps 8] [key=value ...]
+
+The task is configs/long_cpu.yaml's (a bf16 engine) with long-tailed response lengths (the tiny
+model stops at random: 8 to rollout.max_new_tokens tokens). Each mode is one real run
+(`python -m gspo_mcore.train` on core 0) against one server the bench starts (core 1); each run
+pushes its own initial weights first. Prints a table, then one JSON line last:
+{"async_speedup": samples/s async / sync, "one_step_off_speedup": ..., "overlap_bound": from the sync
+run's own phases, (rollout + train + sync) / max(rollout, train + sync), "max_staleness_seen": ...}.
+Regenerated tokens are not counted here: a push retracts requests, which keep their tokens
+(tests/test_async_engine.py checks that a continued response has every token, each exact).
+Throughput is over steps 2.. (step 1 includes start-up). Not a test: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gspo_mcore.config import load_config  # noqa: E402
+from gspo_mcore.long_task import make_long_task  # noqa: E402
+from gspo_mcore.netaddr import free_port  # noqa: E402
+from gspo_mcore.processes import ManagedServer  # noqa: E402
+from gspo_mcore.rollout.server import server_for_config  # noqa: E402
+
+CONFIG = REPO / "configs" / "long_cpu.yaml"
+MODES = ("sync", "one_step_off", "async")
+DEFAULTS = ["rollout.max_new_tokens=96", "reward.norm=group", "train.export_hf=false", "train.save_final=false"]
+
+
+def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]:
+    run_dir = out / mode
+    shutil.rmtree(run_dir, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "gspo_mcore.train", "--config", str(CONFIG), "--output-dir",
+           str(run_dir), *overrides, f"rollout.mode={mode}", f"rollout.urls=[{url}]"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode}: the run failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(rows: list[dict]) -> dict:
+    steady = rows[1:]
+    seconds = sum(r["time_step_s"] for r in steady)
+    phase = {k: sum(r[f"time_{k}_s"] for r in steady) / len(steady) for k in ("rollout", "train", "sync")}
+    return {"samples_per_s": sum(r["samples"] for r in steady) / seconds,
+            "tokens_per_s": sum(r["tokens_per_s"] * r["time_step_s"] for r in steady) / seconds,
+            "step_s": seconds / len(steady), **{f"{k}_s": v for k, v in phase.items()},
+            "reward_last": rows[-1]["reward_mean"], "staleness_max": max((r["staleness_max"] or 0) for r in rows),
+            "idle": sum(r["trainer_idle_fraction"] or 0 for r in steady) / len(steady)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    overrides = [*DEFAULTS, f"train.steps={args.steps}", *args.overrides]
+    config = load_config(CONFIG, overrides)
+    make_long_task(Path(config.model.hf_dir).parent)
+    port = free_port()
+    cmd, env = server_for_config(config, port)
+    with ManagedServer(["taskset", "-c", "1", *cmd], f"http://127.0.0.1:{port}", args.out / "sglang.log", env=env):
+        results = {mode: summary(run_mode(args.out, mode, f"http://127.0.0.1:{port}", overrides)) for mode in MODES}
+    print("| mode | samples/s | step s | rollout s | train s | sync s | trainer idle | staleness max | reward (last) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, r in results.items():
+        print(f"| {mode} | {r['samples_per_s']:.1f} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['train_s']:.2f} | "
+              f"{r['sync_s']:.2f} | {r['idle']:.2f} | {r['staleness_max']} | {r['reward_last']:.3f} |")
+    sync = results["sync"]
+    bound = (sync["rollout_s"] + sync["train_s"] + sync["sync_s"]) / max(sync["rollout_s"], sync["train_s"] + sync["sync_s"])
+    print(json.dumps({"async_speedup": results["async"]["samples_per_s"] / sync["samples_per_s"],
+                      "one_step_off_speedup": results["one_step_off"]["samples_per_s"] / sync["samples_per_s"],
+                      "overlap_bound": bound,
+                      "max_staleness_seen": max(results[m]["staleness_max"] for m in MODES)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,7 @@ GIB = 1024**3
 GPU_CONFIGS = {
     "qwen3_30b_a3b_gspo.yaml": (1, HF_30B),
     "qwen3_30b_a3b_gspo_2node.yaml": (2, HF_30B),
+    "qwen3_30b_a3b_gspo_async.yaml": (2, HF_30B),  # split: 8 trainer GPUs, 8 SGLang GPUs
     "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
 }
 # What the shipped configs keep free on an H100 in their tightest phase: the estimates are
@@ -199,3 +200,8 @@ def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses():
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: distributed: 24 trainer ranks are not divisible")
+
+
+def test_asynchronous_mode_with_colocated_servers_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"rollout.mode: 'async' overlaps generation and training, which colocated"):
+        _plan(overrides=["rollout.mode=async"])

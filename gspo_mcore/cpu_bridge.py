@@ -82,6 +82,14 @@ def _type_reporting_cuda(original):
     return tensor_type
 
 
+def _on_cpu(function):
+    """`function` with its literal device="cuda" factories made on the CPU, in any thread."""
+    def on_cpu(*args, **kwargs):
+        with _CudaDeviceToCpu():
+            return function(*args, **kwargs)
+    return on_cpu
+
+
 def install() -> None:
     """Idempotent. Call before building any Megatron module."""
     global _installed
@@ -112,9 +120,14 @@ def install() -> None:
     _CudaDeviceToCpu().__enter__()  # stays on the mode stack for the process
 
     # After torch.cuda is bridged: these modules read it at import.
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils
 
+    # The causal masks, also where the mode above is not on the stack: activation recompute runs
+    # the layer again inside autograd's backward (model.recompute: full).
+    for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
+        setattr(fused_softmax, name, _on_cpu(getattr(fused_softmax, name)))
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # Without Transformer Engine the name is never bound; None selects the torch.mm path.

@@ -30,7 +30,11 @@ CASES = {  # name -> (level, aggregation, KL coefficient, entropy coefficient, l
     "gspo-entropy-sum-norm": ("sequence", "seq-mean-token-sum-norm", 0.0, ENTROPY_COEF, ["TP2-SP"]),
     # The first minibatch takes pi_old from its own forward: the step of the exactly on-policy loss.
     "gspo-on-policy-first": ("sequence", None, 0.0, 0.0, ["DP2"]),
+    # Full activation recompute (every GPU config's): each layer recomputed in backward, same step.
+    "gspo-recompute-full": ("sequence", None, 0.0, 0.0, ["EP2"]),
 }
+# Extra config overrides of a case (beyond the loss's).
+CASE_OPTIONS = {"gspo-recompute-full": ["model.recompute=full"]}
 
 
 def options(level, aggregation, kl_coef, entropy_coef, on_policy=False):
@@ -67,7 +71,8 @@ def rollout_batch(hf_dir) -> dict:
 def _plan_jobs():
     for case, (level, aggregation, kl_coef, entropy_coef, layouts) in CASES.items():
         plan_layout_job(f"gspo_step-{case}", "train_step", layouts,
-                        options(level, aggregation, kl_coef, entropy_coef, on_policy=case.endswith("on-policy-first")),
+                        [*options(level, aggregation, kl_coef, entropy_coef, on_policy=case.endswith("on-policy-first")),
+                         *CASE_OPTIONS.get(case, [])],
                         batch=rollout_batch)
 
 

@@ -56,7 +56,27 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = No
     for name, metrics in FIGURES.items():
         fig = _stacked(metrics, labels, runs) if name == STACKED else _lines(metrics, labels, runs, name in LOG_SCALE)
         written.append(_save(fig, out_dir / f"{name}.png"))
+    written.append(_save(_reward_over_time(labels, runs), out_dir / "reward_wallclock.png"))
     return written
+
+
+def _reward_over_time(labels: list[str], runs: list[list[dict]]):
+    """Reward against the run's own step time (summed): asynchronous and synchronous runs compared
+    per second, not per step."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, rows in zip(labels, runs):
+        elapsed, points = 0.0, []
+        for r in rows:
+            elapsed += r.get("time_step_s") or 0.0
+            if r.get("reward_mean") is not None:
+                points.append((elapsed / 60, r["reward_mean"]))
+        if points:
+            ax.plot(*zip(*points), label=label)
+    ax.set_xlabel("training time (min, summed step times)")
+    ax.set_ylabel("mean reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
 
 
 def _lines(metrics, labels: list[str], runs: list[list[dict]], log: bool = False):

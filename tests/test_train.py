@@ -126,7 +126,7 @@ def test_plots_for_one_run_and_an_overlay(default_run, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gspo_mcore.plot", str(out), str(out), "--labels", "GSPO,again",
                            "--out", str(tmp_path / "plots")], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    for name in ("reward", "clip_fraction", "response_length", "mismatch", "step_time"):
+    for name in ("reward", "clip_fraction", "response_length", "mismatch", "step_time", "reward_wallclock"):
         png = tmp_path / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     proc = subprocess.run([sys.executable, "-m", "gspo_mcore.plot", str(tmp_path)], capture_output=True,

@@ -58,6 +58,8 @@ ARMS = {
     "gspo-recompute-wide": ("GSPO, recomputed, 10x band", [*PAPER, *WIDE_BAND, *RECOMPUTE]),
     "gspo-engine-onpolicy1": ("GSPO, engine log-probs, first minibatch on-policy, paper band later",
                               ["loss.band_from_mismatch=null"]),
+    # Asynchronous GSPO (decoupled, max_staleness 1) against the default's synchronous loop.
+    "gspo-async": ("GSPO, asynchronous (rollout.mode async, max_staleness 1, decoupled loss)", ["rollout.mode=async"]),
 }
 DEFAULT_ARMS = list(ARMS)[:9]
 

@@ -152,8 +152,8 @@ class Trainer:
             if self.log is not None:
                 self.stack.callback(self.log.close)
             self.progress = Progress(config.train.steps, self.start_step) if self.rank == 0 else None
-            self.probes: list[tuple[list[int], int]] = []
-            self.peak_gb = 0.0  # (tokens, first response token)
+            self.probes: list[tuple[list[int], int]] = []  # (tokens, first response token)
+            self.peak_gb = 0.0
         except BaseException:
             self.stack.close()
             raise

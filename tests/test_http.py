@@ -55,6 +55,7 @@ class Handler(BaseHTTPRequestHandler):
             "/busy": lambda: self._json(503, {"error": "busy"}),
             "/failed": lambda: self._json(200, {"success": False, "message": "shape mismatch"}),
             "/get_server_info": lambda: self._json(200, {"tp_size": 2, "max_running_requests": 48}),
+            "/abort_request": lambda: (ABORTS.append(json.loads(self.received)), self._json(200, {})),
             # Dies mid-answer: fewer bytes than promised (IncompleteRead) ...
             "/cut_short": lambda: self._answer(200, b'{"output_ids": [1,', "application/json", 100),
             # ... or, with no length given, a JSON body that just stops.
@@ -75,6 +76,9 @@ def url():
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+ABORTS = []  # what /abort_request received
 
 
 def test_json_post_and_get(url):
@@ -203,3 +207,15 @@ def test_the_rollout_client_keeps_as_many_requests_in_flight_as_the_servers_run(
     """Concurrency from the servers' own limits (a fixed 64 left 256-request servers mostly idle)."""
     control = EngineControl([url])
     assert control.tp_size(url) == 2 and control.max_running_requests(url, 64) == 48
+
+
+def test_a_closed_client_aborts_what_is_in_flight_and_retries_nothing(url):
+    """An asynchronous producer's client at the end of a run: the servers abort its requests (so
+    its waiting threads return) and nothing is sent again."""
+    client = SGLangClient([url], 256, max_attempts=5, backoff_s=10)
+    client.close()
+    assert ABORTS[-1] == {"rid": "", "abort_all": True}
+    started = time.monotonic()
+    with pytest.raises(RolloutError, match="request 0: the client was closed"):
+        client.generate([[1, 2, 3]], {"max_new_tokens": 4})
+    assert time.monotonic() - started < 1

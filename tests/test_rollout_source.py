@@ -25,6 +25,9 @@ class ScriptedEngine:
         self.calls = []  # (categories asked, seeds) per generate call
         self.version = 0  # the weights it generates with (the producer tests move it)
 
+    def close(self):
+        self.closed = True
+
     def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None):
         version = self.version
         time.sleep(self.delay_s)
@@ -143,6 +146,7 @@ def _producer_run(task, mode, steps=4, batch=3, staleness=1):
     finally:
         producer.close()
         source.close()
+    assert engine.closed  # the producer stops its client: threads waiting on requests return
     return rows, outstanding
 
 

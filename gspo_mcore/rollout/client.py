@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from gspo_mcore.errors import InputError
-from gspo_mcore.rollout.http import ConnectionFailure, HTTPStatusError, post_json
+from gspo_mcore.rollout.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, post_json
 from gspo_mcore.errors import RolloutError
 from gspo_mcore.rollout.response import Rollout, parse_generate_response
 
@@ -45,6 +45,17 @@ class SGLangClient:
         self.routing_shape, self.api_key = routing_shape, api_key
         self.vocab_size, self.request_timeout_s = vocab_size, request_timeout_s
         self.max_attempts, self.backoff_s, self.max_concurrency = max_attempts, backoff_s, max_concurrency
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop for good (asynchronous producers at the end of a run): requests in flight are
+        aborted on the servers, so the threads waiting on them return, and none is retried."""
+        self.closed = True
+        for url in self.urls:
+            try:
+                post_json(f"{url}/abort_request", {"rid": "", "abort_all": True}, 10, self.api_key)
+            except HTTPRequestError:
+                pass  # a server already gone has nothing in flight
 
     def _post(self, url: str, body: dict) -> dict:
         try:
@@ -67,6 +78,8 @@ class SGLangClient:
             body["return_routed_experts"] = True
         error = ""
         for attempt in range(self.max_attempts):
+            if self.closed:
+                raise RolloutError(f"request {index}: the client was closed")
             url = self.urls[(index + attempt) % len(self.urls)]  # spread, then move on when one fails
             try:
                 payload = self._post(url, body)

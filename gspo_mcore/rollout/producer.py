@@ -84,6 +84,7 @@ class OneStepOffProducer(SyncProducer):
         return self.next[2] if self.next is not None else self.source.state_dict()
 
     def close(self) -> None:
+        self.source.client.close()  # the batch in flight: aborted, its threads return
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -172,6 +173,7 @@ class AsyncProducer:
         with self.changed:
             self.closed = True
             self.changed.notify_all()
+        self.source.client.close()  # the groups in flight: aborted, their threads return
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 

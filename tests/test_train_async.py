@@ -23,17 +23,17 @@ def test_asynchronous_modes_train_with_bounded_staleness(toy, tmp_path, mode, la
     """EP2 (async) and DP2 (one_step_off), two servers: full batches, every step's staleness within
     rollout.max_staleness, the trainer not waiting once generation runs ahead, weights checked."""
     out = tmp_path / "run"
-    _train(out, [*_toy_overrides(toy), *COMMON, f"rollout.mode={mode}", "train.steps=4", "train.save_every=0",
+    _train(out, [*_toy_overrides(toy), *COMMON, f"rollout.mode={mode}", "train.steps=3", "train.save_every=0",
                  *([layout] if layout else [])], nproc=2)
     rows = _metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         # async refills continuously; one_step_off keeps sync's rounds (rollout.max_sampling_rounds: 1 here)
         assert r["samples"] == 8 * r["groups_kept"] and (mode != "async" or r["groups_kept"] == 16)
         assert 0 <= r["staleness_max"] <= 1 and r["engine_pause_s"] > 0
         assert 0 <= r["trainer_idle_fraction"] <= 1 and r["behavior_weight_mean"] > 0
     assert any(r["staleness_max"] == 1 for r in rows[1:])  # generation overlapped an update
-    assert [r["sync_check_median"] < 1e-4 for r in rows if "sync_check_median" in r] == [True, True]
+    assert [r["sync_check_median"] < 1e-4 for r in rows if "sync_check_median" in r] == [True]
 
 
 def test_an_async_run_killed_with_groups_in_flight_resumes(toy, tmp_path):

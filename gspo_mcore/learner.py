@@ -43,7 +43,8 @@ class Learner:
         self.arch, self.model = model_from_config(config)
         self.ddp, self.optimizer = setup_training(self.model, config.optimizer)
         # Expert load, and the engine's routed experts in the policy's forward (compared or replayed).
-        self.routers = RouterHooks(self.model, self.arch.num_experts, engine_routing=config.rollout.return_routed_experts,
+        self.routers = RouterHooks(self.model, self.arch.num_experts,
+                                   engine_routing=config.rollout.return_routed_experts,
                                    replay=config.train.routing_replay)
         self.reference = reference_model(config, self.arch) if config.loss.kl_loss_coef > 0 else None
 
@@ -59,7 +60,7 @@ class Learner:
                                  self.config.train.max_tokens_per_microbatch)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         built = [microbatch_tensors(rollouts, advantages, members, tp, extra) for members in mine]
-        if self.config.rollout.return_routed_experts:
+        if self.routers.engine_routing:
             for mb, members in zip(built, mine):
                 mb.update(input_aligned_routing([rollouts[i] for i in members], self.arch.num_experts,
                                                 mb["inputs"].shape[1]))
@@ -138,10 +139,10 @@ class Learner:
             by_step = [[p for rank_parts in per_rank for p in rank_parts[k]] for k in range(len(parts))]
             metrics = [update_report(by_step)]
         dist.broadcast_object_list(metrics, src=last_stage_rank())
-        routing_mismatch, per_layer = self.routers.mismatch()
+        # Compared with the engine's routing only when it sent it: no collective otherwise.
+        routing_mismatch, per_layer = self.routers.mismatch() if self.routers.engine_routing else (None, None)
         return {**metrics[0], "router_max_over_mean_load": self.routers.imbalance(),
-                "routing_mismatch_fraction": routing_mismatch if self.config.rollout.return_routed_experts else None,
-                "routing_mismatch_fraction_per_layer": per_layer if self.config.rollout.return_routed_experts else None}
+                "routing_mismatch_fraction": routing_mismatch, "routing_mismatch_fraction_per_layer": per_layer}
 
     def _band_from_mismatch(self, first_parts: list[dict]) -> tuple[float, float] | None:
         """The clip band for the later minibatches: at least k x the mean per-sequence mismatch

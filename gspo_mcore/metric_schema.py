@@ -32,6 +32,7 @@ class Metric:
     printed: str | None = None  # its fragment of the progress line, a format for the value
     figure: str | None = None  # the plot it is drawn in (OUTPUT_DIR/plots/<figure>.png)
     label: str | None = None  # its axis label / legend entry there
+    asynchronous: bool = False  # measured in rollout.mode one_step_off / async only: null in sync
 
 
 def _loss(name, kind, doc, scope="all", **shown) -> Metric:
@@ -102,13 +103,15 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("routing_mismatch_fraction_per_layer", "the same per MoE layer", update=True),
     # ---- asynchronous modes (gspo_mcore.rollout.producer); null in sync
     Metric("staleness_mean", "mean over trained responses of (the step's weight version - the response's oldest "
-           "token's version)", printed="| stale {:.2f}"),
-    Metric("staleness_max", "the largest (bounded by rollout.max_staleness)", printed="max {:.0f}"),
-    Metric("multi_version_fraction", "share of trained responses whose tokens span several weight versions"),
-    Metric("version_span_max", "the most weight versions one response spans"),
-    Metric("trainer_wait_s", "time the trainer waited for its batch"),
-    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="idle {:.2f}"),
-    Metric("engine_pause_s", "time the servers were paused for the push (asynchronous modes)"),
+           "token's version)", printed="| stale {:.2f}", asynchronous=True),
+    Metric("staleness_max", "the largest (bounded by rollout.max_staleness)", printed="max {:.0f}",
+           asynchronous=True),
+    Metric("multi_version_fraction", "share of trained responses whose tokens span several weight versions",
+           asynchronous=True),
+    Metric("version_span_max", "the most weight versions one response spans", asynchronous=True),
+    Metric("trainer_wait_s", "time the trainer waited for its batch", asynchronous=True),
+    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="idle {:.2f}", asynchronous=True),
+    Metric("engine_pause_s", "time the servers were paused for the push (asynchronous modes)", asynchronous=True),
     Metric("samples_per_s", "responses trained per second of step"),
     # ---- the weight-sync check (steps where weight_sync.check_every fires)
     Metric("sync_check_median", "median |engine - trainer| log-prob over probe tokens, worst server"),
@@ -130,8 +133,7 @@ SCHEMA: tuple[Metric, ...] = (
 BY_NAME = {m.name: m for m in SCHEMA}
 LOSS_METRICS = tuple(m for m in SCHEMA if m.kind is not None)
 UPDATE = tuple(m.name for m in SCHEMA if m.update)
-ASYNC_METRICS = ("staleness_mean", "staleness_max", "multi_version_fraction", "version_span_max", "trainer_wait_s",
-                 "trainer_idle_fraction", "engine_pause_s")  # null in sync runs
+ASYNC_METRICS = tuple(m.name for m in SCHEMA if m.asynchronous)
 FIGURES = {m.figure: tuple(n for n in SCHEMA if n.figure == m.figure) for m in SCHEMA if m.figure}
 
 

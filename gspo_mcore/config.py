@@ -157,6 +157,10 @@ class RolloutConfig:
     max_staleness: int = 1
     """Asynchronous modes: the most weight versions between a trained token and the weights
     being updated."""
+    partial: bool = True
+    """Asynchronous modes: a push keeps the requests in flight, which continue under the new
+    weights (nothing regenerated). false: a push aborts them and they start over from their
+    prompt (tokens_regenerated counts the waste), for comparison."""
     temperature: float = 1.0
     """The engine's sampling temperature; the trainer divides its logits by it too, so the
     ratio compares the distribution that was sampled."""
@@ -287,6 +291,9 @@ class Config:
         if self.rollout.mode == "async" and self.reward.norm == "batch":
             raise ConfigError("reward.norm: 'batch' has no batch in rollout.mode 'async' (groups finish one by one): "
                               "use 'group', 'running' or 'none'")
+        if self.rollout.mode == "sync" and not self.rollout.partial:
+            raise ConfigError("rollout.partial: false applies to the asynchronous modes (a synchronous push has no "
+                              "request in flight); set rollout.mode or drop it")
         if self.rollout.max_staleness < 0 or self.loss.behavior_weight_cap < 1:
             raise ConfigError("rollout.max_staleness must be >= 0 and loss.behavior_weight_cap >= 1")
         if self.train.routing_replay and not self.rollout.return_routed_experts:

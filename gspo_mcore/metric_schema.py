@@ -33,6 +33,7 @@ class Metric:
     figure: str | None = None  # the plot it is drawn in (OUTPUT_DIR/plots/<figure>.png)
     label: str | None = None  # its axis label / legend entry there
     asynchronous: bool = False  # measured in rollout.mode one_step_off / async only: null in sync
+    histogram: bool = False  # a list of counts per value 0, 1, ...: a histogram in TensorBoard / W&B
 
 
 def _loss(name, kind, doc, scope="all", **shown) -> Metric:
@@ -106,11 +107,18 @@ SCHEMA: tuple[Metric, ...] = (
            "token's version)", printed="| stale {:.2f}", asynchronous=True),
     Metric("staleness_max", "the largest (bounded by rollout.max_staleness)", printed="max {:.0f}",
            asynchronous=True),
+    Metric("staleness_histogram", "trained responses per staleness 0, 1, ..., max_staleness", asynchronous=True,
+           histogram=True),
     Metric("multi_version_fraction", "share of trained responses whose tokens span several weight versions",
            asynchronous=True),
     Metric("version_span_max", "the most weight versions one response spans", asynchronous=True),
     Metric("trainer_wait_s", "time the trainer waited for its batch", asynchronous=True),
-    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="idle {:.2f}", asynchronous=True),
+    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="idle: trainer {:.2f}",
+           asynchronous=True),
+    Metric("engine_idle_fraction", "1 - the servers' mean time with a request in flight (not paused) / wall time "
+           "since the previous batch", printed="engine {:.2f}"),
+    Metric("tokens_regenerated", "tokens generated, then thrown away because a push aborted their request "
+           "(rollout.partial: false; 0 otherwise)"),
     Metric("engine_pause_s", "time the servers were paused for the push (asynchronous modes)", asynchronous=True),
     Metric("samples_per_s", "responses trained per second of step"),
     # ---- the weight-sync check (steps where weight_sync.check_every fires)
@@ -134,6 +142,7 @@ BY_NAME = {m.name: m for m in SCHEMA}
 LOSS_METRICS = tuple(m for m in SCHEMA if m.kind is not None)
 UPDATE = tuple(m.name for m in SCHEMA if m.update)
 ASYNC_METRICS = tuple(m.name for m in SCHEMA if m.asynchronous)
+HISTOGRAMS = tuple(m.name for m in SCHEMA if m.histogram)
 FIGURES = {m.figure: tuple(n for n in SCHEMA if n.figure == m.figure) for m in SCHEMA if m.figure}
 
 

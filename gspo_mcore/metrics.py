@@ -15,7 +15,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from gspo_mcore.errors import InputError
 from gspo_mcore.files import atomic_output
-from gspo_mcore.metric_schema import LOSS_METRICS, SCHEMA, combine_kinds, unknown
+from gspo_mcore.metric_schema import HISTOGRAMS, LOSS_METRICS, SCHEMA, combine_kinds, unknown
 
 PRINTED = tuple(m for m in SCHEMA if m.printed)
 
@@ -67,12 +67,19 @@ def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def _scalars(metrics: dict):
     for key, value in metrics.items():
+        if key in HISTOGRAMS:
+            continue
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             yield key, float(value)
         elif isinstance(value, list):  # per-layer figures
             for i, item in enumerate(value):
                 if item is not None:
                     yield f"{key}/layer_{i}", float(item)
+
+
+def _unit_bins(n: int):
+    """Bin edges -0.5, 0.5, ..., n - 0.5: one bin per integer value 0..n-1."""
+    return torch.arange(n + 1, dtype=torch.float64).sub(0.5).numpy()  # host: numpy bins
 
 
 class RunLog:
@@ -105,9 +112,16 @@ class RunLog:
         scalars = {key: value for key, value in _scalars(metrics) if key != "step"}
         for key, value in scalars.items():
             self.tensorboard.add_scalar(key, value, metrics["step"])
+        histograms = {key: metrics[key] for key in HISTOGRAMS if metrics.get(key)}
+        for key, counts in histograms.items():  # counts of the values 0, 1, ...: one bin each
+            values = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # host: for the writer
+            self.tensorboard.add_histogram(key, values, metrics["step"], bins=_unit_bins(len(counts)))
         self.tensorboard.flush()
         if self.wandb is not None:
-            self.wandb.log(scalars, step=metrics["step"])
+            import wandb
+
+            self.wandb.log({**scalars, **{key: wandb.Histogram(np_histogram=(counts, _unit_bins(len(counts)).tolist()))
+                                          for key, counts in histograms.items()}}, step=metrics["step"])
 
     def close(self) -> None:
         self.file.close()

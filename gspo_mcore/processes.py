@@ -8,6 +8,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -74,6 +75,24 @@ def _copy_redacted(source, out, secrets: tuple[str, ...]) -> None:
         out.flush()
 
 
+class ServerStartError(InputError):
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+def last_error_line(log_file: Path, tail_bytes: int = 65536) -> str:
+    """The last line of the log's tail that names an error (a Python exception's last line)."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    hits = [ln.strip() for ln in lines if "Error" in ln or "Exception" in ln]
+    return hits[-1][:300] if hits else ""
+
+
 class ManagedServer:
     """A server subprocess in its own process group, its output streamed to `log_file` (with
     `secrets` redacted). `with ManagedServer(...) as server:` starts it, waits for /health, and
@@ -85,13 +104,24 @@ class ManagedServer:
         self.env, self.startup_timeout_s, self.secrets = env, startup_timeout_s, secrets
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "ManagedServer":
+    def start(self, attempts: int = 2) -> "ManagedServer":
+        """Start and wait for /health. A start that dies by a signal (SGLang's launcher SIGKILLs
+        its own tree when a worker fails to initialise) or on a port taken in the meantime is
+        retried once: both are races with other processes on the host, not bad input."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_file, "ab")
-        self.process = start_redacted(self.cmd, log, self.secrets, self.env, new_session=True)
-        if not self.secrets:
-            log.close()  # the child holds its own copy of the descriptor
-        self.wait_healthy()
+        for attempt in range(attempts):
+            log = open(self.log_file, "ab")
+            self.process = start_redacted(self.cmd, log, self.secrets, self.env, new_session=True)
+            if not self.secrets:
+                log.close()  # the child holds its own copy of the descriptor
+            try:
+                self.wait_healthy()
+                return self
+            except ServerStartError as exc:
+                self.stop()
+                if attempt + 1 == attempts or not exc.transient:
+                    raise
+                print(f"{exc}; starting it again", file=sys.stderr, flush=True)
         return self
 
     def healthy(self) -> bool:
@@ -105,9 +135,11 @@ class ManagedServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise InputError(
-                    f"server {self.url} exited with code {self.process.returncode} while starting; see {self.log_file}"
-                )
+                code, reason = self.process.returncode, last_error_line(self.log_file)
+                raise ServerStartError(
+                    f"server {self.url} exited with code {code} while starting"
+                    + (f" ({reason})" if reason else "") + f"; see {self.log_file}",
+                    transient=code < 0 or "Address already in use" in reason)
             if self.healthy():
                 return
             time.sleep(0.5)

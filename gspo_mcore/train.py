@@ -142,7 +142,7 @@ class Trainer:
             self.sync.push(self.version)
             # After the first push: asynchronous producers start generating with these weights.
             self.asynchronous = config.rollout.mode != "sync"
-            self.producer = make_producer(self.source, self.start_step) if self.source is not None else None
+            self.producer = make_producer(self.source, self.start_step, self.control) if self.source is not None else None
             if self.producer is not None:
                 self.stack.callback(self.producer.close)
             # Created only now: bad input found above (prompts, reward, servers) leaves no directory.
@@ -210,14 +210,13 @@ class Trainer:
                 self.control.resume_memory()
         self.version = f"step-{step + 1}"
         paused = time.perf_counter()
-        if self.asynchronous and self.rank == 0:
-            self.control.pause_generation()  # requests keep their tokens; the push needs no wait
+        if self.producer is not None:
+            self.producer.pause()  # asynchronous modes: requests keep their tokens; the push needs no wait
         dist.barrier()
         self.sync.push(self.version)
         dist.barrier()
-        if self.asynchronous and self.rank == 0:
-            self.control.continue_generation()
-            self.producer.set_version(step + 1)
+        if self.producer is not None:
+            self.producer.resume(step + 1)
         pause_s = time.perf_counter() - paused
         release_cached_memory()  # the push's buckets: the rollout phase holds static state only
         # Probes: sequences of the latest batch that had any (the same on every rank).

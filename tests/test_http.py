@@ -219,3 +219,41 @@ def test_a_closed_client_aborts_what_is_in_flight_and_retries_nothing(url):
     with pytest.raises(RolloutError, match="request 0: the client was closed"):
         client.generate([[1, 2, 3]], {"max_new_tokens": 4})
     assert time.monotonic() - started < 1
+
+
+_FLAKY_SERVER = """
+import http.server, os, signal, sys
+marker, port = sys.argv[1], int(sys.argv[2])
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    print("Scheduler hit an exception: RuntimeError: the port was taken", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # as SGLang's launcher takes its own tree down
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_a_server_killed_while_starting_is_started_once_more(tmp_path):
+    """SGLang's launcher SIGKILLs its tree when a worker fails to initialise (a port another process
+    took in the meantime, in CI): one more start, said on stderr, and the server is up."""
+    from gspo_mcore.netaddr import free_port
+    from gspo_mcore.processes import ManagedServer
+
+    port = free_port()
+    cmd = [sys.executable, "-c", _FLAKY_SERVER, str(tmp_path / "started-once"), str(port)]
+    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "server.log", startup_timeout_s=30) as server:
+        assert server.healthy()
+    assert "the port was taken" in (tmp_path / "server.log").read_text()
+
+
+def test_a_server_that_fails_on_its_input_is_not_retried_and_says_why(tmp_path):
+    from gspo_mcore.processes import ManagedServer
+
+    script = "import sys; print('ValueError: no config.json in /models/x', flush=True); sys.exit(1)"
+    with pytest.raises(InputError, match=r"exited with code 1 while starting \(ValueError: no config.json in /models/x\)"):
+        ManagedServer([sys.executable, "-c", script], "http://127.0.0.1:9", tmp_path / "s.log").start()
+    assert (tmp_path / "s.log").read_text().count("ValueError") == 1

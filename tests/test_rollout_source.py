@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gspo_mcore.config import load_config
+from gspo_mcore.rollout.client import BusyClock
 from gspo_mcore.rollout.response import Rollout
 from gspo_mcore.toy_task import make_prompts, make_tokenizer
 from gspo_mcore.rollout.source import RolloutSource
@@ -24,13 +25,19 @@ class ScriptedEngine:
         self.tokenizer, self.delay_s = tokenizer, delay_s
         self.calls = []  # (categories asked, seeds) per generate call
         self.version = 0  # the weights it generates with (the producer tests move it)
+        self.clock, self.tokens_regenerated, self.closed = BusyClock(["scripted"]), 0, False
 
     def close(self):
         self.closed = True
 
+    def interrupt(self):
+        pass
+
     def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None):
         version = self.version
+        self.clock.started("scripted")
         time.sleep(self.delay_s)
+        self.clock.started("scripted", -1)
         categories = [re.search(r"name an? (\w+)", self.tokenizer.decode(p)).group(1) for p in prompts]
         self.calls.append((categories, seeds))
         out = []
@@ -124,13 +131,25 @@ def test_max_sampling_rounds_must_be_positive():
         load_config(None, ["rollout.max_sampling_rounds=0"])
 
 
+class RecordingControl:
+    def __init__(self):
+        self.calls = []
+
+    def pause_generation(self, keep_tokens=True):
+        self.calls.append(("pause", keep_tokens))
+
+    def continue_generation(self):
+        self.calls.append(("continue",))
+
+
 def _producer_run(task, mode, steps=4, batch=3, staleness=1):
     from gspo_mcore.rollout.producer import make_producer
 
     source, engine = source_for(task, rollout_batch_size=batch, mode=mode, max_staleness=staleness,
                                 max_sampling_rounds=50)
     engine.delay_s = 0.05
-    producer = make_producer(source, version=0)
+    control = RecordingControl()
+    producer = make_producer(source, 0, control)
     outstanding, rows = [], []
     try:
         for step in range(steps):
@@ -140,14 +159,27 @@ def _producer_run(task, mode, steps=4, batch=3, staleness=1):
                     outstanding.append((producer._outstanding(), (staleness + step + 1) * batch))
             rows.append((rollouts, advantages, metrics))
             time.sleep(0.1)  # the update: generation goes on meanwhile
+            producer.pause()
             engine.version = step + 1  # the push
-            if mode == "async":
-                producer.set_version(step + 1)
+            producer.resume(step + 1)
     finally:
         producer.close()
         source.close()
-    assert engine.closed  # the producer stops its client: threads waiting on requests return
+    # Asynchronous producers stop their client: threads waiting on requests return.
+    assert engine.closed == (mode != "sync")
+    # The servers are paused around each push only when something is in flight (asynchronous modes).
+    assert control.calls == ([] if mode == "sync" else [("pause", True), ("continue",)] * steps)
     return rows, outstanding
+
+
+def test_engine_idle_fraction_sees_a_synchronous_run_idle_the_engine_while_it_trains(task):
+    """sync: the engine works only inside get_batch; the 0.1 s 'update' after each batch is idle
+    time (a quarter of each cycle or more here); async keeps it busy."""
+    idle = {mode: [m["engine_idle_fraction"] for _, _, m in _producer_run(task, mode)[0][1:]]
+            for mode in ("sync", "async")}
+    assert all(0.1 < f < 1 for f in idle["sync"]), idle
+    assert sum(idle["async"]) < sum(idle["sync"]), idle
+    assert all(m["tokens_regenerated"] == 0 for _, _, m in _producer_run(task, "sync", steps=1)[0])
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])

@@ -8,12 +8,12 @@ request runs out of attempts the whole call fails, naming the request and the se
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from gspo_mcore.errors import InputError
+from gspo_mcore.errors import InputError, RolloutError
 from gspo_mcore.rollout.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, post_json
-from gspo_mcore.errors import RolloutError
 from gspo_mcore.rollout.response import Rollout, parse_generate_response
 
 
@@ -33,6 +33,40 @@ def check_sampling_params(params: dict) -> None:
         raise InputError("sampling: temperature must be > 0 (greedy decoding has no log-probs to train on)")
 
 
+class BusyClock:
+    """Per server: the seconds with a request in flight while generation is not paused. What
+    the engines are not busy with is `engine_idle_fraction` (a synchronous run idles them while
+    it trains and pushes; an asynchronous one only while paused or out of admissible work)."""
+
+    def __init__(self, urls: list[str]):
+        self.lock = threading.Lock()
+        self.in_flight, self.busy = dict.fromkeys(urls, 0), dict.fromkeys(urls, 0.0)
+        self.since, self.paused = time.monotonic(), False
+
+    def _advance(self) -> None:  # with the lock held
+        now = time.monotonic()
+        if not self.paused:
+            for url, running in self.in_flight.items():
+                self.busy[url] += (now - self.since) if running else 0.0
+        self.since = now
+
+    def started(self, url: str, delta: int = 1) -> None:
+        with self.lock:
+            self._advance()
+            self.in_flight[url] += delta
+
+    def set_paused(self, paused: bool) -> None:
+        with self.lock:
+            self._advance()
+            self.paused = paused
+
+    def busy_s(self) -> float:
+        """Busy seconds so far, averaged over the servers."""
+        with self.lock:
+            self._advance()
+            return sum(self.busy.values()) / len(self.busy)
+
+
 class SGLangClient:
     def __init__(self, urls: list[str], vocab_size: int, *, request_timeout_s: float = 600.0,
                  max_attempts: int = 5, backoff_s: float = 1.0, max_concurrency: int = 64,
@@ -46,6 +80,16 @@ class SGLangClient:
         self.vocab_size, self.request_timeout_s = vocab_size, request_timeout_s
         self.max_attempts, self.backoff_s, self.max_concurrency = max_attempts, backoff_s, max_concurrency
         self.closed = False
+        self.clock = BusyClock(self.urls)
+        # Pushes that aborted the requests in flight on purpose (rollout.partial: false): those
+        # requests start over from their prompt at once, without using an attempt.
+        self.interruptions, self.tokens_regenerated = 0, 0
+        self.count_lock = threading.Lock()
+
+    def interrupt(self) -> None:
+        """Before a pause that aborts the requests in flight (rollout.partial: false)."""
+        with self.count_lock:
+            self.interruptions += 1
 
     def close(self) -> None:
         """Stop for good (asynchronous producers at the end of a run): requests in flight are
@@ -76,21 +120,31 @@ class SGLangClient:
                 "logprob_start_len": -1}
         if self.routing_shape is not None:
             body["return_routed_experts"] = True
-        error = ""
-        for attempt in range(self.max_attempts):
+        attempt, error = 0, ""
+        while attempt < self.max_attempts:
             if self.closed:
                 raise RolloutError(f"request {index}: the client was closed")
             url = self.urls[(index + attempt) % len(self.urls)]  # spread, then move on when one fails
+            interruptions = self.interruptions
             try:
-                payload = self._post(url, body)
-                if (payload.get("meta_info", {}).get("finish_reason") or {}).get("type") == "abort":
+                self.clock.started(url)
+                try:
+                    payload = self._post(url, body)
+                finally:
+                    self.clock.started(url, -1)
+                meta = payload.get("meta_info", {})
+                if (meta.get("finish_reason") or {}).get("type") == "abort":
+                    if self.interruptions != interruptions and not self.closed:  # our push: start over
+                        with self.count_lock:
+                            self.tokens_regenerated += int(meta.get("completion_tokens") or 0)
+                        continue
                     raise RetryableError("generation aborted by the server")
                 return parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version,
                                                self.routing_shape, oldest_version)
             except RetryableError as err:
-                error = f"server {url}: {err}"
-                if attempt + 1 < self.max_attempts:
-                    time.sleep(self.backoff_s * 2**attempt)
+                error, attempt = f"server {url}: {err}", attempt + 1
+                if attempt < self.max_attempts:
+                    time.sleep(self.backoff_s * 2 ** (attempt - 1))
         raise RolloutError(f"request {index}: failed after {self.max_attempts} attempts; last: {error}")
 
     def generate(self, prompts: list[list[int]], sampling_params: dict,

@@ -75,13 +75,14 @@ class EngineControl:
         self.on_all("/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
         self.on_all("/flush_cache")  # KV/prefix cache entries of the old weights
 
-    def pause_generation(self) -> None:
-        """Asynchronous runs, before a push: every server stops generating and retracts its
-        running requests, keeping their generated tokens and log-probs (SGLang 0.5.23's
-        `retract` mode: Scheduler.retract_all / Req.reset_for_retract keep output_ids and the
-        logprob lists); their /generate calls stay open. Weight loads are then allowed without
-        waiting for requests to finish."""
-        self.on_all("/pause_generation", {"mode": "retract"})
+    def pause_generation(self, keep_tokens: bool = True) -> None:
+        """Asynchronous runs, before a push: every server stops generating. `keep_tokens`
+        (rollout.partial): running requests are retracted, keeping their generated tokens and
+        log-probs (SGLang 0.5.23's `retract` mode: Scheduler.retract_all / Req.reset_for_retract
+        keep output_ids and the logprob lists), their /generate calls stay open. Otherwise they are
+        aborted (mode `abort`: TokenizerManager.pause_generation aborts all and waits until none
+        runs) and the client starts them over. Either way weight loads then need no wait."""
+        self.on_all("/pause_generation", {"mode": "retract" if keep_tokens else "abort"})
 
     def continue_generation(self) -> None:
         """After the push: retracted requests are prefilled again (prompt + the tokens so far,

@@ -28,23 +28,45 @@ def staleness_metrics(rollouts: list[Rollout], version: int) -> dict:
     """How old the trained tokens are against the weights being updated (`version`), and how
     many responses span several weight versions."""
     if not rollouts or not all(r.token_versions for r in rollouts):
-        return {"staleness_mean": None, "staleness_max": None, "multi_version_fraction": None,
-                "version_span_max": None}
+        return {"staleness_mean": None, "staleness_max": None, "staleness_histogram": None,
+                "multi_version_fraction": None, "version_span_max": None}
     staleness = [version - r.oldest_version for r in rollouts]
     spans = [max(r.token_versions) - min(r.token_versions) + 1 for r in rollouts]
     return {"staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+            "staleness_histogram": [staleness.count(s) for s in range(max(staleness) + 1)],
             "multi_version_fraction": sum(s > 1 for s in spans) / len(spans), "version_span_max": max(spans)}
 
 
+class EngineMeter:
+    """The engines' figures between two batches: `engine_idle_fraction` (1 - the servers' mean
+    busy time / wall time, gspo_mcore.rollout.client.BusyClock) and `tokens_regenerated` (tokens
+    generated and thrown away because a push aborted their request: 0 with rollout.partial)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.last = (time.monotonic(), client.clock.busy_s(), client.tokens_regenerated)
+
+    def figures(self) -> dict:
+        now = (time.monotonic(), self.client.clock.busy_s(), self.client.tokens_regenerated)
+        (t0, busy0, regen0), self.last = self.last, now
+        wall = max(now[0] - t0, 1e-9)
+        return {"engine_idle_fraction": min(1.0, max(0.0, 1.0 - (now[1] - busy0) / wall)),
+                "tokens_regenerated": now[2] - regen0}
+
+
 class SyncProducer:
-    def __init__(self, source: RolloutSource):
-        self.source = source
+    def __init__(self, source: RolloutSource, control=None):
+        self.source, self.control = source, control
+        self.meter = EngineMeter(source.client)
 
     def get_batch(self, step: int) -> tuple[list[Rollout], list[float], dict]:
         rollouts, advantages, metrics = self.source.collect(step, weight_version=f"step-{step}")
-        return rollouts, advantages, {**metrics, "trainer_wait_s": 0.0}
+        return rollouts, advantages, {**metrics, "trainer_wait_s": 0.0, **self.meter.figures()}
 
-    def set_version(self, version: int) -> None:
+    def pause(self) -> None:
+        """Before a push: nothing in flight here (the batch is complete), nothing to pause."""
+
+    def resume(self, version: int) -> None:
         """After a push: nothing to pace here (the next batch names its version itself)."""
 
     def state_dict(self) -> dict:
@@ -54,12 +76,33 @@ class SyncProducer:
         pass
 
 
-class OneStepOffProducer(SyncProducer):
+class Overlapping:
+    """What both asynchronous producers do around a push: pause the servers (their requests keep
+    their tokens, or with rollout.partial false are aborted and start over), then continue and
+    tell the pacing the new version."""
+
+    def pause(self) -> None:
+        partial = self.source.config.rollout.partial
+        if not partial:
+            self.source.client.interrupt()  # before the abort, so every aborted request sees it
+        self.source.client.clock.set_paused(True)
+        self.control.pause_generation(keep_tokens=partial)
+
+    def resume(self, version: int) -> None:
+        self.control.continue_generation()
+        self.source.client.clock.set_paused(False)
+        self.set_version(version)
+
+    def set_version(self, version: int) -> None:
+        pass
+
+
+class OneStepOffProducer(Overlapping, SyncProducer):
     """Batch k+1 is generated while batch k trains: its tokens come from version k (before the
     push that ends step k) or k + 1, and it trains at version k + 1."""
 
-    def __init__(self, source: RolloutSource, max_staleness: int):
-        super().__init__(source)
+    def __init__(self, source: RolloutSource, max_staleness: int, control):
+        super().__init__(source, control)
         self.max_staleness = max_staleness
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-step-off")
         self.next: tuple[int, Future, dict] | None = None  # (step, batch, sampler state before it)
@@ -76,7 +119,8 @@ class OneStepOffProducer(SyncProducer):
         rollouts, advantages, metrics = self.next[1].result()
         waited = time.monotonic() - began
         self._start(step + 1)
-        return rollouts, advantages, {**metrics, **staleness_metrics(rollouts, step), "trainer_wait_s": waited}
+        return rollouts, advantages, {**metrics, **staleness_metrics(rollouts, step), "trainer_wait_s": waited,
+                                      **self.meter.figures()}
 
     def state_dict(self) -> dict:
         """The data position before the batch in flight: a resume generates it again (the responses
@@ -88,12 +132,13 @@ class OneStepOffProducer(SyncProducer):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-class AsyncProducer:
-    """Groups in flight continuously (see the module's docstring). `set_version(v)` after each
-    push; `get_batch(step)` returns the oldest `rollout_batch_size` groups with signal."""
+class AsyncProducer(Overlapping):
+    """Groups in flight continuously (see the module's docstring). `pause()` / `resume(v)`
+    around each push; `get_batch(step)` returns the oldest `rollout_batch_size` groups with signal."""
 
-    def __init__(self, source: RolloutSource, max_staleness: int, version: int):
-        self.source, self.max_staleness = source, max_staleness
+    def __init__(self, source: RolloutSource, max_staleness: int, version: int, control):
+        self.source, self.max_staleness, self.control = source, max_staleness, control
+        self.meter = EngineMeter(source.client)
         self.batch_groups = source.config.train.rollout_batch_size
         self.version = self.start_version = version
         self.pending: list[dict] = []  # admitted, not yet taken: in admission order
@@ -157,7 +202,7 @@ class AsyncProducer:
             rounds.append(figures)
             kept += figures["groups_kept"]
         metrics = {**round_metrics(rounds), "sampling_rounds": len(rounds), **staleness_metrics(rollouts, step),
-                   "trainer_wait_s": time.monotonic() - began}
+                   "trainer_wait_s": time.monotonic() - began, **self.meter.figures()}
         worst = metrics["staleness_max"]
         if worst is not None and worst > self.max_staleness:  # the pacing rule's promise: a bug if broken
             raise AssertionError(f"staleness {worst} exceeds rollout.max_staleness {self.max_staleness}")
@@ -177,10 +222,11 @@ class AsyncProducer:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def make_producer(source: RolloutSource, version: int):
+def make_producer(source: RolloutSource, version: int, control):
+    """`control` (gspo_mcore.rollout.engine_control.EngineControl): pauses the servers around pushes."""
     rollout = source.config.rollout
     if rollout.mode == "one_step_off":
-        return OneStepOffProducer(source, rollout.max_staleness)
+        return OneStepOffProducer(source, rollout.max_staleness, control)
     if rollout.mode == "async":
-        return AsyncProducer(source, rollout.max_staleness, version)
-    return SyncProducer(source)
+        return AsyncProducer(source, rollout.max_staleness, version, control)
+    return SyncProducer(source, control)

@@ -5,7 +5,6 @@ its first optimizer step). In the modules that run on the model's device, every 
 factory names its device, or its line carries a `# host` comment saying why it stays there."""
 
 import ast
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 grows past what one screen shows."""
 
 import ast
-from pathlib import Path
 
 import pytest
 

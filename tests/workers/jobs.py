@@ -22,7 +22,6 @@ from gspo_mcore.config import load_config
 from gspo_mcore.learner import Learner
 from gspo_mcore.logprobs import token_logprobs
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
-from gspo_mcore.models.qwen3_moe.forward import run_schedule
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
 from gspo_mcore.optimizer import optimizer_step, setup_training

@@ -98,7 +98,7 @@ class Learner:
         `old_logprobs`: pi_old recomputed by the trainer (default: the engine's log-probs).
         `stale` (asynchronous modes, with `old_logprobs` = pi_prox): 1 for each response token an
         older weight version generated: decoupled GSPO (loss.behavior_weight), ratios against
-        pi_prox, so no band widening."""
+        pi_prox, the band sized from the mismatch on the current version's tokens as in sync."""
         cfg = self.config.train
         num_minibatches = min(cfg.num_minibatches, len(rollouts) // parallel_state.get_data_parallel_world_size())
         if num_minibatches == 0:
@@ -125,7 +125,7 @@ class Learner:
                     compare_routing=first)
                 parts.append(step_parts)
                 grad_norms.append(grad_norm)
-                if first and self.config.loss.band_from_mismatch and stale is None:
+                if first and self.config.loss.band_from_mismatch:
                     band = self._band_from_mismatch(parts[0])
         return {**self._report(parts), "grad_norm": sum(grad_norms) / len(grad_norms),
                 "clip_band_high": band[1] if band else self.config.loss.clip_high,

@@ -286,7 +286,10 @@ def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(),
         sequence_mask_threshold=cfg.sequence_mask_threshold,
     )
     # Against the engine's log-probs even when pi_old was recomputed: the mismatch in every arm.
-    metrics.update(engine_mismatch(logprobs, batch.get("engine_logprobs", batch["old_logprobs"]), batch["mask"],
+    # Asynchronous modes: over the tokens the current weights generated (on older ones the
+    # difference is the policy's own change as well), so it stays the train-inference mismatch.
+    fresh = batch["mask"] * (1 - batch["stale"]) if "stale" in batch else batch["mask"]
+    metrics.update(engine_mismatch(logprobs, batch.get("engine_logprobs", batch["old_logprobs"]), fresh,
                                    cfg.clip_low, cfg.clip_high))
     if cfg.kl_loss_coef > 0:
         kl = aggregate(kl_penalty(logprobs, batch["ref_logprobs"], cfg.kl_estimator), batch["mask"], aggregation,

@@ -297,3 +297,20 @@ def test_the_behaviour_weight_is_the_length_normalised_stale_ratio_truncated():
     loss, _ = objective(logp, {**batch, "stale": stale}, cfg)
     scaled, _ = objective(logp, {**batch, "advantages": batch["advantages"] * expected}, cfg)
     assert loss.item() == pytest.approx(scaled.item(), rel=1e-12)
+
+
+def test_the_asynchronous_mismatch_is_measured_on_the_current_versions_tokens():
+    """On tokens an older version generated, trainer vs engine differ by the policy's own change
+    too: the mismatch (which sizes the later minibatches' band, loss.band_from_mismatch) is taken
+    on the current version's tokens, so it stays the train-inference mismatch of sync."""
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import engine_mismatch, objective
+
+    batch = _async_batch(seed=2)
+    stale = torch.zeros_like(batch["mask"])
+    stale[:3, :5] = 1.0
+    drifted = {**batch, "engine_logprobs": batch["engine_logprobs"] + 2.0 * stale, "stale": stale}
+    _, metrics = objective(batch["old_logprobs"], drifted, LossConfig())
+    expected = engine_mismatch(batch["old_logprobs"], batch["engine_logprobs"], batch["mask"] * (1 - stale), 3e-4, 4e-4)
+    assert metrics["mismatch_abs_log_ratio_mean"].item() == pytest.approx(expected["mismatch_abs_log_ratio_mean"].item())
+    assert metrics["mismatch_abs_log_ratio_mean"].item() < 0.5  # the 2.0 drift is not in it

@@ -7,11 +7,13 @@ separate cores (taskset) so that overlap is physically possible on a 2-core mach
 The task is configs/long_cpu.yaml's (a bf16 engine) with long-tailed response lengths (the tiny
 model stops at random: 8 to rollout.max_new_tokens tokens). Each mode is one real run
 (`python -m gspo_mcore.train` on core 0) against one server the bench starts (core 1); each run
-pushes its own initial weights first. Prints a table, then one JSON line last:
-{"async_speedup": samples/s async / sync, "one_step_off_speedup": ..., "overlap_bound": from the sync
-run's own phases, (rollout + train + sync) / max(rollout, train + sync), "max_staleness_seen": ...}.
-Regenerated tokens are not counted here: a push retracts requests, which keep their tokens
-(tests/test_async_engine.py checks that a continued response has every token, each exact).
+pushes its own initial weights first. A fourth run, `async-restart`, is async with
+rollout.partial false (a push aborts the requests in flight, which start over), for comparison.
+Prints a table, then one JSON line last:
+{"async_speedup": samples/s async / sync, "one_step_off_speedup": ..., "async_restart_speedup": ...,
+"overlap_bound": from the sync run's own phases, (rollout + train + sync) / max(rollout, train + sync),
+"max_staleness_seen": ..., "tokens_regenerated": async's (0: a push retracts requests, which keep
+their tokens), "tokens_regenerated_restart": async-restart's}.
 Throughput is over steps 2.. (step 1 includes start-up). Not a test: the machine is shared and noisy.
 """
 
@@ -35,16 +37,19 @@ from gspo_mcore.processes import ManagedServer  # noqa: E402
 from gspo_mcore.rollout.server import server_for_config  # noqa: E402
 
 CONFIG = REPO / "configs" / "long_cpu.yaml"
-MODES = ("sync", "one_step_off", "async")
-DEFAULTS = ["rollout.max_new_tokens=96", "reward.norm=group", "train.export_hf=false", "train.save_final=false"]
+# run name -> its overrides
+MODES = {"sync": ["rollout.mode=sync"], "one_step_off": ["rollout.mode=one_step_off"], "async": ["rollout.mode=async"],
+         "async-restart": ["rollout.mode=async", "rollout.partial=false"]}
+DEFAULTS = ["rollout.max_new_tokens=160", "reward.norm=group", "train.export_hf=false", "train.save_final=false"]
 
 
 def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]:
+    """One run named `mode` (a key of MODES) against the server at `url`: its metrics rows."""
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "gspo_mcore.train", "--config", str(CONFIG), "--output-dir",
-           str(run_dir), *overrides, f"rollout.mode={mode}", f"rollout.urls=[{url}]"]
+           str(run_dir), *overrides, *MODES[mode], f"rollout.urls=[{url}]"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{mode}: the run failed:\n{proc.stderr[-3000:]}")
@@ -59,7 +64,9 @@ def summary(rows: list[dict]) -> dict:
             "tokens_per_s": sum(r["tokens_per_s"] * r["time_step_s"] for r in steady) / seconds,
             "step_s": seconds / len(steady), **{f"{k}_s": v for k, v in phase.items()},
             "reward_last": rows[-1]["reward_mean"], "staleness_max": max((r["staleness_max"] or 0) for r in rows),
-            "idle": sum(r["trainer_idle_fraction"] or 0 for r in steady) / len(steady)}
+            "idle": sum(r["trainer_idle_fraction"] or 0 for r in steady) / len(steady),
+            "engine_idle": sum(r["engine_idle_fraction"] for r in steady) / len(steady),
+            "tokens_regenerated": sum(r["tokens_regenerated"] for r in rows)}
 
 
 def main() -> None:
@@ -75,17 +82,22 @@ def main() -> None:
     cmd, env = server_for_config(config, port)
     with ManagedServer(["taskset", "-c", "1", *cmd], f"http://127.0.0.1:{port}", args.out / "sglang.log", env=env):
         results = {mode: summary(run_mode(args.out, mode, f"http://127.0.0.1:{port}", overrides)) for mode in MODES}
-    print("| mode | samples/s | step s | rollout s | train s | sync s | trainer idle | staleness max | reward (last) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | samples/s | step s | rollout s | train s | sync s | trainer idle | engine idle | staleness max "
+          "| tokens regenerated | reward (last) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, r in results.items():
         print(f"| {mode} | {r['samples_per_s']:.1f} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['train_s']:.2f} | "
-              f"{r['sync_s']:.2f} | {r['idle']:.2f} | {r['staleness_max']} | {r['reward_last']:.3f} |")
+              f"{r['sync_s']:.2f} | {r['idle']:.2f} | {r['engine_idle']:.2f} | {r['staleness_max']} | "
+              f"{r['tokens_regenerated']} | {r['reward_last']:.3f} |")
     sync = results["sync"]
     bound = (sync["rollout_s"] + sync["train_s"] + sync["sync_s"]) / max(sync["rollout_s"], sync["train_s"] + sync["sync_s"])
     print(json.dumps({"async_speedup": results["async"]["samples_per_s"] / sync["samples_per_s"],
                       "one_step_off_speedup": results["one_step_off"]["samples_per_s"] / sync["samples_per_s"],
+                      "async_restart_speedup": results["async-restart"]["samples_per_s"] / sync["samples_per_s"],
                       "overlap_bound": bound,
-                      "max_staleness_seen": max(results[m]["staleness_max"] for m in MODES)}))
+                      "max_staleness_seen": max(r["staleness_max"] for r in results.values()),
+                      "tokens_regenerated": results["async"]["tokens_regenerated"],
+                      "tokens_regenerated_restart": results["async-restart"]["tokens_regenerated"]}))
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ def plot(out: Path, runs_by_arm: dict[str, list[list[dict]]]) -> None:
             if points:
                 ax.plot(*zip(*points), label=arm)
         ax.set_xlabel("step")
+        ax.set_ylabel(title)
         ax.set_title(f"{title} (mean over seeds)")
         if key == "mismatch_abs_log_ratio_mean":
             ax.set_yscale("log")

@@ -61,7 +61,7 @@ def summary(rows: list[dict]) -> dict:
     seconds = sum(r["time_step_s"] for r in steady)
     phase = {k: sum(r[f"time_{k}_s"] for r in steady) / len(steady) for k in ("rollout", "train", "sync")}
     return {"samples_per_s": sum(r["samples"] for r in steady) / seconds,
-            "tokens_per_s": sum(r["tokens_per_s"] * r["time_step_s"] for r in steady) / seconds,
+            "tokens_per_s": sum(r["trained_tokens_per_s"] * r["time_step_s"] for r in steady) / seconds,
             "step_s": seconds / len(steady), **{f"{k}_s": v for k, v in phase.items()},
             "reward_last": rows[-1]["reward_mean"], "staleness_max": max((r["staleness_max"] or 0) for r in rows),
             "idle": sum(r["trainer_idle_fraction"] or 0 for r in steady) / len(steady),

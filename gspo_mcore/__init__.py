@@ -1,0 +1,8 @@
+"""gspo-mcore: GSPO for Qwen3-MoE on Megatron-Core, rollouts from SGLang."""
+
+import warnings
+
+# Megatron-Core says at import that it runs without Apex / Transformer Engine (the CPU path and
+# the local spec use neither): a dozen lines before anything useful, and nothing to act on.
+# Narrow on purpose: every other warning still shows.
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed", category=UserWarning)

@@ -56,10 +56,10 @@ class Checkpointer:
     as the one a resume takes. Only the newest `keep` are kept (one 30B-A3B checkpoint with
     Adam states is ~400 GB): older ones go once a newer one is complete and `latest` names it."""
 
-    def __init__(self, output_dir: Path, ddp, optimizer, keep: int = 0):
+    def __init__(self, output_dir: Path, ddp, optimizer, keep: int = 0, scheduler=None):
         self.output_dir = Path(output_dir)
         self.root = self.output_dir / "checkpoints"
-        self.ddp, self.optimizer, self.keep = ddp, optimizer, keep
+        self.ddp, self.optimizer, self.keep, self.scheduler = ddp, optimizer, keep, scheduler
 
     def export_hf(self, arch, spec: str, hf_config_dir) -> Path:
         """The model's weights as a Hugging Face checkpoint in OUTPUT_DIR/hf (what SGLang,
@@ -88,7 +88,9 @@ class Checkpointer:
         with atomic_output_all_ranks(path) as tmp:
             dist_checkpointing.save(self._sharded(loading=False), str(tmp))
             if dist.get_rank() == 0:
-                (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "rollout": rollout_state}))
+                schedule = self.scheduler.state_dict() if self.scheduler is not None else None
+                (tmp / "trainer_state.json").write_text(
+                    json.dumps({"step": step, "rollout": rollout_state, "lr_scheduler": schedule}))
         if dist.get_rank() == 0:
             with atomic_output(self.root / "latest") as latest:
                 latest.write_text(path.name)
@@ -128,6 +130,15 @@ class Checkpointer:
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer, loaded["optimizer"])
         state = json.loads((path / "trainer_state.json").read_text())
+        if self.scheduler is not None:  # after the optimizer's: the schedule (the config's lr) sets the lr
+            # The loaded param groups carry the saved run's bounds, which OptimizerParamScheduler.get_lr
+            # prefers to its own: the config's (the scheduler's) take their place.
+            for group in self.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = self.scheduler.max_lr, self.scheduler.min_lr
+            if state.get("lr_scheduler"):
+                self.scheduler.load_state_dict(state["lr_scheduler"])
+            else:  # a checkpoint from before schedules: one scheduler step per training step
+                self.scheduler.step(state["step"])
         return state["step"], state.get("rollout")
 
 

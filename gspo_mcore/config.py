@@ -63,6 +63,12 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    lr_warmup_steps: int = 0
+    """Training steps (rollout batches) over which the learning rate rises linearly from 0 to
+    `lr` (step k of the warmup uses lr x k / lr_warmup_steps)."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warmup: keep `lr`, or decay it to `min_lr` at train.steps."""
+    min_lr: float = 0.0
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     distributed_optimizer: bool = True
@@ -260,9 +266,31 @@ class Config:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def validate(self) -> "Config":
+    def _check_optimizer(self) -> None:
         if self.optimizer.cpu_offload and (self.distributed.device != "cuda" or not self.optimizer.distributed_optimizer):
             raise ConfigError("optimizer.cpu_offload: needs distributed.device 'cuda' and optimizer.distributed_optimizer")
+        if not 0 <= self.optimizer.min_lr <= self.optimizer.lr:
+            raise ConfigError(f"optimizer.min_lr: {self.optimizer.min_lr} must be within [0, optimizer.lr]")
+        if not 0 <= self.optimizer.lr_warmup_steps < self.train.steps:
+            raise ConfigError(f"optimizer.lr_warmup_steps: {self.optimizer.lr_warmup_steps} must be within "
+                              f"[0, train.steps) ({self.train.steps})")
+
+    def _check_rollout_mode(self) -> None:
+        if self.rollout.mode != "sync" and self.weight_sync.colocate:
+            raise ConfigError(f"rollout.mode: {self.rollout.mode!r} overlaps generation and training, which colocated "
+                              "servers cannot (they share the trainer's GPUs): use a split config or mode 'sync'")
+        if self.rollout.mode == "async" and self.reward.norm == "batch":
+            raise ConfigError("reward.norm: 'batch' has no batch in rollout.mode 'async' (groups finish one by one): "
+                              "use 'group', 'running' or 'none'")
+        if self.rollout.mode == "sync" and not self.rollout.partial:
+            raise ConfigError("rollout.partial: false applies to the asynchronous modes (a synchronous push has no "
+                              "request in flight); set rollout.mode or drop it")
+        if self.rollout.max_staleness < 0 or self.loss.behavior_weight_cap < 1:
+            raise ConfigError("rollout.max_staleness must be >= 0 and loss.behavior_weight_cap >= 1")
+
+    def validate(self) -> "Config":
+        self._check_optimizer()
+        self._check_rollout_mode()
         if self.model.spec == "te" and self.distributed.device != "cuda":
             raise ConfigError("model.spec: 'te' (Transformer Engine) needs distributed.device 'cuda'")
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel"):
@@ -285,17 +313,6 @@ class Config:
             raise ConfigError("weight_sync.method: 'tensor' needs weight_sync.colocate (the servers on the trainer's GPUs)")
         if ws.method == "tensor" and d.expert_tensor_parallel != 1:
             raise ConfigError("weight_sync.method: 'tensor' needs distributed.expert_tensor_parallel 1")
-        if self.rollout.mode != "sync" and self.weight_sync.colocate:
-            raise ConfigError(f"rollout.mode: {self.rollout.mode!r} overlaps generation and training, which colocated "
-                              "servers cannot (they share the trainer's GPUs): use a split config or mode 'sync'")
-        if self.rollout.mode == "async" and self.reward.norm == "batch":
-            raise ConfigError("reward.norm: 'batch' has no batch in rollout.mode 'async' (groups finish one by one): "
-                              "use 'group', 'running' or 'none'")
-        if self.rollout.mode == "sync" and not self.rollout.partial:
-            raise ConfigError("rollout.partial: false applies to the asynchronous modes (a synchronous push has no "
-                              "request in flight); set rollout.mode or drop it")
-        if self.rollout.max_staleness < 0 or self.loss.behavior_weight_cap < 1:
-            raise ConfigError("rollout.max_staleness must be >= 0 and loss.behavior_weight_cap >= 1")
         if self.train.routing_replay and not self.rollout.return_routed_experts:
             raise ConfigError("train.routing_replay: needs rollout.return_routed_experts (the routing to replay)")
         if self.rollout.oversample < 1:

@@ -21,7 +21,7 @@ from gspo_mcore.metrics import combine, to_floats, update_report
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config, reference_model
 from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, response_logprobs
 from gspo_mcore.models.qwen3_moe.routing import RouterHooks
-from gspo_mcore.optimizer import optimizer_step, setup_training
+from gspo_mcore.optimizer import lr_scheduler, optimizer_step, setup_training
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches)
 from gspo_mcore.parallel import device
@@ -42,6 +42,7 @@ class Learner:
         torch.manual_seed(config.train.seed)
         self.arch, self.model = model_from_config(config)
         self.ddp, self.optimizer = setup_training(self.model, config.optimizer)
+        self.scheduler = lr_scheduler(self.optimizer, config.optimizer, config.train.steps)
         # Expert load, and the engine's routed experts in the policy's forward (compared or replayed).
         self.routers = RouterHooks(self.model, self.arch.num_experts,
                                    engine_routing=config.rollout.return_routed_experts,

@@ -56,6 +56,7 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("reward_errors", "responses whose reward raised (scored 0)"),
     Metric("reward_timeouts", "responses whose reward exceeded reward.timeout_s (scored 0)"),
     Metric("samples", "responses trained on this step"),
+    Metric("tokens_generated", "response tokens generated for this step, every round, groups kept or not"),
     # ---- the loss's figures, combined exactly over microbatches and ranks
     _loss("loss", "sum", "the GSPO loss (+ KL, - entropy bonus), mean over the step's optimizer steps",
           scope="per_step"),
@@ -135,7 +136,9 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("time_step_s", "the whole step"),
     Metric("peak_memory_gb", "this step's peak over the trainer ranks: CUDA memory allocated (GiB), or the "
            "process's resident memory on CPU; compare with `python -m gspo_mcore.plan`"),
-    Metric("tokens_per_s", "prompt + response tokens trained per second of step", printed="| {:.0f} tok/s"),
+    Metric("generated_tokens_per_s", "response tokens generated (every round, groups kept or not) per second of "
+           "step", printed="| tok/s: generated {:.0f}"),
+    Metric("trained_tokens_per_s", "prompt + response tokens trained per second of step", printed="trained {:.0f}"),
 )
 
 BY_NAME = {m.name: m for m in SCHEMA}

@@ -30,6 +30,7 @@ def setup_training(model, cfg: OptimizerConfig):
         MegatronOptimizerConfig(
             optimizer=cfg.name,
             lr=cfg.lr,
+            min_lr=cfg.min_lr,  # each param group's bounds for the schedule (lr_scheduler)
             weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1,
             adam_beta2=cfg.adam_beta2,
@@ -46,6 +47,21 @@ def setup_training(model, cfg: OptimizerConfig):
         [ddp],
     )
     return ddp, optimizer
+
+
+def lr_scheduler(optimizer, cfg: OptimizerConfig, total_steps: int):
+    """The learning-rate schedule over training steps (rollout batches): Megatron's
+    OptimizerParamScheduler (megatron/core/optimizer_param_scheduler.py), stepped once before each
+    training step's update, so step k (from 1) uses its lr. The config's values win over a
+    checkpoint's (override_opt_param_scheduler): a resume with a changed lr or schedule applies
+    it at the restored step count."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=max(1, total_steps), lr_decay_style=cfg.lr_decay,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=max(1, total_steps), wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
 
 def optimizer_step(ddp, optimizer, microbatches: list[dict], loss_for, *, routing=None,

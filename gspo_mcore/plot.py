@@ -4,8 +4,9 @@
 
 One figure per `figure` of gspo_mcore.metric_schema (reward, clip fraction, response length,
 train-inference mismatch beside the clip band, step-time breakdown), each run a line (e.g.
-GSPO vs GRPO on the same task). Written to
---out (default: the first run's OUTPUT_DIR/plots).
+GSPO vs GRPO on the same task). Written to --out; by default one run's go to its
+OUTPUT_DIR/plots, a comparison's to a new directory named for the runs
+(plots-RUN1-vs-RUN2 beside the first run), leaving each run's own figures alone.
 """
 
 from __future__ import annotations
@@ -52,12 +53,15 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = No
     if len(labels) != len(runs):
         raise InputError(f"--labels: {len(labels)} labels for {len(runs)} runs")
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, metrics in FIGURES.items():
-        fig = _stacked(metrics, labels, runs) if name == STACKED else _lines(metrics, labels, runs, name in LOG_SCALE)
-        written.append(_save(fig, out_dir / f"{name}.png"))
-    written.append(_save(_reward_over_time(labels, runs), out_dir / "reward_wallclock.png"))
-    return written
+    return [_save(fig, out_dir / f"{name}.png") for name, fig in figures(runs, labels).items()]
+
+
+def figures(runs: list[list[dict]], labels: list[str]) -> dict:
+    """{name: matplotlib figure} of the runs' metrics rows."""
+    out = {name: _stacked(metrics, labels, runs) if name == STACKED else _lines(metrics, labels, runs, name in LOG_SCALE)
+           for name, metrics in FIGURES.items()}
+    out["reward_wallclock"] = _reward_over_time(labels, runs)
+    return out
 
 
 def _reward_over_time(labels: list[str], runs: list[list[dict]]):
@@ -96,7 +100,7 @@ def _lines(metrics, labels: list[str], runs: list[list[dict]], log: bool = False
 
 
 def _stacked(metrics, labels: list[str], runs: list[list[dict]]):
-    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4), squeeze=False, sharey=True)  # one scale
     for ax, label, rows in zip(axes[0], labels, runs):
         steps = [r["step"] for r in rows]
         ax.stackplot(steps, *[[r.get(m.name) or 0.0 for r in rows] for m in metrics], labels=[m.label for m in metrics])
@@ -115,13 +119,19 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def default_out(runs: list[Path]) -> Path:
+    if len(runs) == 1:
+        return runs[0] / "plots"
+    return runs[0].resolve().parent / ("plots-" + "-vs-".join(run.resolve().name for run in runs))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gspo_mcore.plot", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--labels", default=None, help="comma-separated, one per run")
     args = parser.parse_args(argv)
-    out = args.out or args.runs[0] / "plots"
+    out = args.out or default_out(args.runs)
     for path in plot_runs(args.runs, out, args.labels.split(",") if args.labels else None):
         print(path)
 

@@ -15,6 +15,11 @@ whose workers get a gloo interface and OpenMP threads chosen for the node. Argum
   gloo groups to servers on other hosts).
 - OMP_NUM_THREADS, unless set: the cores this process may run on over the node's ranks
   (torchrun's default is 1, which leaves a CPU-offloaded Adam step on one core per rank).
+- Signals, unless given: SIGUSR1 (Slurm's time-limit warning) is passed to the workers like
+  SIGTERM and SIGINT (torchrun's agent hands the signal it got to every worker:
+  LocalElasticAgent._shutdown), and the agent waits GSPO_SAVE_TIMEOUT_S (default 540 s, inside
+  the sbatch templates' 600 s warning) before SIGKILL: the trainer saves its last completed step
+  on these signals (gspo_mcore.preemption), where torchrun's own 30 s would cut a 30B save short.
 """
 
 from __future__ import annotations
@@ -111,15 +116,35 @@ def worker_environment(args, environ) -> dict[str, str]:
     return chosen
 
 
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def with_signal_defaults(argv: list[str], environ) -> list[str]:
+    """torchrun's arguments with the signals and the shutdown timeout above, unless given."""
+    options = {a.split("=")[0].replace("_", "-") for a in argv}
+    extra = []
+    if "--signals-to-handle" not in options and "PET_SIGNALS_TO_HANDLE" not in environ:
+        extra += ["--signals-to-handle", SIGNALS_TO_HANDLE]
+    if "--shutdown-timeout" not in options and "PET_SHUTDOWN_TIMEOUT" not in environ:
+        extra += ["--shutdown-timeout", environ.get("GSPO_SAVE_TIMEOUT_S", "540")]
+    return [*extra, *argv]
+
+
 def main() -> None:
     dist.TCPStore = BoundTCPStore  # before torchrun's modules bind the name
     from torch.distributed.run import main as torchrun, parse_args  # after the patch above
 
-    chosen = worker_environment(parse_args(sys.argv[1:]), os.environ)
+    argv = with_signal_defaults(sys.argv[1:], os.environ)
+    chosen = worker_environment(parse_args(argv), os.environ)
     if chosen:  # the workers inherit this process's environment
         os.environ.update(chosen)
         print("gspo_mcore.torchrun: " + " ".join(f"{k}={v}" for k, v in chosen.items()), file=sys.stderr, flush=True)
-    torchrun()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        torchrun(argv)
+    except SignalException as stop:  # the workers got it too and said what they did: no traceback here
+        sys.exit(128 + int(stop.sigval))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from gspo_mcore import plan, weight_sync
+from gspo_mcore import plan, run_config, weight_sync
 from gspo_mcore.checkpointing import Checkpointer
 from gspo_mcore.config import Config, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
@@ -45,6 +45,7 @@ from gspo_mcore.torchrun import omp_threads
 from gspo_mcore.rollout.engine_control import EngineControl
 from gspo_mcore.rollout.http import api_key_from_env
 from gspo_mcore.rollout.server import start_servers
+from gspo_mcore.preemption import Preempted, StopRequest
 from gspo_mcore.rollout.producer import make_producer
 from gspo_mcore.rollout.source import RolloutSource
 
@@ -104,13 +105,14 @@ class Trainer:
 
     def __init__(self, config: Config, output_dir: Path, resume: bool = False, overwrite: bool = False):
         self.config, self.output_dir = config, Path(output_dir)
+        self.stop = StopRequest()  # until the first step: a signal stops the run at once
         self.learner = Learner(config)
         self.rank = dist.get_rank()
         if overwrite and self.rank == 0:
             clear_run(self.output_dir)
         dist.barrier()
         self.checkpoints = Checkpointer(self.output_dir, self.learner.ddp, self.learner.optimizer,
-                                        keep=config.train.keep_checkpoints)
+                                        keep=config.train.keep_checkpoints, scheduler=self.learner.scheduler)
         if resume:
             self.checkpoints.latest()  # no checkpoint: fail now, not after the servers started
         self.stack = ExitStack()
@@ -123,12 +125,7 @@ class Trainer:
             urls, key = broadcast_from_host(self._servers() if self.rank == 0 else None)
             self.control = EngineControl(urls, timeout_s=config.rollout.request_timeout_s, api_key=key)
             if self.source is not None:
-                arch = self.learner.arch
-                routing_shape = (arch.num_layers, arch.num_experts_per_tok) if config.rollout.return_routed_experts else None
-                # As many requests in flight as the servers run at once (their own limits, whoever started them).
-                concurrency = sum(self.control.max_running_requests(url, config.rollout.max_running_requests)
-                                  for url in urls)
-                self.source.connect(urls, arch.vocab_size, routing_shape, api_key=key, max_concurrency=concurrency)
+                self._connect(urls, key)
             self.start_step = 0
             if resume:
                 self.start_step, rollout_state = self.checkpoints.load()
@@ -139,6 +136,9 @@ class Trainer:
             # Whatever the engine holds (model.hf_dir at start-up, a previous run's weights on a
             # long-lived server, older weights on a resume), it now gets the trainer's.
             self.version = f"step-{self.start_step}"
+            if self.rank == 0:
+                print(f"pushing the trainer's weights ({self.version}) to {len(urls)} server(s) "
+                      f"by {config.weight_sync.method}", flush=True)
             self.sync.push(self.version)
             # After the first push: asynchronous producers start generating with these weights.
             self.asynchronous = config.rollout.mode != "sync"
@@ -147,16 +147,33 @@ class Trainer:
                 self.stack.callback(self.producer.close)
             # Created only now: bad input found above (prompts, reward, servers) leaves no directory.
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.log = RunLog(self.output_dir, self.start_step, config.train.wandb_project,
-                              dataclasses.asdict(config)) if self.rank == 0 else None
-            if self.log is not None:
-                self.stack.callback(self.log.close)
+            self.log = self._open_log(resume) if self.rank == 0 else None
             self.progress = Progress(config.train.steps, self.start_step) if self.rank == 0 else None
             self.probes: list[tuple[list[int], int]] = []  # (tokens, first response token)
             self.peak_gb = 0.0
         except BaseException:
             self.stack.close()
             raise
+
+    def _connect(self, urls: list[str], key: str | None) -> None:
+        """Rank 0's rollout client, as many requests in flight as the servers run at once (their
+        own limits, whoever started them)."""
+        config, arch = self.config, self.learner.arch
+        routing_shape = (arch.num_layers, arch.num_experts_per_tok) if config.rollout.return_routed_experts else None
+        concurrency = sum(self.control.max_running_requests(url, config.rollout.max_running_requests) for url in urls)
+        self.source.connect(urls, arch.vocab_size, routing_shape, api_key=key, max_concurrency=concurrency)
+        self.stop.on_abandon = self.source.client.close  # a signal mid-rollout aborts the requests in flight
+
+    def _open_log(self, resume: bool) -> RunLog:
+        """Rank 0: the metrics sinks, the run's config.yaml (what a --resume is compared with)."""
+        config = self.config
+        log = RunLog(self.output_dir, self.start_step, config.train.wandb_project, dataclasses.asdict(config))
+        self.stack.callback(log.close)
+        run_config.save(config, self.output_dir)
+        if resume:
+            print(f"resumed from {self.checkpoints.latest().relative_to(self.output_dir)} "
+                  f"(step {self.start_step} of {config.train.steps})", flush=True)
+        return log
 
     def _servers(self) -> tuple[list[str], str | None]:
         """(URLs, API key): the config's servers with the key the launch scripts handed the run,
@@ -173,11 +190,14 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
         with timed(timings, "time_rollout_s"):
             # The other ranks wait on the host (gspo_mcore.parallel.host_group), not in an NCCL kernel.
-            batch = self.producer.get_batch(step) if self.producer else None
-            rollouts, advantages, metrics = broadcast_from_host(batch)
+            batch = broadcast_from_host(self._rollout(step) if self.producer else None)
+            if batch is None:  # rank 0 abandoned the rollout for a signal (gspo_mcore.preemption)
+                raise Preempted()
+            rollouts, advantages, metrics = batch
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate and self.rank == 0:
                 self.control.release_memory()
+            self.learner.scheduler.step(1)  # this step's learning rate (optimizer.lr_warmup_steps, lr_decay)
             metrics.update(dict.fromkeys(UPDATE))  # null unless this step trains
             if rollouts:
                 metrics.update(self._update(rollouts, advantages, step))
@@ -187,9 +207,20 @@ class Trainer:
         tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
         waited = metrics.pop("trainer_wait_s")
         return {**dict.fromkeys(ASYNC_METRICS), **metrics, "step": step + 1, **timings, "time_step_s": total,
-                "tokens_per_s": tokens / total, "samples": len(rollouts), "samples_per_s": len(rollouts) / total,
+                "trained_tokens_per_s": tokens / total, "generated_tokens_per_s": metrics["tokens_generated"] / total,
+                "samples": len(rollouts), "samples_per_s": len(rollouts) / total,
                 "peak_memory_gb": peak_memory_gb(),
                 **({"trainer_wait_s": waited, "trainer_idle_fraction": waited / total} if self.asynchronous else {})}
+
+    def _rollout(self, step: int):
+        """Rank 0: this step's batch, or None when a signal abandoned it."""
+        self.stop.phase = "rollout"
+        try:
+            return self.producer.get_batch(step)
+        except Preempted:
+            return None
+        finally:
+            self.stop.phase = "step"
 
     def _update(self, rollouts: list, advantages: list[float], step: int) -> dict:
         """The learner's update. Asynchronous modes: decoupled GSPO, pi_prox (this step's weights)
@@ -245,24 +276,58 @@ class Trainer:
         export; everything the run started is released, also on failure."""
         cfg, summary = self.config.train, {}
         with self.stack:
+            self.stop.phase = "step"  # from here a signal saves the last completed step (gspo_mcore.preemption)
             for step in range(self.start_step, cfg.steps):
                 try:
                     summary = self.step(step)
                 except EngineError as err:  # an engine gone for good
                     raise EngineError(f"{err}; the run stops at step {step + 1}: {self._resume_hint()}") from None
-                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                except Preempted:
+                    self._stop_for_signal(step)
+                saved = cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
+                if saved:
                     self.save(step + 1)
                 if self.rank == 0:
                     self.log.write(summary)
                     self.progress.update(summary)
                 self.peak_gb = max(self.peak_gb, summary["peak_memory_gb"])
+                if step + 1 < cfg.steps and self.stop.requested_anywhere():
+                    self._stop_for_signal(step + 1, saved=bool(saved))
+            self.stop.phase = None
             if cfg.save_final:
                 self.save(cfg.steps)
             if cfg.export_hf:
                 self.checkpoints.export_hf(self.learner.arch, self.config.model.spec, self.config.model.hf_dir)
         if self.rank == 0:
             print(self._memory_line(), flush=True)
+            print(self._outputs_line(), flush=True)
         return summary
+
+    def _outputs_line(self) -> str:
+        """Where the run's results are, at its end."""
+        out, cfg = self.output_dir, self.config.train
+        parts = [f"metrics {out / 'metrics.jsonl'} (TensorBoard: {out / 'tensorboard'})"]
+        if cfg.save_final or cfg.save_every:
+            parts.append(f"checkpoints {out / 'checkpoints'} (--resume continues)")
+        if cfg.export_hf:
+            parts.append(f"Hugging Face weights {out / 'hf'} (SGLang, transformers)")
+        parts.append(f"logs {out / 'logs'}; plots: python -m gspo_mcore.plot {out}")
+        return "outputs: " + "; ".join(parts)
+
+    def _stop_for_signal(self, done: int, saved: bool = False) -> None:
+        """A signal (here or on another rank): checkpoint `done` completed steps, exit 128 + signal."""
+        signum = self.stop.requested_anywhere()
+        self.stop.phase = None  # a second signal while saving: stop at once
+        if not saved and done > self.start_step:
+            self.save(done)
+        if self.rank == 0:
+            name = signal.Signals(signum).name
+            if done > self.start_step or saved:
+                print(f"stopped by {name} after step {done} (checkpoints/step_{done:06d}): --resume continues",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"stopped by {name} before a step completed: {self._resume_hint()}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
 
     def _memory_line(self) -> str:
         """The run's peak memory beside the planner's estimate (GPU): a first run checks the planner."""
@@ -285,17 +350,7 @@ def parse_args(argv=None):
     return parser.parse_intermixed_args(argv)
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (timeout, Slurm, Kubernetes, torchrun) unwinds like an exception: the servers
-    and reward workers the run started are stopped on the way out."""
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def main(argv=None) -> None:
-    _stop_on_sigterm()
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
     output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
@@ -310,6 +365,9 @@ def main(argv=None) -> None:
         # fail with "invalid argument". NCCL reads it once per process: set it before any group.
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     check_output_dir(output_dir, args.resume, args.overwrite)
+    applied = run_config.check_resume(config, output_dir) if args.resume else None
+    if applied and int(os.environ.get("RANK", 0)) == 0:
+        print(applied, flush=True)
     Trainer(config, output_dir, args.resume, args.overwrite).run()
     dist.barrier()
     dist.destroy_process_group()

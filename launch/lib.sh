@@ -54,6 +54,28 @@ gspo_check_compute_mode() {
     fi
 }
 
+# gspo_wait PID: wait until PID (a background child) exits and return its status. A trapped
+# signal (USR1: Slurm's time-limit warning) interrupts `wait`; this waits again.
+gspo_wait() {
+    local pid=$1 status
+    while true; do
+        status=0
+        wait "$pid" || status=$?
+        if ! kill -0 "$pid" 2>/dev/null; then
+            # Gone: when a trap interrupted this last wait, the next one returns its status.
+            if ((status > 128)); then status=0; wait "$pid" || status=$?; fi
+            return "$status"
+        fi
+    done
+}
+
+# gspo_forward_usr1 PID: pass SIGUSR1 on to PID (torchrun hands it to the trainer ranks, which
+# save the last completed step and exit: gspo_mcore.preemption).
+gspo_forward_usr1() {
+    # shellcheck disable=SC2064  # the PID is fixed now
+    trap "gspo_log 'SIGUSR1: the trainer saves its last completed step and stops'; kill -USR1 $1 2>/dev/null || true" USR1
+}
+
 # gspo_teardown: SIGTERM every started process group, SIGKILL what is left after 10 s.
 gspo_teardown() {
     local status=$? pid

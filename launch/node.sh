@@ -28,6 +28,9 @@ trainer_nodes=$GSPO_TRAINER_NODES
 rank=${GSPO_NODE_RANK:-$SLURM_NODEID}
 host=${nodes[$rank]}
 trap gspo_teardown EXIT INT TERM
+# Slurm's time-limit warning reaches every node (srun passes it on): the trainer nodes pass it to
+# their trainer (below); a rollout node keeps serving until training has ended.
+trap 'gspo_log "SIGUSR1: serving until the trainer has saved and stopped"' USR1
 if [[ -z ${GSPO_SGLANG_API_KEY:-} ]]; then
     gspo_log "error: GSPO_SGLANG_API_KEY is not set (the sbatch template makes one per job): servers other nodes reach need it"
     exit 2
@@ -93,5 +96,10 @@ if [[ -f $out/checkpoints/latest ]]; then resume=(--resume); fi
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-gspo}" \
     --log-dir "$out/logs/$host/torchrun" --redirects 3 --tee 3 \
     -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" \
-    "rollout.urls=[$(IFS=,; echo "${urls[*]}")]" weight_sync.master_address=auto
+    "rollout.urls=[$(IFS=,; echo "${urls[*]}")]" weight_sync.master_address=auto &
+trainer=$!
+gspo_forward_usr1 "$trainer"  # srun passes the job's USR1 to every node's task
+status=0
+gspo_wait "$trainer" || status=$?
 if ((rank == 0)); then touch "$done_marker"; fi
+exit "$status"

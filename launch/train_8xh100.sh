@@ -11,6 +11,7 @@
 #   trainer the rest.
 # Logs: OUTPUT_DIR/logs/sglang_<i>.log, OUTPUT_DIR/logs/torchrun/ (one per rank).
 # A checkpoint in OUTPUT_DIR means --resume. Everything started here is stopped on exit.
+# SIGUSR1 (Slurm's time-limit warning) makes the trainer save its last completed step and stop.
 # Colocated configs need the GPUs in compute mode Default (checked with nvidia-smi).
 # Environment: GSPO_PYTHON (python), GSPO_GPUS_PER_NODE (8), GSPO_BASE_PORT (30000),
 # GSPO_SERVER_TIMEOUT (900 s); OMP_NUM_THREADS (default: the node's cores over its ranks,
@@ -31,6 +32,7 @@ gpus=${GSPO_GPUS_PER_NODE:-8}
 base_port=${GSPO_BASE_PORT:-30000}
 timeout=${GSPO_SERVER_TIMEOUT:-900}
 trap gspo_teardown EXIT INT TERM
+trap 'gspo_log "SIGUSR1 before training started: stopping"; exit 138' USR1
 # The servers take requests only with this run's key (the trainer sends it).
 GSPO_SGLANG_API_KEY=${GSPO_SGLANG_API_KEY:-$("$py" -c 'import secrets; print(secrets.token_hex(16))')}
 export GSPO_SGLANG_API_KEY
@@ -73,4 +75,7 @@ fi
 gspo_log "trainer on GPUs $trainer_devices"
 CUDA_VISIBLE_DEVICES=$trainer_devices "$py" -m gspo_mcore.torchrun --standalone \
     --nproc_per_node "$GSPO_TRAINER_GPUS" --log-dir "$out/logs/torchrun" --redirects 3 --tee 3 \
-    -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" "${server_list[@]}"
+    -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" "${server_list[@]}" &
+trainer=$!
+gspo_forward_usr1 "$trainer"
+gspo_wait "$trainer"

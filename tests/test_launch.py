@@ -5,6 +5,7 @@ single-node script end to end with the CPU config (a real SGLang server + the tr
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -98,11 +99,44 @@ def test_single_node_sbatch_passes_its_arguments_to_the_node_script(tmp_path):
     (repo / "launch").mkdir(parents=True)
     (repo / "launch" / "train_8xh100.sh").write_text((tmp_path / "bin" / "srun").read_text())
     (repo / "launch" / "train_8xh100.sh").chmod(0o755)
+    shutil.copy(REPO / "launch" / "lib.sh", repo / "launch" / "lib.sh")
     proc = subprocess.run(["bash", str(REPO / "launch/slurm/gspo_single_node.sbatch"), "c.yaml", "/runs/x", "a=1"],
                           capture_output=True, text=True, cwd=tmp_path, env={**env, "GSPO_REPO": str(repo)}, timeout=60)
     assert proc.returncode == 0, proc.stderr
     called = json.loads(record.read_text())
     assert called["args"] == ["c.yaml", "/runs/x", "a=1"] and called["cwd"] == str(repo)
+
+
+@pytest.mark.parametrize("template, trainer", [("gspo_single_node.sbatch", "launch/train_8xh100.sh"),
+                                               ("gspo_multi_node.sbatch", "srun")])
+def test_the_time_limit_warning_reaches_the_trainer_and_the_job_requeues_after_its_save(tmp_path, template, trainer):
+    """Slurm's --signal=B:USR1 goes to the batch shell only: it passes USR1 on (to the single-node
+    script, or to srun, which hands it to every node's task), waits until the trainer has saved
+    and exited, and only then requeues (a requeue right away would kill the job mid-save)."""
+    env, _ = _fake_slurm(tmp_path)
+    repo = tmp_path / "repo"
+    (repo / "launch").mkdir(parents=True)
+    shutil.copy(REPO / "launch" / "lib.sh", repo / "launch" / "lib.sh")
+    events = tmp_path / "events"
+    # The trainer stand-in: saves for a second on USR1, then exits 138 as gspo_mcore.train does.
+    fake = (f"#!/usr/bin/env bash\ntrap 'echo usr1 >> {events}; sleep 1; echo saved >> {events}; exit 138' USR1\n"
+            f"echo started >> {events}\nwhile true; do sleep 0.1; done\n")
+    target = repo / trainer if "/" in trainer else tmp_path / "bin" / trainer
+    target.write_text(fake)
+    target.chmod(0o755)
+    (tmp_path / "bin" / "scontrol").write_text(
+        f"#!/bin/sh\nif [ \"$1\" = requeue ]; then echo \"requeue $2\" >> {events}; else printf 'gpu-a\\n'; fi\n")
+    proc = subprocess.Popen(["bash", str(REPO / "launch/slurm" / template), "c.yaml", str(tmp_path / "out")],
+                            cwd=tmp_path, env={**env, "GSPO_REPO": str(repo), "SLURM_JOB_NODELIST": "gpu-a"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (events.is_file() and "started" in events.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=30)
+    assert events.read_text().splitlines() == ["started", "usr1", "saved", "requeue 4321"], stderr
+    assert "requeueing job 4321" in stderr and proc.returncode == 138
 
 
 def _bash(script: str, timeout=60) -> subprocess.CompletedProcess:

@@ -49,7 +49,7 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_a_killed_run_leaves_no_process_behind(toy, tmp_path, sig):
     """The run's SGLang server (its own process group) and reward workers go when the trainer
-    does: on SIGTERM it unwinds and stops them; on SIGKILL the kernel signals the server
+    does: on SIGTERM it saves its last completed step, then unwinds and stops them; on SIGKILL the kernel signals the server
     (parent-death signal) and the workers lose their parent's pipe."""
     import os
     import signal
@@ -70,9 +70,12 @@ def test_a_killed_run_leaves_no_process_behind(toy, tmp_path, sig):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 3  # the server and its workers, the reward workers
         os.kill(proc.pid, getattr(signal, sig))
-        proc.wait(timeout=60)
+        proc.wait(timeout=120)
         _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
+        # SIGTERM saves the last completed step first (train.save_every is 0 here); SIGKILL cannot.
+        assert (out / "checkpoints" / "latest").is_file() == (sig == "SIGTERM")
+        assert proc.returncode == (128 + signal.SIGTERM if sig == "SIGTERM" else -signal.SIGKILL)
     finally:
         if proc.poll() is None:
             proc.kill()

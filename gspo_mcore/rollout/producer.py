@@ -58,9 +58,12 @@ class SyncProducer:
     def __init__(self, source: RolloutSource, control=None):
         self.source, self.control = source, control
         self.meter = EngineMeter(source.client)
+        self.unfinished: dict | None = None  # the data position before a batch a signal abandoned
 
     def get_batch(self, step: int) -> tuple[list[Rollout], list[float], dict]:
+        self.unfinished = self.source.state_dict()
         rollouts, advantages, metrics = self.source.collect(step, weight_version=f"step-{step}")
+        self.unfinished = None
         return rollouts, advantages, {**metrics, "trainer_wait_s": 0.0, **self.meter.figures()}
 
     def pause(self) -> None:
@@ -70,7 +73,8 @@ class SyncProducer:
         """After a push: nothing to pace here (the next batch names its version itself)."""
 
     def state_dict(self) -> dict:
-        return self.source.state_dict()
+        """The data position after the last batch taken (a batch abandoned half-drawn is drawn again)."""
+        return self.unfinished or self.source.state_dict()
 
     def close(self) -> None:
         pass
@@ -142,6 +146,7 @@ class AsyncProducer(Overlapping):
         self.batch_groups = source.config.train.rollout_batch_size
         self.version = self.start_version = version
         self.pending: list[dict] = []  # admitted, not yet taken: in admission order
+        self.unfinished: dict | None = None  # the position before a batch a signal abandoned
         self.taken = 0  # groups with signal handed to the trainer
         self.admitted = 0
         self.changed = threading.Condition()
@@ -190,10 +195,13 @@ class AsyncProducer(Overlapping):
         """The next `rollout_batch_size` groups with signal in admission order (waiting for the
         oldest ones to finish); the figures of every group finished on the way."""
         began, rollouts, advantages, rounds, kept = time.monotonic(), [], [], [], 0
+        with self.changed:
+            self.unfinished = self.pending[0]["state"] if self.pending else None
         while kept < self.batch_groups:
             with self.changed:
                 self.changed.wait_for(lambda: self.pending[0]["future"].done() if self.pending else self.closed)
                 group = self.pending.pop(0)
+                self.unfinished = self.unfinished or group["state"]
                 self.taken += group["kept"]
                 self.changed.notify_all()
             got, got_advantages, figures = group["future"].result()  # a failed group raises here
@@ -203,6 +211,7 @@ class AsyncProducer(Overlapping):
             kept += figures["groups_kept"]
         metrics = {**round_metrics(rounds), "sampling_rounds": len(rounds), **staleness_metrics(rollouts, step),
                    "trainer_wait_s": time.monotonic() - began, **self.meter.figures()}
+        self.unfinished = None
         worst = metrics["staleness_max"]
         if worst is not None and worst > self.max_staleness:  # the pacing rule's promise: a bug if broken
             raise AssertionError(f"staleness {worst} exceeds rollout.max_staleness {self.max_staleness}")
@@ -212,6 +221,8 @@ class AsyncProducer(Overlapping):
         """The data position before the oldest group not yet taken: a resume admits those groups
         again, in the same order (their responses in flight are dropped)."""
         with self.changed:
+            if self.unfinished is not None:  # a batch a signal abandoned: its groups are admitted again
+                return self.unfinished
             return self.pending[0]["state"] if self.pending else self.source.state_dict()
 
     def close(self) -> None:

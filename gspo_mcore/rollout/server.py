@@ -5,6 +5,7 @@ the launch scripts' way to start one)."""
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -62,7 +63,11 @@ def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None =
     for index in range(config.rollout.num_servers):
         port = free_port()
         cmd, env = server_for_config(config, port, api_key=api_key)
-        url = f"http://127.0.0.1:{port}"
-        stack.enter_context(ManagedServer(cmd, url, log_dir / f"sglang_{index}.log", env=env, secrets=(api_key,)))
+        url, log = f"http://127.0.0.1:{port}", log_dir / f"sglang_{index}.log"
+        print(f"starting SGLang server {index + 1}/{config.rollout.num_servers} for {config.model.hf_dir} "
+              f"(log: {log}; 30-60 s on CPU)", flush=True)
+        began = time.monotonic()
+        stack.enter_context(ManagedServer(cmd, url, log, env=env, secrets=(api_key,)))
+        print(f"server {url} ready after {time.monotonic() - began:.0f} s", flush=True)
         urls.append(url)
     return urls

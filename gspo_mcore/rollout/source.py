@@ -127,6 +127,7 @@ def round_metrics(rounds: list[dict]) -> dict:
         "reward_std": rewards.std(unbiased=False).item(),
         "response_length_mean": lengths.mean().item(),
         "response_length_max": lengths.max().item(),
+        "tokens_generated": int(lengths.sum().item()),
         "truncated_fraction": sum(r["truncated"] for r in rounds) / len(lengths),
         "groups_kept": sum(r["groups_kept"] for r in rounds),
         "groups_total": sum(r["groups_total"] for r in rounds),

@@ -1,0 +1,61 @@
+"""Stopping a run on a signal without losing steps: SIGTERM, SIGUSR1 (Slurm's time-limit warning,
+`sbatch --signal=B:USR1@SECONDS`) and SIGINT (Ctrl-C).
+
+The first signal makes the run save the last completed step and exit with 128 + the signal's
+number, whatever `train.save_every` says: a step in its rollout is abandoned (the requests in
+flight are aborted on the servers: generation is most of a step on GPUs, and what it produced is
+lost anyway), a step in its update or push finishes first (its weights are half-updated until
+then). The ranks agree: rank 0 abandons a rollout by broadcasting "stop" instead of a batch, and
+after each step every rank learns whether any rank was signalled (one all-reduce on the host
+group). While the run starts (servers, weights) or finishes (export), and on a second signal,
+the run stops at once, as before: it unwinds, and what it started is stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from gspo_mcore.parallel import host_group
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class Preempted(BaseException):
+    """Raised in the main thread to abandon a rollout (BaseException: no `except Exception` keeps it)."""
+
+
+class StopRequest:
+    """Installed once per process. `phase` is "rollout" (rank 0 generating: abandon it), "step"
+    (finish it first) or None (starting or finishing: stop at once)."""
+
+    def __init__(self, on_abandon=None):
+        self.signum: int | None = None
+        self.phase: str | None = None
+        self.on_abandon = on_abandon  # rank 0: aborts the requests in flight, so the rollout's threads return
+        for sig in SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None or self.phase is None:
+            if dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized():
+                print(f"{name}: stopping now", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+        self.signum = signum
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"{name}: saving the last completed step, then stopping ({name} again: stop at once)",
+                  file=sys.stderr, flush=True)
+        if self.phase == "rollout":
+            if self.on_abandon is not None:
+                self.on_abandon()
+            raise Preempted(signum)
+
+    def requested_anywhere(self) -> int:
+        """The signal any rank got (0: none), on every rank. Collective (host group, gloo)."""
+        flag = torch.tensor([self.signum or 0], dtype=torch.int64)  # host: a gloo collective
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
+        return int(flag.item())

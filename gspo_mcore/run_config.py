@@ -1,0 +1,87 @@
+"""A run's resolved config, kept in OUTPUT_DIR/config.yaml, and what `--resume` may change.
+
+The file is the config the run trains with (every field, defaults included, loadable again with
+`--config`), headed by the package version and the git revision of the code. On `--resume` the
+new config is compared with it field by field: a field of APPLIED_ON_RESUME takes its new value,
+said in one line (the learning rate and its schedule, the step count, the save cadence, where the
+servers are, timeouts); any other changed field (the model, the data, the sampling, the loss, the
+batch shape, the layout: what changes the model or the data order) refuses the resume in one
+line naming the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+from gspo_mcore.config import Config, ConfigError, from_dict
+from gspo_mcore.files import atomic_output
+
+FILE = "config.yaml"
+APPLIED_ON_RESUME = frozenset({
+    "optimizer.lr", "optimizer.lr_warmup_steps", "optimizer.lr_decay", "optimizer.min_lr",
+    "train.steps", "train.save_every", "train.keep_checkpoints", "train.save_final", "train.export_hf",
+    "train.wandb_project", "rollout.urls", "rollout.num_servers", "rollout.request_timeout_s",
+    "rollout.max_attempts", "rollout.max_running_requests", "weight_sync.check_every",
+    "weight_sync.master_address", "weight_sync.disk_dir", "weight_sync.bucket_mb",
+    "distributed.timeout_minutes", "distributed.rollout_timeout_minutes", "reward.workers", "reward.timeout_s",
+})
+
+
+def flat(config: Config) -> dict:
+    """{"section.field": value} of every field."""
+    return {f"{section}.{key}": value for section, fields in dataclasses.asdict(config).items()
+            for key, value in fields.items()}
+
+
+def provenance() -> str:
+    """The package version, and the git revision of the code when it is a checkout (+ "-dirty")."""
+    try:
+        version = metadata.version("gspo-mcore")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = dirty = ""
+    return f"gspo-mcore {version}" + (f", git {rev}{'-dirty' if dirty else ''}" if rev else "")
+
+
+def save(config: Config, output_dir: Path) -> Path:
+    path = Path(output_dir) / FILE
+    text = (f"# The resolved config of this run ({provenance()}); `--resume` compares against it.\n"
+            + yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    with atomic_output(path) as tmp:
+        tmp.write_text(text)
+    return path
+
+
+def check_resume(config: Config, output_dir: Path) -> str | None:
+    """The line that says which changed fields a resume applies (None: nothing changed, or no
+    saved config to compare with); ConfigError naming the fields it cannot take."""
+    path = Path(output_dir) / FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = flat(from_dict(Config, yaml.safe_load(path.read_text()) or {}))
+    except (ConfigError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: not a config this version reads ({err})") from None
+    new = flat(config)
+    changed = [key for key in new if new[key] != saved.get(key)]
+    refused = [key for key in changed if key not in APPLIED_ON_RESUME]
+    if refused:
+        raise ConfigError(
+            f"--resume: {', '.join(f'{k} ({saved.get(k)!r} -> {new[k]!r})' for k in refused)} differ from {path}: "
+            "they change the model or the data order; start a new run (another --output-dir, or --overwrite), "
+            "or edit that file if you mean it")
+    if not changed:
+        return None
+    return "resume: applying " + ", ".join(f"{k} {saved.get(k)!r} -> {new[k]!r}" for k in changed)

@@ -1,0 +1,50 @@
+"""The plots a person reads: every axis of every figure has a label and tick labels, also for the
+demo's float32 mismatch (values 1.5e-7..4.5e-7, under a decade on a log axis) and a bf16 one;
+the step-time panels share one scale; a comparison does not overwrite a run's own figures."""
+
+import random
+from pathlib import Path
+
+from gspo_mcore.metric_schema import FIGURES
+from gspo_mcore.plot import default_out, figures
+
+
+def _rows(mismatch_scale: float, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for step in range(1, 9):
+        rows.append({"step": step, "reward_mean": 0.1 * step, "clip_fraction": rng.uniform(0, 0.3),
+                     "response_length_mean": rng.uniform(5, 40),
+                     "mismatch_abs_log_ratio_mean": mismatch_scale * rng.uniform(1.5, 4.5),
+                     "clip_band_high": 4e-4, "time_rollout_s": rng.uniform(1, 3), "time_train_s": rng.uniform(0.2, 1),
+                     "time_sync_s": 0.05 * seed, "time_step_s": 3.0})
+    return rows
+
+
+def test_every_axis_has_a_label_and_tick_labels():
+    runs = [_rows(1e-7, 1), _rows(1e-3, 2)]  # float32 and bf16 engines
+    made = figures(runs, ["fp32", "bf16"])
+    assert set(made) == {*FIGURES, "reward_wallclock"}
+    for name, fig in made.items():
+        fig.canvas.draw()
+        for ax in fig.axes[:1] if name == "step_time" else fig.axes:  # the others share its y axis
+            assert ax.get_xlabel() and ax.get_ylabel(), name
+            shown = [t.get_text() for t in ax.get_yticklabels(which="both") if t.get_text()]
+            assert len(shown) >= 2, (name, shown)
+        if name == "step_time":
+            first, second = fig.axes
+            assert first.get_ylim() == second.get_ylim()
+
+
+def test_mismatch_tick_labels_for_a_float32_run_alone():
+    fig = figures([_rows(1e-7, 3)], ["demo"])["mismatch"]
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    low, high = ax.get_ylim()
+    ticks = [t for t in ax.get_yticklabels(which="both") if t.get_text() and low <= t.get_position()[1] <= high]
+    assert len(ticks) >= 2, [t.get_text() for t in ax.get_yticklabels(which="both")]
+
+
+def test_a_comparison_goes_to_its_own_directory():
+    assert default_out([Path("/r/demo")]) == Path("/r/demo/plots")
+    assert default_out([Path("/r/gspo"), Path("/r/grpo")]) == Path("/r/plots-gspo-vs-grpo")

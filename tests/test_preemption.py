@@ -1,0 +1,80 @@
+"""Operating a run: Slurm's time-limit warning (SIGUSR1) mid-run saves the last completed step
+although `train.save_every` is 0, a resume that would change the run is refused in one line, and
+one that changes the learning rate applies it and says so, the LR schedule continuing exactly
+where it stopped. Two trainer ranks under gspo_mcore.torchrun, as the launch scripts run them."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from test_train import _metrics, _toy_overrides, server, toy  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train")]
+
+STEPS, WARMUP, LR, MIN_LR = 6, 2, 1e-3, 1e-4
+
+
+def _schedule(step: int, lr: float) -> float:
+    """Megatron's OptimizerParamScheduler, linear warmup then cosine to MIN_LR at STEPS."""
+    if step <= WARMUP:
+        return lr * step / WARMUP
+    return MIN_LR + 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP))) * (lr - MIN_LR)
+
+
+def _command(out, overrides, nproc=2, resume=False):
+    launcher = ["-m", "gspo_mcore.torchrun", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+    return [sys.executable, *launcher, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
+            "--output-dir", str(out), *(["--resume"] if resume else []), *overrides]
+
+
+def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_schedule(toy, server, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    overrides = [*_toy_overrides(toy), f"rollout.urls=[{server}]", f"train.steps={STEPS}", "train.save_every=0",
+                 "train.export_hf=false", "weight_sync.check_every=0", f"optimizer.lr={LR}",
+                 f"optimizer.lr_warmup_steps={WARMUP}", "optimizer.lr_decay=cosine", f"optimizer.min_lr={MIN_LR}"]
+    proc = subprocess.Popen(_command(out, overrides), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGUSR1)  # torchrun passes it to both ranks
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert 2 <= saved < STEPS and proc.returncode != 0, output[-3000:]
+    assert f"stopped by SIGUSR1 after step {saved} (checkpoints/step_{saved:06d}): --resume continues" in output
+    assert [r["step"] for r in _metrics(out)] == list(range(1, saved + 1))
+    assert "config.yaml" in os.listdir(out) and "git " in (out / "config.yaml").read_text().splitlines()[0]
+
+    # A resume that would change the data or the model: refused, naming the fields, nothing started.
+    refused = subprocess.run(_command(out, [*overrides, "train.group_size=4", "loss.level=token"], nproc=1,
+                                      resume=True), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --resume: loss.level ('sequence' -> 'token'), train.group_size (8 -> 4) differ from")
+
+    # A new learning rate: applied from the restored step on, said in one line.
+    new_lr = 2 * LR
+    resumed = subprocess.run(_command(out, [*overrides, f"optimizer.lr={new_lr}"], resume=True), cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume: applying optimizer.lr {LR!r} -> {new_lr!r}" in resumed.stdout
+    assert f"resumed from checkpoints/step_{saved:06d} (step {saved} of {STEPS})" in resumed.stdout
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:  # steps without a group with signal train nothing and report no lr
+        if r["lr"] is not None:
+            expected = _schedule(r["step"], LR if r["step"] <= saved else new_lr)
+            assert r["lr"] == pytest.approx(expected, rel=1e-9), (r["step"], saved)
+    assert sum(r["lr"] is not None for r in rows[saved:]) >= 2

@@ -1,0 +1,70 @@
+"""Operating a run, the pure parts: what a --resume may change (gspo_mcore.run_config), the LR
+schedule over training steps (gspo_mcore.optimizer.lr_scheduler), torchrun's signal defaults."""
+
+import math
+
+import pytest
+import torch
+
+from gspo_mcore.config import ConfigError, load_config
+from gspo_mcore.run_config import check_resume, save
+
+
+def test_a_resume_applies_the_lr_and_the_step_count_and_refuses_the_rest(tmp_path):
+    base = ["train.steps=10"]
+    path = save(load_config("configs/tiny_cpu.yaml", base), tmp_path)
+    assert path.read_text().startswith("# The resolved config of this run (gspo-mcore ")
+    assert check_resume(load_config("configs/tiny_cpu.yaml", base), tmp_path) is None
+    said = check_resume(load_config("configs/tiny_cpu.yaml", [*base, "optimizer.lr=0.01", "train.steps=20"]), tmp_path)
+    assert said == "resume: applying optimizer.lr 0.001 -> 0.01, train.steps 10 -> 20"
+    with pytest.raises(ConfigError, match=r"^--resume: rollout.temperature \(1.0 -> 0.7\), train.group_size \(8 -> 4\) "
+                                          r"differ from .*config.yaml: they change the model or the data order"):
+        check_resume(load_config("configs/tiny_cpu.yaml", [*base, "train.group_size=4", "rollout.temperature=0.7",
+                                                           "optimizer.lr=0.01"]), tmp_path)
+    assert check_resume(load_config("configs/tiny_cpu.yaml"), tmp_path / "none") is None  # nothing saved: nothing to say
+
+
+def test_the_saved_config_loads_again_as_a_config(tmp_path):
+    config = load_config("configs/tiny_cpu.yaml", ["loss.token_mask_band=[0.5, 2.0]"])
+    again = load_config(save(config, tmp_path))
+    assert again == config
+
+
+def test_the_lr_schedule_warms_up_then_decays_over_training_steps():
+    from gspo_mcore.config import OptimizerConfig
+    from gspo_mcore.optimizer import lr_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    for group in optimizer.param_groups:  # as Megatron's param groups carry them
+        group["max_lr"], group["min_lr"] = 1e-3, 1e-4
+    cfg = OptimizerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay="cosine", min_lr=1e-4)
+    scheduler = lr_scheduler(optimizer, cfg, total_steps=6)
+    seen = []
+    for _ in range(6):
+        scheduler.step(1)  # before each training step's update
+        seen.append(optimizer.param_groups[0]["lr"])
+    expected = [5e-4, 1e-3] + [1e-4 + 0.5 * (1 + math.cos(math.pi * k / 4)) * 9e-4 for k in (1, 2, 3, 4)]
+    assert seen == pytest.approx(expected, rel=1e-12)
+    constant = lr_scheduler(optimizer, OptimizerConfig(lr=1e-3), total_steps=6)
+    constant.step(3)
+    assert optimizer.param_groups[0]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.min_lr=0.01", "optimizer.min_lr: 0.01 must be within [0, optimizer.lr]"),
+    ("optimizer.lr_warmup_steps=40", "optimizer.lr_warmup_steps: 40 must be within [0, train.steps) (40)"),
+])
+def test_schedule_fields_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_config("configs/tiny_cpu.yaml", [override])
+
+
+def test_torchrun_passes_sigusr1_on_and_waits_for_the_save():
+    from gspo_mcore.torchrun import with_signal_defaults
+
+    argv = ["--standalone", "--nproc_per_node", "2", "-m", "gspo_mcore.train"]
+    assert with_signal_defaults(argv, {}) == ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                                              "--shutdown-timeout", "540", *argv]
+    assert with_signal_defaults(argv, {"GSPO_SAVE_TIMEOUT_S": "900"})[3] == "900"
+    given = ["--signals_to_handle=SIGTERM", "--shutdown-timeout", "60", *argv]
+    assert with_signal_defaults(given, {}) == given

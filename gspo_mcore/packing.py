@@ -72,14 +72,15 @@ def response_aligned(rollouts, values: Sequence[Sequence[float]], width: int) ->
 def collate(rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded training tensors. `tokens` [B, L + 1] holds prompt + response; position
     t of `old_logprobs` / `mask` [B, L] belongs to the token at t + 1 (the one predicted
-    from positions <= t), so mask is 1 exactly where a response token is predicted."""
+    from positions <= t), so mask is 1 exactly where a response token the model generated is
+    predicted (an environment's tokens in a multi-turn trajectory: 0)."""
     length = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
     tokens = torch.full((len(rollouts), length), pad_id, dtype=torch.long)
     for i, r in enumerate(rollouts):
         tokens[i, : len(r.prompt_ids) + len(r.response_ids)] = torch.tensor(r.prompt_ids + r.response_ids)
     return {"tokens": tokens,
             "old_logprobs": response_aligned(rollouts, [r.logprobs for r in rollouts], length - 1),
-            "mask": response_aligned(rollouts, [[1.0] * len(r.response_ids) for r in rollouts], length - 1)}
+            "mask": response_aligned(rollouts, [r.mask for r in rollouts], length - 1)}
 
 
 def microbatch_tensors(rollouts, advantages: Sequence[float], members: list[int], pad_multiple: int = 1,

@@ -115,7 +115,9 @@ class SGLangClient:
         return answer
 
     def _one(self, index: int, prompt_ids: list[int], sampling_params: dict, weight_version: str | None,
-             oldest_version: int | None = None) -> Rollout:
+             oldest_version: int | None = None, server: int | None = None) -> Rollout:
+        """Request `index` (its name in errors) on server `server` (default: spread by index),
+        moving on to the next server when one fails."""
         body = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True,
                 "logprob_start_len": -1}
         if self.routing_shape is not None:
@@ -124,7 +126,7 @@ class SGLangClient:
         while attempt < self.max_attempts:
             if self.closed:
                 raise RolloutError(f"request {index}: the client was closed")
-            url = self.urls[(index + attempt) % len(self.urls)]  # spread, then move on when one fails
+            url = self.urls[((index if server is None else server) + attempt) % len(self.urls)]
             interruptions = self.interruptions
             try:
                 self.clock.started(url)
@@ -146,6 +148,13 @@ class SGLangClient:
                 if attempt < self.max_attempts:
                     time.sleep(self.backoff_s * 2 ** (attempt - 1))
         raise RolloutError(f"request {index}: failed after {self.max_attempts} attempts; last: {error}")
+
+    def generate_one(self, name: str, prompt_ids: list[int], sampling_params: dict, server: int,
+                     weight_version: str | None = None, oldest_version: int | None = None) -> Rollout:
+        """One generation from token ids on server `server` first (a multi-turn trajectory stays on
+        one server, whose prefix cache then serves its next turn)."""
+        check_sampling_params(sampling_params)
+        return self._one(name, prompt_ids, sampling_params, weight_version, oldest_version, server)
 
     def generate(self, prompts: list[list[int]], sampling_params: dict,
                  weight_version: str | None = None, seeds: list[int] | None = None,

@@ -31,10 +31,19 @@ class Rollout:
     # The weight version (the trainer step whose weights made it) of each response token; a
     # response continued across weight updates (asynchronous modes) spans several.
     token_versions: tuple[int, ...] = ()
+    # Per response token: 1 for the model's tokens (trained on), 0 for tokens an environment
+    # inserted between turns (a multi-turn trajectory: gspo_mcore.rollout.trajectory); their
+    # `logprobs` entries are 0 and never read. Empty: every token is the model's.
+    loss_mask: tuple[float, ...] = ()
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def mask(self) -> list[float]:
+        """1 per response token the loss trains on."""
+        return list(self.loss_mask) if self.loss_mask else [1.0] * len(self.response_ids)
 
     @property
     def oldest_version(self) -> int | None:

@@ -1,0 +1,83 @@
+"""Multi-turn trajectories: token segments, each the model's or the environment's.
+
+A rollout function (gspo_mcore.rollout.functions) builds a `Trajectory` turn by turn from token
+ids, never from re-tokenized text: the model's segments are exactly the tokens the engine
+sampled, with its per-token log-probs and weight versions; the environment's segments (tool
+results, a user's next message, the chat template's turn markers) are tokens the trainer feeds
+to the model but never trains on. `to_rollout` flattens it into the trainer's `Rollout`, the
+environment's tokens masked out (`Rollout.loss_mask` 0, log-prob 0), so GSPO's length
+normalisation, every aggregation and the mismatch figures count the model's tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gspo_mcore.errors import RolloutError
+from gspo_mcore.rollout.response import Rollout
+
+
+@dataclass
+class Segment:
+    token_ids: list[int]
+    trainable: bool  # the model's tokens (trained on) or the environment's (never)
+    logprobs: list[float] = field(default_factory=list)  # the engine's, one per token of a trainable segment
+    versions: tuple[int, ...] = ()  # the weight version of each token of a trainable segment (when tagged)
+
+
+@dataclass
+class Trajectory:
+    """What a rollout function returns: the prompt, the turns after it, and what to score.
+    `text` is what the reward function reads (e.g. the last turn's answer); `reward`, when the
+    function sets it (an environment's own score), is used instead. `info` counts what the
+    metrics report (turns, tool_calls, tool_errors, tool_timeouts)."""
+    prompt_ids: list[int]
+    segments: list[Segment] = field(default_factory=list)
+    text: str = ""
+    reward: float | None = None
+    finish_reason: str = "stop"  # "length": cut by a token budget
+    weight_version: str = ""  # the version of the last model token
+    info: dict = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token after the prompt, in order."""
+        return [t for s in self.segments for t in s.token_ids]
+
+    def add_model(self, rollout: Rollout) -> None:
+        """A model turn as the engine returned it (gspo_mcore.rollout.client.generate_one)."""
+        self.segments.append(Segment(list(rollout.response_ids), True, list(rollout.logprobs), rollout.token_versions))
+        self.weight_version, self.finish_reason = rollout.weight_version, rollout.finish_reason
+
+    def add_environment(self, token_ids: list[int]) -> None:
+        self.segments.append(Segment(list(token_ids), False))
+
+
+def to_rollout(trajectory: Trajectory, name: str = "") -> Rollout:
+    """The trainer's view: response = every segment after the prompt; environment tokens masked
+    (log-prob 0, never read), and tagged with the version of the model token before them (the
+    staleness bound counts the oldest model token)."""
+    response, logprobs, mask, versions, tagged = [], [], [], [], True
+    for segment in trajectory.segments:
+        tagged &= not segment.trainable or len(segment.versions) == len(segment.token_ids)
+        n = len(segment.token_ids)
+        if segment.trainable and len(segment.logprobs) != n:
+            raise RolloutError(f"trajectory {name}: a model segment of {n} tokens with {len(segment.logprobs)} log-probs")
+        response += segment.token_ids
+        logprobs += segment.logprobs if segment.trainable else [0.0] * n
+        mask += [1.0 if segment.trainable else 0.0] * n
+        versions += list(segment.versions) if segment.trainable and tagged else [None] * n
+    if not any(mask):
+        raise RolloutError(f"trajectory {name}: no model tokens")
+    return Rollout(list(trajectory.prompt_ids), response, logprobs, trajectory.finish_reason, trajectory.weight_version,
+                   token_versions=_fill_versions(versions) if tagged else (), loss_mask=tuple(mask))
+
+
+def _fill_versions(versions: list[int | None]) -> tuple[int, ...]:
+    """Environment tokens take the version of the model token before them (after them at the
+    start)."""
+    out, last = [], next(v for v in versions if v is not None)
+    for v in versions:
+        last = v if v is not None else last
+        out.append(last)
+    return tuple(out)

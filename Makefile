@@ -29,7 +29,7 @@ demo: $(STAMP)
 # Two workers: most slow tests wait on a server or a process more than they compute. Tests
 # that share a module's server (or a layout's launch) stay together (xdist_group).
 test: $(STAMP) shellcheck
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 # The launch scripts' linter, from Debian's packages (the tests run it).
 shellcheck:

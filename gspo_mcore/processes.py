@@ -104,16 +104,20 @@ class ManagedServer:
         self.env, self.startup_timeout_s, self.secrets = env, startup_timeout_s, secrets
         self.process: subprocess.Popen | None = None
 
-    def start(self, attempts: int = 2) -> "ManagedServer":
-        """Start and wait for /health. A start that dies by a signal (SGLang's launcher SIGKILLs
-        its own tree when a worker fails to initialise) or on a port taken in the meantime is
-        retried once: both are races with other processes on the host, not bad input."""
+    def launch(self) -> "ManagedServer":
+        """Start the process (not waiting for it: `ready` does; several servers start at once)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_file, "ab")
+        self.process = start_redacted(self.cmd, log, self.secrets, self.env, new_session=True)
+        if not self.secrets:
+            log.close()  # the child holds its own copy of the descriptor
+        return self
+
+    def ready(self, attempts: int = 2) -> "ManagedServer":
+        """Wait for /health. A start that dies by a signal (SGLang's launcher SIGKILLs its own
+        tree when a worker fails to initialise) or on a port taken in the meantime is retried
+        once: both are races with other processes on the host, not bad input."""
         for attempt in range(attempts):
-            log = open(self.log_file, "ab")
-            self.process = start_redacted(self.cmd, log, self.secrets, self.env, new_session=True)
-            if not self.secrets:
-                log.close()  # the child holds its own copy of the descriptor
             try:
                 self.wait_healthy()
                 return self
@@ -122,7 +126,11 @@ class ManagedServer:
                 if attempt + 1 == attempts or not exc.transient:
                     raise
                 print(f"{exc}; starting it again", file=sys.stderr, flush=True)
+                self.launch()
         return self
+
+    def start(self) -> "ManagedServer":
+        return self.launch().ready()
 
     def healthy(self) -> bool:
         try:

@@ -177,10 +177,20 @@ def test_split_mode_reports_sglang_kv_capacity():
 
 
 @pytest.mark.slow  # the CLI in subprocesses
-def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses():
-    cmd = [sys.executable, "-m", "gspo_mcore.plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml",
-           "--hf-config", str(HF_30B)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+def _plan_cli(argv, capsys) -> tuple[int, str, str]:
+    """`python -m gspo_mcore.plan ARGV` in this process (exit code, stdout, stderr): a process
+    per call spent ~15 s importing Megatron; one subprocess below checks the entry point."""
+    from gspo_mcore.errors import run_cli
+    from gspo_mcore.plan import main
+
+    code = run_cli(lambda: main(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses(capsys):
+    args = ["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(HF_30B)]
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.plan", *args], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "8 GPUs: 8 trainer (TP 1 x PP 1 x DP 8; experts EP 8 x ETP 1 x expert-DP 1)" in proc.stdout
     assert "per GPU by phase (GiB of 77.6 usable: 79.6 less 2 for the trainer's CUDA context" in proc.stdout
@@ -189,17 +199,17 @@ def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses():
     assert "margin: 18.4 GiB per GPU at the sync check phase" in proc.stdout
     assert "disk warning: each checkpoint ~427 GB (weights + fp32 master weights + 2 Adam moments)" in proc.stdout
     assert json.loads(proc.stdout.strip().splitlines()[-1])["gpus"] == 8
-    refused = subprocess.run([*cmd, "optimizer.cpu_offload=false"], capture_output=True, text=True, cwd=REPO)
-    assert refused.returncode == 2 and "per GPU by phase" in refused.stdout and "(REFUSED)" in refused.stdout
-    assert refused.stderr.strip().splitlines()[-1].startswith("error: weight_sync.colocate: during the training phase")
+    code, out, err = _plan_cli([*args, "optimizer.cpu_offload=false"], capsys)
+    assert code == 2 and "per GPU by phase" in out and "(REFUSED)" in out
+    assert err.strip().splitlines()[-1].startswith("error: weight_sync.colocate: during the training phase")
     # --shell: KEY=value lines only on stdout (the scripts eval it), the plan on stderr
-    shell = subprocess.run([*cmd, "--shell"], capture_output=True, text=True, cwd=REPO)
-    assert shell.returncode == 0 and all(line.startswith("GSPO_") for line in shell.stdout.splitlines())
-    assert "margin:" in shell.stderr
-    proc = subprocess.run([*cmd, "--nodes", "3", "distributed.expert_parallel=16", "rollout.num_servers=6"],
-                          capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: distributed: 24 trainer ranks are not divisible")
+    code, out, err = _plan_cli([*args, "--shell"], capsys)
+    assert code == 0 and all(line.startswith("GSPO_") for line in out.splitlines())
+    assert "margin:" in err
+    code, out, err = _plan_cli([*args, "--nodes", "3", "distributed.expert_parallel=16", "rollout.num_servers=6"],
+                               capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith("error: distributed: 24 trainer ranks are not divisible")
 
 
 def test_asynchronous_mode_with_colocated_servers_is_refused_in_one_line():

@@ -34,9 +34,12 @@ def _command(out, overrides, nproc=2, resume=False):
 
 
 def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_schedule(toy, server, tmp_path):
+    """The first run starts its own server and reward workers: none is left once it stopped."""
+    import psutil
+
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
-    overrides = [*_toy_overrides(toy), f"rollout.urls=[{server}]", f"train.steps={STEPS}", "train.save_every=0",
+    overrides = [*_toy_overrides(toy), f"train.steps={STEPS}", "train.save_every=0", "reward.workers=2",
                  "train.export_hf=false", "weight_sync.check_every=0", f"optimizer.lr={LR}",
                  f"optimizer.lr_warmup_steps={WARMUP}", "optimizer.lr_decay=cosine", f"optimizer.min_lr={MIN_LR}"]
     proc = subprocess.Popen(_command(out, overrides), cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -46,11 +49,16 @@ def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_sche
         while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.2)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 5  # two ranks, the server and its workers, the reward workers
         os.kill(proc.pid, signal.SIGUSR1)  # torchrun passes it to both ranks
         output, _ = proc.communicate(timeout=300)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    overrides.append(f"rollout.urls=[{server}]")  # the resumed runs: the module's server (an applied change)
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert 2 <= saved < STEPS and proc.returncode != 0, output[-3000:]
     assert f"stopped by SIGUSR1 after step {saved} (checkpoints/step_{saved:06d}): --resume continues" in output

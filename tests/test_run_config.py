@@ -68,3 +68,40 @@ def test_torchrun_passes_sigusr1_on_and_waits_for_the_save():
     assert with_signal_defaults(argv, {"GSPO_SAVE_TIMEOUT_S": "900"})[3] == "900"
     given = ["--signals_to_handle=SIGTERM", "--shutdown-timeout", "60", *argv]
     assert with_signal_defaults(given, {}) == given
+
+
+@pytest.fixture
+def stop_request():
+    """A StopRequest installed in this process; pytest's own handlers back afterwards."""
+    import signal
+
+    from gspo_mcore.preemption import SIGNALS, StopRequest
+
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    abandoned = []
+    try:
+        yield StopRequest(on_abandon=lambda: abandoned.append(True)), abandoned
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_a_signal_stops_at_once_while_starting_and_after_the_step_once_training(stop_request):
+    import os
+    import signal
+
+    from gspo_mcore.preemption import Preempted
+
+    stop, abandoned = stop_request
+    with pytest.raises(SystemExit) as exited:  # starting (servers, weights): unwind at once
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert exited.value.code == 128 + signal.SIGTERM
+    stop.phase = "step"  # an update in progress: noted, finished first
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.signum == signal.SIGTERM and not abandoned
+    with pytest.raises(SystemExit):  # a second signal: at once
+        os.kill(os.getpid(), signal.SIGINT)
+    stop.signum, stop.phase = None, "rollout"  # rank 0 generating: the requests aborted, the rollout abandoned
+    with pytest.raises(Preempted):
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert abandoned == [True] and stop.signum == signal.SIGUSR1

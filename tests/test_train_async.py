@@ -13,17 +13,42 @@ import pytest
 from conftest import REPO
 from test_train import _metrics, _toy_overrides, _train, toy  # noqa: F401 (toy is a fixture)
 
-pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
+# Starts torchrun and SGLang servers; the module's runs share two servers (each run pushes its
+# own weights first), so they stay on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("async_train")]
 
-COMMON = ["rollout.num_servers=2", "reward.norm=group", "train.export_hf=false", "weight_sync.check_every=2"]
+COMMON = ["reward.norm=group", "train.export_hf=false", "weight_sync.check_every=2"]
+
+
+@pytest.fixture(scope="module")
+def servers(toy, tmp_path_factory):
+    """Two float32 servers of the toy model, started at once."""
+    from contextlib import ExitStack
+
+    from gspo_mcore.netaddr import free_port
+    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.rollout.server import sglang_command
+    from gspo_mcore.rollout.sglang_cpu import server_env
+
+    logs = tmp_path_factory.mktemp("async_servers")
+    with ExitStack() as stack:
+        started = []
+        for i in range(2):
+            port = free_port()
+            cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
+                                 extra_args=("--disable-radix-cache",))
+            server = ManagedServer(cmd, f"http://127.0.0.1:{port}", logs / f"sglang_{i}.log", env=server_env())
+            stack.callback(server.stop)
+            started.append(server.launch())
+        yield f"rollout.urls=[{','.join(s.ready().url for s in started)}]"
 
 
 @pytest.mark.parametrize("mode, layout", [("async", "distributed.expert_parallel=2"), ("one_step_off", "")])
-def test_asynchronous_modes_train_with_bounded_staleness(toy, tmp_path, mode, layout):
+def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path, mode, layout):
     """EP2 (async) and DP2 (one_step_off), two servers: full batches, every step's staleness within
     rollout.max_staleness, the trainer not waiting once generation runs ahead, weights checked."""
     out = tmp_path / "run"
-    _train(out, [*_toy_overrides(toy), *COMMON, f"rollout.mode={mode}", "train.steps=3", "train.save_every=0",
+    _train(out, [*_toy_overrides(toy), servers, *COMMON, f"rollout.mode={mode}", "train.steps=3", "train.save_every=0",
                  *([layout] if layout else [])], nproc=2)
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -36,13 +61,13 @@ def test_asynchronous_modes_train_with_bounded_staleness(toy, tmp_path, mode, la
     assert [r["sync_check_median"] < 1e-4 for r in rows if "sync_check_median" in r] == [True]
 
 
-def test_an_async_run_killed_with_groups_in_flight_resumes(toy, tmp_path):
+def test_an_async_run_killed_with_groups_in_flight_resumes(toy, servers, tmp_path):
     """SIGKILL mid-run (groups in flight on the server), then --resume: the run continues from its
     last checkpoint, the in-flight groups dropped and their prompts admitted again in order."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out),
-            *_toy_overrides(toy), "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
+            *_toy_overrides(toy), servers, "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
             "train.save_every=1"]
     proc = subprocess.Popen([*args, "train.steps=50"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -57,7 +82,7 @@ def test_an_async_run_killed_with_groups_in_flight_resumes(toy, tmp_path):
         if proc.poll() is None:
             proc.kill()
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    _train(out, [*_toy_overrides(toy), "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
+    _train(out, [*_toy_overrides(toy), servers, "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
                  "train.save_every=1", f"train.steps={saved + 2}"], extra=["--resume"])
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(1, saved + 3))  # steps after the checkpoint trained again

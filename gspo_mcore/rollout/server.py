@@ -58,16 +58,20 @@ def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str |
 
 def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None = None) -> list[str]:
     """The CPU default / tests: `rollout.num_servers` SGLang servers for model.hf_dir that the
-    run owns, on 127.0.0.1 (behind `api_key`), stopped when `stack` closes. Returns their URLs."""
-    urls = []
-    for index in range(config.rollout.num_servers):
+    run owns, on 127.0.0.1 (behind `api_key`), stopped when `stack` closes. They start at once
+    (each loads the model and warms up on its own); returns their URLs once all are healthy."""
+    servers, count = [], config.rollout.num_servers
+    for index in range(count):
         port = free_port()
         cmd, env = server_for_config(config, port, api_key=api_key)
-        url, log = f"http://127.0.0.1:{port}", log_dir / f"sglang_{index}.log"
-        print(f"starting SGLang server {index + 1}/{config.rollout.num_servers} for {config.model.hf_dir} "
-              f"(log: {log}; 30-60 s on CPU)", flush=True)
-        began = time.monotonic()
-        stack.enter_context(ManagedServer(cmd, url, log, env=env, secrets=(api_key,)))
-        print(f"server {url} ready after {time.monotonic() - began:.0f} s", flush=True)
-        urls.append(url)
-    return urls
+        server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_dir / f"sglang_{index}.log", env=env,
+                               secrets=(api_key,))
+        stack.callback(server.stop)
+        servers.append(server.launch())
+    print(f"starting {count} SGLang server(s) for {config.model.hf_dir} (logs: {log_dir}/sglang_*.log; "
+          "30-60 s on CPU)", flush=True)
+    began = time.monotonic()
+    for server in servers:
+        server.ready()
+    print(f"{count} server(s) ready after {time.monotonic() - began:.0f} s", flush=True)
+    return [server.url for server in servers]

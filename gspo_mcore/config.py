@@ -194,6 +194,19 @@ class RolloutConfig:
     """Ask the engine for each token's routed experts (servers started with
     --enable-return-routed-experts; a server the run starts gets it): the metric
     routing_mismatch_fraction, and what train.routing_replay replays."""
+    function: str = "single_turn"
+    """How a prompt becomes trajectories: `single_turn` (one response per request), `tool_loop`
+    (the model calls `tools`), or `module:function`, an async function (task, engine) ->
+    Trajectory | list (gspo_mcore.rollout.functions; README, Multi-turn and tools)."""
+    tools: list[str] = field(default_factory=list)
+    """`module:function` of plain Python functions with type hints and a docstring (their JSON
+    schemas reach the model through the chat template), run in worker processes."""
+    max_turns: int = 4
+    """Multi-turn functions: the most model turns in one trajectory."""
+    max_trajectory_tokens: int = 2048
+    """Multi-turn functions: the most tokens after the prompt (model and environment)."""
+    tool_timeout_s: float = 10.0
+    tool_workers: int = 2
 
 
 @dataclass
@@ -288,7 +301,22 @@ class Config:
         if self.rollout.max_staleness < 0 or self.loss.behavior_weight_cap < 1:
             raise ConfigError("rollout.max_staleness must be >= 0 and loss.behavior_weight_cap >= 1")
 
+    def _check_rollout_function(self) -> None:
+        r = self.rollout
+        if r.function == "single_turn" and r.tools:
+            raise ConfigError("rollout.tools: the single_turn rollout calls no tools; set rollout.function: tool_loop "
+                              "(or a function of yours)")
+        if r.function == "tool_loop" and not r.tools:
+            raise ConfigError("rollout.function: tool_loop needs rollout.tools (module:function, ...)")
+        if r.function != "single_turn" and r.return_routed_experts:
+            raise ConfigError("rollout.return_routed_experts: not supported with multi-turn rollout functions yet "
+                              "(the engine's routing covers one turn's request)")
+        if r.max_turns < 1 or r.max_trajectory_tokens < 1 or r.tool_timeout_s <= 0 or r.tool_workers < 1:
+            raise ConfigError("rollout.max_turns, max_trajectory_tokens, tool_workers must be >= 1 and "
+                              "tool_timeout_s > 0")
+
     def validate(self) -> "Config":
+        self._check_rollout_function()
         self._check_optimizer()
         self._check_rollout_mode()
         if self.model.spec == "te" and self.distributed.device != "cuda":

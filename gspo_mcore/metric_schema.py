@@ -53,6 +53,13 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("groups_kept", "prompt groups trained on (dynamic sampling keeps those with signal)"),
     Metric("groups_total", "prompt groups generated, over every sampling round"),
     Metric("sampling_rounds", "generation rounds this step took to fill the batch"),
+    Metric("trainable_tokens", "response tokens the loss trains on (the model's; a multi-turn trajectory's "
+           "environment tokens are not)"),
+    Metric("env_token_fraction", "share of the tokens after the prompt an environment inserted (multi-turn)"),
+    Metric("turns_mean", "model turns per trajectory (multi-turn rollout functions; null otherwise)"),
+    Metric("tool_calls_mean", "tool calls per trajectory (rollout.tools)"),
+    Metric("tool_errors", "tool calls that raised, returned no text or were malformed"),
+    Metric("tool_timeouts", "tool calls stopped at rollout.tool_timeout_s"),
     Metric("reward_errors", "responses whose reward raised (scored 0)"),
     Metric("reward_timeouts", "responses whose reward exceeded reward.timeout_s (scored 0)"),
     Metric("samples", "responses trained on this step"),

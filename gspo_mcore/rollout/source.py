@@ -20,7 +20,9 @@ from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
 from gspo_mcore.rewards.runner import RewardRunner
 from gspo_mcore.rollout.client import SGLangClient
+from gspo_mcore.rollout.functions import EngineHandle, Task, load_rollout_function, run_functions
 from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.rollout.trajectory import to_rollout
 from gspo_mcore.seeds import step_seed
 
 
@@ -40,6 +42,13 @@ class RolloutSource:
         self.rewards = RewardRunner(config.reward.name, config.reward.timeout_s, config.reward.workers)
         self.group_filter = by_name(config.rollout.group_filter, adv.GROUP_FILTERS, "rollout.group_filter")
         self.running = adv.RunningMoments()
+        self.function = load_rollout_function(config.rollout.function)
+        self.tools = None
+        if config.rollout.tools:
+            from gspo_mcore.rollout.tools import ToolRunner
+
+            self.tools = ToolRunner(config.rollout.tools, workers=config.rollout.tool_workers,
+                                    timeout_s=config.rollout.tool_timeout_s)
         self.client = None
         self.lock = threading.Lock()
 
@@ -79,19 +88,25 @@ class RolloutSource:
         cfg = self.config.train
         with self.lock:  # the sampler's position
             samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
-        prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
-        requests = [p for p in prompts for _ in range(cfg.group_size)]
         params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.rollout.temperature}
-        seeds = [seeds_base + i for i in range(len(requests))]
-        rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds,
-                                        oldest_version=oldest_version)
-        texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
-        answers = [s.answer for s in samples for _ in range(cfg.group_size)]
-        group_ids = torch.arange(len(samples)).repeat_interleave(cfg.group_size)
+        if self.function is None:
+            prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
+            requests = [p for p in prompts for _ in range(cfg.group_size)]
+            seeds = [seeds_base + i for i in range(len(requests))]
+            rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds,
+                                            oldest_version=oldest_version)
+            texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
+            sizes, preset, turns = [cfg.group_size] * len(samples), [None] * len(rollouts), None
+        else:
+            rollouts, texts, sizes, preset, turns = self._trajectories(samples, params, seeds_base, weight_version,
+                                                                       oldest_version)
+        answers = [s.answer for s, n in zip(samples, sizes) for _ in range(n)]
+        group_ids = torch.arange(len(samples)).repeat_interleave(torch.tensor(sizes))
         reward = self.config.reward
         with self.lock:  # one reward runner; the running moments
             scores, stats = self.rewards.score(texts, answers)
-            rewards = torch.tensor(scores, dtype=torch.float32)
+            # A function's own score (an environment's) replaces the reward function's.
+            rewards = torch.tensor([s if p is None else p for s, p in zip(scores, preset)], dtype=torch.float32)
             # reward.norm "batch" / "running": over this round's rewards / updated by each round.
             normed = adv.normalize_rewards(rewards, group_ids, reward.norm, self.running)
         advantages = adv.clip(adv.group_advantages(normed, group_ids, normalize_std=reward.advantage_std_norm),
@@ -104,8 +119,28 @@ class RolloutSource:
             "truncated": sum(r.truncated for r in rollouts), "groups_kept": len(kept_groups),
             "groups_total": len(samples), "requests": len(requests),
             "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
+            "trainable": sum(sum(r.mask) for r in rollouts), "turns": turns,
         }
         return [rollouts[i] for i in selected], [advantages[i].item() for i in selected], figures
+
+    def _trajectories(self, samples, params: dict, seeds_base: int, weight_version, oldest_version):
+        """The rollout function's trajectories for `samples` (group_size calls each): their
+        rollouts, the texts to score, each group's size, the functions' own rewards, their info."""
+        cfg, count = self.config, len(self.client.urls)
+        tasks = [Task(s.messages, s.answer, dict(s.metadata)) for s in samples]
+        repeats = cfg.train.group_size
+
+        def handle_for(i: int, k: int) -> EngineHandle:
+            index = i * repeats + k  # spread over the servers; each trajectory stays on its own
+            return EngineHandle(self.client, self.tokenizer, index % count, params, (seeds_base + index) * 1_000,
+                                cfg.rollout, weight_version, oldest_version, name=f"trajectory {index}",
+                                tools=self.tools)
+
+        groups = run_functions(self.function, tasks, repeats, handle_for, self.client.max_concurrency)
+        flat = [t for group in groups for t in group]
+        rollouts = [to_rollout(t, f"{n}") for n, t in enumerate(flat)]
+        return (rollouts, [t.text for t in flat], [len(g) for g in groups], [t.reward for t in flat],
+                [t.info for t in flat])
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "running": self.running.state_dict()}
@@ -116,6 +151,8 @@ class RolloutSource:
 
     def close(self) -> None:
         self.rewards.close()
+        if self.tools is not None:
+            self.tools.close()
 
 
 def round_metrics(rounds: list[dict]) -> dict:
@@ -134,4 +171,17 @@ def round_metrics(rounds: list[dict]) -> dict:
         "sampling_rounds": len(rounds),
         "reward_errors": sum(r["reward_errors"] for r in rounds),
         "reward_timeouts": sum(r["reward_timeouts"] for r in rounds),
+        "trainable_tokens": int(sum(r["trainable"] for r in rounds)),
+        "env_token_fraction": 1.0 - sum(r["trainable"] for r in rounds) / max(1.0, lengths.sum().item()),
+        **_turn_metrics([info for r in rounds for info in (r["turns"] or [])]),
     }
+
+
+def _turn_metrics(infos: list[dict]) -> dict:
+    """Multi-turn functions' figures (null for the single-turn rollout)."""
+    if not infos:
+        return dict.fromkeys(("turns_mean", "tool_calls_mean", "tool_errors", "tool_timeouts"))
+    return {"turns_mean": sum(i.get("turns", 0) for i in infos) / len(infos),
+            "tool_calls_mean": sum(i.get("tool_calls", 0) for i in infos) / len(infos),
+            "tool_errors": sum(i.get("tool_errors", 0) for i in infos),
+            "tool_timeouts": sum(i.get("tool_timeouts", 0) for i in infos)}

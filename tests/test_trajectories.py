@@ -1,0 +1,139 @@
+"""Multi-turn trajectories: the environment's tokens are fed to the model but never trained on
+(mask 0: exactly zero gradient, and GSPO's length normalisation counts the model's tokens only),
+environment turns are spliced in by tokens from the chat template, and against a real float32
+server each model token's engine log-prob is the trainer-side log-prob of that token in the
+whole three-turn sequence."""
+
+import asyncio
+
+import pytest
+import torch
+
+from gspo_mcore.errors import RolloutError
+from gspo_mcore.packing import collate
+from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.rollout.trajectory import Segment, Trajectory, to_rollout
+
+
+def _trajectory() -> Trajectory:
+    t = Trajectory(prompt_ids=[5, 6, 7])
+    t.add_model(Rollout([5, 6, 7], [10, 11], [-0.5, -0.25], "stop", "step-3", token_versions=(3, 3)))
+    t.add_environment([20, 21, 22])
+    t.add_model(Rollout([], [12], [-1.0], "stop", "step-4", token_versions=(4,)))
+    return t
+
+
+def test_a_trajectory_becomes_a_rollout_with_the_environment_masked():
+    r = to_rollout(_trajectory(), "t")
+    assert r.prompt_ids == [5, 6, 7] and r.response_ids == [10, 11, 20, 21, 22, 12]
+    assert r.loss_mask == (1, 1, 0, 0, 0, 1) and r.logprobs == [-0.5, -0.25, 0, 0, 0, -1.0]
+    assert r.token_versions == (3, 3, 3, 3, 3, 4) and r.oldest_version == 3 and r.weight_version == "step-4"
+    batch = collate([r])
+    # position t predicts token t + 1: the prompt's last position predicts the first response token
+    assert batch["mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 0, 1]
+    with pytest.raises(RolloutError, match="a model segment of 2 tokens with 1 log-probs"):
+        to_rollout(Trajectory([1], [Segment([2, 3], True, [-1.0])]), "bad")
+    with pytest.raises(RolloutError, match="no model tokens"):
+        to_rollout(Trajectory([1], [Segment([2, 3], False)]), "env-only")
+
+
+def test_environment_tokens_get_exactly_zero_gradient_and_do_not_count_in_the_length():
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import objective, sequence_log_ratio
+
+    r = to_rollout(_trajectory())
+    batch = collate([r, Rollout([5, 6, 7], [10, 11, 12], [-0.5, -0.25, -1.0], "stop", "step-4")])
+    torch.manual_seed(0)
+    logp = (batch["old_logprobs"] + 0.01 * torch.randn(batch["mask"].shape)).requires_grad_()
+    inputs = {"old_logprobs": batch["old_logprobs"], "mask": batch["mask"], "advantages": torch.tensor([1.0, -1.0])}
+    loss, _ = objective(logp, inputs, LossConfig(clip_low=0.5, clip_high=0.5))
+    (grad,) = torch.autograd.grad(loss, logp)
+    env = torch.zeros_like(batch["mask"], dtype=torch.bool)
+    env[0, 4:7] = True
+    assert grad[env].abs().max().item() == 0.0 and (grad[0][batch["mask"][0] > 0] != 0).all()
+    # s_i averages over the 3 model tokens of the 6 after the prompt
+    expected = (logp - batch["old_logprobs"])[0][batch["mask"][0] > 0].sum() / 3
+    assert sequence_log_ratio(logp, batch["old_logprobs"], batch["mask"])[0].item() == pytest.approx(expected.item())
+
+
+def test_environment_ids_splice_a_turn_as_the_chat_template_renders_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    from gspo_mcore.rollout.functions import environment_ids
+    from gspo_mcore.toy_task import make_tokenizer
+
+    make_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    after = tok.encode("color_3 <eos>", add_special_tokens=False)
+    env = environment_ids(tok, [{"role": "user", "content": "name a fruit"}], after)
+    assert tok.convert_ids_to_tokens(env) == ["user:", "name", "a", "fruit", "assistant:"]
+    # The whole conversation rendered and tokenized has the same tokens (for this template).
+    from gspo_mcore.data import chat_prompt_ids
+
+    whole = chat_prompt_ids(tok, [{"role": "user", "content": "name a color"},
+                                  {"role": "assistant", "content": "color_3"}, {"role": "user", "content": "name a fruit"}])
+    prompt = chat_prompt_ids(tok, [{"role": "user", "content": "name a color"}])
+    assert whole == [*prompt, *tok.encode("color_3", add_special_tokens=False), *env]
+
+
+async def three_turns(task, engine):
+    """A user-written rollout function: three model turns, a user message spliced in by tokens
+    between them (tests import it by name: test_trajectories:three_turns)."""
+    prompt = engine.chat_ids(task.messages)
+    trajectory = Trajectory(prompt_ids=prompt)
+    for turn in range(3):
+        reply = await engine.generate(prompt + trajectory.token_ids, max_new_tokens=5)
+        trajectory.add_model(reply)
+        if turn < 2:
+            message = {"role": "user", "content": f"name a {('fruit', 'number')[turn]}"}
+            trajectory.add_environment(engine.environment_ids([message], reply.response_ids))
+    trajectory.text = engine.tokenizer.decode(reply.response_ids, skip_special_tokens=True)
+    return trajectory
+
+
+@pytest.mark.slow
+def test_each_model_token_of_three_turns_has_the_trainers_log_prob(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo_mcore.netaddr import free_port
+    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.rollout.client import SGLangClient
+    from gspo_mcore.rollout.functions import EngineHandle, Task, run_functions
+    from gspo_mcore.rollout.server import sglang_command
+    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.toy_task import make_toy_task
+
+    model_dir = make_toy_task(tmp_path / "toy", seed=0) / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    port = free_port()
+    cmd = sglang_command(str(model_dir), port, dtype="float32", extra_args=("--disable-radix-cache",))
+    tasks = [Task([{"role": "user", "content": "name a color ( animal_1 fruit_2 )"}], "color"),
+             Task([{"role": "user", "content": "name an animal ( color_1 )"}], "animal")]
+    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "sglang.log", env=server_env()) as server:
+        client = SGLangClient([server.url], 256)
+        groups = run_functions(three_turns, tasks, 2, lambda i, k: EngineHandle(
+            client, tokenizer, 0, {"temperature": 1.0, "max_new_tokens": 5}, seed=100 * i + k), concurrency=4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for trajectory in (t for group in groups for t in group):
+        assert sum(s.trainable for s in trajectory.segments) == 3
+        r = to_rollout(trajectory)
+        sequence = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=sequence[:, :-1]).logits[0].double()
+        first = len(r.prompt_ids) - 1
+        reference = logits.log_softmax(-1)[first:].gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        trained = torch.tensor(r.loss_mask) > 0
+        engine = torch.tensor(r.logprobs, dtype=torch.float64)
+        assert (engine - reference)[trained].abs().max().item() < 1e-5
+        assert (engine[~trained] == 0).all()
+
+
+def test_run_functions_keeps_each_tasks_trajectories_together():
+    from gspo_mcore.rollout.functions import Task, run_functions
+
+    async def echo(task, engine):
+        await asyncio.sleep(0.01 * (3 - engine))  # finishing out of order
+        return [Trajectory([len(task.answer)], text=f"{task.answer}-{engine}")] * (2 if engine == 0 else 1)
+
+    groups = run_functions(echo, [Task([], "a"), Task([], "bb")], 2, lambda i, k: k, concurrency=2)
+    assert [[t.text for t in g] for g in groups] == [["a-0", "a-0", "a-1"], ["bb-0", "bb-0", "bb-1"]]

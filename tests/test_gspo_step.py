@@ -32,6 +32,9 @@ CASES = {  # name -> (level, aggregation, KL coefficient, entropy coefficient, l
     "gspo-on-policy-first": ("sequence", None, 0.0, 0.0, ["DP2"]),
     # Full activation recompute (every GPU config's): each layer recomputed in backward, same step.
     "gspo-recompute-full": ("sequence", None, 0.0, 0.0, ["EP2"]),
+    # Multi-turn trajectories: environment tokens inside responses (loss mask 0) get no gradient
+    # and do not count in the length normalisation, on the trainer as in the reference.
+    "gspo-multiturn": ("sequence", None, 0.0, 0.0, ["DP2", "EP2"]),
 }
 # Extra config overrides of a case (beyond the loss's).
 CASE_OPTIONS = {"gspo-recompute-full": ["model.recompute=full"]}
@@ -68,12 +71,28 @@ def rollout_batch(hf_dir) -> dict:
             "prompt_lengths": prompt, "response_lengths": response}
 
 
+@functools.cache
+def multiturn_batch(hf_dir) -> dict:
+    """rollout_batch with environment tokens: in each response of 8+ tokens, its tokens 3..5
+    were inserted by an environment between two model turns (`loss_mask` 0 there)."""
+    batch = dict(rollout_batch(hf_dir))
+    mask, loss_masks = batch["mask"].clone(), []
+    for i, (p, r) in enumerate(zip(batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist())):
+        loss_mask = [0.0 if r >= 8 and 3 <= t <= 5 else 1.0 for t in range(r)]
+        mask[i, p - 1:p - 1 + r] = torch.tensor(loss_mask)
+        loss_masks.append(loss_mask)
+    return {**batch, "mask": mask, "loss_mask": loss_masks}
+
+
+CASE_BATCH = {"gspo-multiturn": multiturn_batch}
+
+
 def _plan_jobs():
     for case, (level, aggregation, kl_coef, entropy_coef, layouts) in CASES.items():
         plan_layout_job(f"gspo_step-{case}", "train_step", layouts,
                         [*options(level, aggregation, kl_coef, entropy_coef, on_policy=case.endswith("on-policy-first")),
                          *CASE_OPTIONS.get(case, [])],
-                        batch=rollout_batch)
+                        batch=CASE_BATCH.get(case, rollout_batch))
 
 
 _plan_jobs()
@@ -111,7 +130,9 @@ def hf_step(hf_dir, batch, level, aggregation, kl_coef, entropy_coef, out_dir, o
 @pytest.mark.parametrize("case, layout", [(c, l) for c, (*_, ls) in CASES.items() for l in ls])
 def test_gspo_step_is_layout_invariant(tiny_hf_dir, layout_output, tmp_path, case, layout):
     level, aggregation, kl_coef, entropy_coef, _ = CASES[case]
-    ref_loss, ref_norm, metrics, ref_weights = hf_step(tiny_hf_dir, rollout_batch(tiny_hf_dir), level, aggregation,
+    batch = CASE_BATCH.get(case, rollout_batch)(tiny_hf_dir)
+    ref_loss, ref_norm, metrics, ref_weights = hf_step(tiny_hf_dir, {k: v for k, v in batch.items() if k != "loss_mask"},
+                                                       level, aggregation,
                                                        kl_coef, entropy_coef, tmp_path / "hf",
                                                        on_policy=case.endswith("on-policy-first"))
     if level == "sequence" and not case.endswith("on-policy-first"):  # the band splits the batch: clipping exercised

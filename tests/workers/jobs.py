@@ -66,9 +66,12 @@ def train_step_job(config, out_dir: Path, job: dict) -> None:
 def rollouts_of(batch: dict) -> list[Rollout]:
     """The batch's sequences as engine rollouts: prompt, response, the engine's log-probs."""
     rollouts = []
-    for tokens, old, p, r in zip(batch["tokens"].tolist(), batch["old_logprobs"].tolist(),
-                                 batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()):
-        rollouts.append(Rollout(tokens[:p], tokens[p:p + r], old[p - 1:p - 1 + r], "stop", "v0"))
+    loss_masks = batch.get("loss_mask") or [()] * len(batch["tokens"])  # multi-turn: environment tokens 0
+    for tokens, old, p, r, loss_mask in zip(batch["tokens"].tolist(), batch["old_logprobs"].tolist(),
+                                            batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist(),
+                                            loss_masks):
+        rollouts.append(Rollout(tokens[:p], tokens[p:p + r], old[p - 1:p - 1 + r], "stop", "v0",
+                                loss_mask=tuple(loss_mask)))
     return rollouts
 
 

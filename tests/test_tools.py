@@ -17,7 +17,7 @@ from gspo_mcore.rollout.tools import (QWEN3_TOOL_TEMPLATE, ToolCall, ToolCallErr
 REPO = Path(__file__).resolve().parent.parent
 F = "tests.tool_fixtures"
 FIXTURE_TOOLS = [f"{F}:{name}" for name in ("lookup", "add", "explode", "sleep_forever", "huge", "record",
-                                            "not_text", "env_var", "chatty")]
+                                            "not_text", "chatty", "heavy_modules")]
 
 
 def call_text(name, arguments) -> str:
@@ -30,8 +30,8 @@ def test_schemas_come_from_type_hints_and_docstrings():
     assert list(tools.functions) == ["lookup", "add"]
     assert tools.schemas[0] == {"type": "function", "function": {
         "name": "lookup", "description": "Look up which country a city is in.",
-        "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "The city, lower case."}},
-                       "required": ["key"]},
+        "parameters": {"type": "object", "required": ["key"],
+                       "properties": {"key": {"type": "string", "description": "The city, lower case."}}},
         "return": {"type": "string"}}}
     assert tools.schemas[1]["function"]["parameters"]["required"] == ["a"]  # b has a default
 
@@ -69,6 +69,9 @@ def test_arguments_as_a_json_string(tools):
 @pytest.mark.parametrize("text, expected", [
     ("<tool_call>\n{\"name\": \"lookup\", \"arguments\": {\"key\": \n</tool_call>",
      ToolCallError("", "error: tool call is not JSON (Expecting value: line 3 column 1 (char 42))")),
+    ("<tool_call>" + "[" * 100_000 + "</tool_call>",
+     ToolCallError("", "error: tool call is not JSON (maximum recursion depth exceeded while decoding a JSON array "
+                       "from a unicode string)")),
     ('<tool_call>["lookup"]</tool_call>', ToolCallError("", 'error: a tool call is {"name": ..., "arguments": {...}}')),
     (call_text("foo", {}), ToolCallError("foo", "error: unknown tool 'foo'; available: lookup, add")),
     (call_text("lookup", {}), ToolCallError("lookup", "error: tool 'lookup': missing a required argument: 'key'")),
@@ -112,9 +115,13 @@ def test_results_and_errors(runner):
     assert run_one(runner, "not_text") == ToolResult(
         "not_text", "error: tool 'not_text' returned object, not text or JSON", "error")
     assert run_one(runner, "chatty", key="k") == ToolResult("chatty", "k", "ok")
+    assert run_one(runner, "heavy_modules") == ToolResult("heavy_modules", "[]", "ok")  # workers import the tools only
     malformed = ToolCallError("foo", "error: unknown tool 'foo'; available: lookup")
     assert runner.run([malformed]) == [ToolResult("foo", malformed.message, "error")]
-    assert runner.take_stats() == ToolStats(calls=6, errors=2, timeouts=0, malformed=1)
+    long_name = parse_tool_calls(call_text("f" * 500, {}), runner.tools)[0]  # quoted in its message, then cut
+    cut = len(long_name.message) - 100
+    assert runner.run([long_name])[0].content == f"{long_name.message[:100]}...[truncated {cut} chars]"
+    assert runner.take_stats() == ToolStats(calls=7, errors=2, timeouts=0, malformed=2)
     assert runner.take_stats() == ToolStats()
 
 

@@ -101,3 +101,10 @@ def backtrack() -> str:
     import re
 
     return str(re.match(r"(a+)+$", "a" * 60 + "b"))
+
+
+def heavy_modules() -> list:
+    """Which of the trainer's heavy packages the tool's process has imported."""
+    import sys
+
+    return [name for name in ("torch", "transformers", "megatron", "gspo_mcore.rollout.tools") if name in sys.modules]

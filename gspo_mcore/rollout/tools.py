@@ -37,6 +37,7 @@ from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
 from gspo_mcore.processes import child_env, die_with_parent, in_main_thread
 from gspo_mcore.rewards.runner import STARTUP_TIMEOUT_S
+from gspo_mcore.rollout.tool_worker import clip
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # A worker's environment drops every variable whose name contains one of these (any case).
@@ -45,9 +46,10 @@ SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
 
 # Qwen3's chat format for tool use, for a tokenizer whose own template knows no tools (a CPU
 # task's): the schemas, one JSON line each, in the system turn; an assistant turn verbatim (the
-# model's own `<tool_call>` text, thinking included: no `tool_calls` field, no reasoning split);
-# consecutive tool results in one user turn, each in `<tool_response>`. A real Qwen3 tokenizer
-# renders the same text for such a conversation with its own template.
+# model's own `<tool_call>` text; no `tool_calls` field); consecutive tool results in one user
+# turn, each in `<tool_response>`. Qwen3's own template renders the same text for one question and
+# its tool turns (checked), but drops the thinking of turns before a later question: this keeps it,
+# so every turn's text is a prefix of the next one's.
 QWEN3_TOOL_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\n' }}"
@@ -74,6 +76,7 @@ QWEN3_TOOL_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
+
 
 @dataclass(frozen=True)
 class ToolSet:
@@ -127,7 +130,7 @@ def parse_tool_calls(text: str, tools: ToolSet) -> list[ToolCall | ToolCallError
 def _parse_call(body: str, tools: ToolSet) -> ToolCall | ToolCallError:
     try:
         call = json.loads(body)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
         return ToolCallError("", f"error: tool call is not JSON ({err})")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return ToolCallError("", 'error: a tool call is {"name": ..., "arguments": {...}}')
@@ -137,7 +140,7 @@ def _parse_call(body: str, tools: ToolSet) -> ToolCall | ToolCallError:
     if isinstance(arguments, str):  # some models write the arguments object as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return ToolCallError(name, f"error: tool {name!r}: arguments must be a JSON object")
@@ -218,7 +221,6 @@ class _ToolWorker:
                 pass
 
 
-
 class ToolRunner:
     """`run(calls) -> results` over `workers` processes, from any number of threads at once: a call
     waits for a free worker, then has `timeout_s` to answer. `take_stats()` per step."""
@@ -240,7 +242,7 @@ class ToolRunner:
     def _run(self, call: ToolCall | ToolCallError) -> ToolResult:
         if isinstance(call, ToolCallError):
             self._count("malformed")
-            return ToolResult(call.name, call.message, "error")
+            return ToolResult(call.name, clip(call.message, self.max_output_chars), "error")  # it may quote the call
         worker = self._take()
         started = time.monotonic()
         reply = worker.call(call, self.timeout_s)

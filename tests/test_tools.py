@@ -41,6 +41,7 @@ def test_schemas_come_from_type_hints_and_docstrings():
     ([f"{F}:unhinted"], r"tool 'tests.tool_fixtures:unhinted': no JSON schema .*missing a type hint"),
     ([f"{F}:lookup", f"{F}:lookup"], r"tool 'tests.tool_fixtures:lookup': another tool is already named 'lookup'"),
     ([f"{F}:missing"], r"tool 'tests.tool_fixtures:missing': cannot import"),
+    (["lookup"], r"^tool 'lookup': not 'module:function'$"),
 ])
 def test_bad_tools_are_one_line_errors(names, message):
     with pytest.raises(InputError, match=message) as err:

@@ -90,6 +90,8 @@ def load_tools(names: list[str]) -> ToolSet:
     a tool that cannot be imported, has no schema, or repeats another's name."""
     functions, schemas = {}, []
     for name in names:
+        if ":" not in name:  # no built-in tools: say what a name is
+            raise InputError(f"tool {name!r}: not 'module:function'")
         function = by_name(name, {}, "tool")
         try:
             schema = get_json_schema(function)

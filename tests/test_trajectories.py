@@ -137,3 +137,88 @@ def test_run_functions_keeps_each_tasks_trajectories_together():
 
     groups = run_functions(echo, [Task([], "a"), Task([], "bb")], 2, lambda i, k: k, concurrency=2)
     assert [[t.text for t in g] for g in groups] == [["a-0", "a-0", "a-1"], ["bb-0", "bb-0", "bb-1"]]
+
+
+def _byte_tokenizer(tmp_path):
+    """Bytes + Qwen3's chat markers (the tool template needs them): any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from gspo_mcore.rollout.tools import QWEN3_TOOL_TEMPLATE
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, [], fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    fast.chat_template = QWEN3_TOOL_TEMPLATE
+    return fast
+
+
+class ScriptedModel:
+    """generate_one as the rollout client's: each call answers the next scripted text (+ end of turn)."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.inputs = tokenizer, list(replies), []
+        self.urls, self.max_concurrency = ["scripted"], 4
+
+    def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):
+        self.inputs.append(list(prompt_ids))
+        ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        ids = ids[: params["max_new_tokens"]]
+        finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
+        return Rollout(list(prompt_ids), ids, [-0.1] * len(ids), finish, "step-0", token_versions=(0,) * len(ids))
+
+
+def test_the_tool_loop_calls_tools_and_splices_their_results_in_as_the_template_renders_them(tmp_path):
+    from types import SimpleNamespace
+
+    from gspo_mcore.rollout.functions import EngineHandle, Task
+    from gspo_mcore.rollout.tool_loop import tool_loop
+    from gspo_mcore.rollout.tools import ToolRunner
+
+    tokenizer = _byte_tokenizer(tmp_path)
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "rome"}}\n</tool_call>'
+    model = ScriptedModel(tokenizer, [call, '<tool_call>\n{"name": "nope"}\n</tool_call>', "Italy"])
+    config = SimpleNamespace(max_turns=4, max_trajectory_tokens=4096, max_new_tokens=200)
+    runner = ToolRunner(["tool_fixtures:lookup"], workers=1, timeout_s=30)
+    try:
+        engine = EngineHandle(model, tokenizer, 0, {"temperature": 1.0}, seed=0, config=config, tools=runner)
+        task = Task([{"role": "user", "content": "Which country is Rome in?"}], "Italy")
+        trajectory = asyncio.run(tool_loop(task, engine))
+    finally:
+        runner.close()
+    assert [s.trainable for s in trajectory.segments] == [True, False, True, False, True]
+    assert trajectory.text == "Italy" and trajectory.finish_reason == "stop"
+    assert trajectory.info == {"turns": 3, "tool_calls": 2, "tool_errors": 1, "tool_timeouts": 0}
+    # Every turn's input is the prompt and every token so far: model tokens as sampled, never re-tokenized.
+    assert model.inputs[2] == trajectory.prompt_ids + [t for s in trajectory.segments[:4] for t in s.token_ids]
+    # The environment's tokens are the chat template's rendering of the tool results.
+    whole = tokenizer.apply_chat_template(
+        [*task.messages, {"role": "assistant", "content": call}, {"role": "tool", "name": "lookup", "content": "Italy"}],
+        tools=runner.tools.schemas, add_generation_prompt=True, tokenize=False)
+    spliced = tokenizer.decode(trajectory.prompt_ids + trajectory.segments[0].token_ids + trajectory.segments[1].token_ids)
+    assert spliced == whole
+    assert "error: unknown tool 'nope'" in tokenizer.decode(trajectory.segments[3].token_ids)
+
+
+def test_the_tool_loop_stops_at_the_trajectory_budget(tmp_path):
+    from types import SimpleNamespace
+
+    from gspo_mcore.rollout.functions import EngineHandle, Task
+    from gspo_mcore.rollout.tool_loop import tool_loop
+    from gspo_mcore.rollout.tools import ToolRunner
+
+    tokenizer = _byte_tokenizer(tmp_path)
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "paris"}}\n</tool_call>'
+    model = ScriptedModel(tokenizer, [call] * 4)
+    runner = ToolRunner(["tool_fixtures:lookup"], workers=1, timeout_s=30)
+    try:
+        engine = EngineHandle(model, tokenizer, 0, {"temperature": 1.0}, seed=0, tools=runner,
+                              config=SimpleNamespace(max_turns=4, max_trajectory_tokens=120, max_new_tokens=200))
+        trajectory = asyncio.run(tool_loop(Task([{"role": "user", "content": "Paris?"}], "France"), engine))
+    finally:
+        runner.close()
+    assert trajectory.finish_reason == "length" and len(trajectory.token_ids) <= 120

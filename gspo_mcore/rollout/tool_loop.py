@@ -18,7 +18,7 @@ from gspo_mcore.rollout.trajectory import Trajectory
 
 async def tool_loop(task: Task, engine: EngineHandle) -> Trajectory:
     config = engine.config
-    prompt = engine.chat_ids(task.messages, tools=engine.tools.schemas)
+    prompt = engine.chat_ids(task.messages, tools=engine.tools.tools.schemas)
     trajectory = Trajectory(prompt_ids=prompt)
     info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0}
     text = ""
@@ -28,7 +28,7 @@ async def tool_loop(task: Task, engine: EngineHandle) -> Trajectory:
         trajectory.add_model(reply)
         info["turns"] += 1
         text = engine.tokenizer.decode(reply.response_ids, skip_special_tokens=True)
-        calls = parse_tool_calls(text)
+        calls = parse_tool_calls(text, engine.tools.tools)
         if not calls or reply.finish_reason == "length":
             break
         results = await asyncio.to_thread(engine.tools.run, calls)

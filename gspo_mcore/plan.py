@@ -157,10 +157,17 @@ def logits_bytes(arch: Qwen3MoeArch, tokens: int, tp: int) -> float:
     return arch.vocab_size / tp * tokens * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4
 
 
+def response_tokens(config: Config) -> int:
+    """The longest response a sequence carries: one turn, or a multi-turn trajectory's budget
+    (its model and environment tokens)."""
+    r = config.rollout
+    return r.max_new_tokens if r.function == "single_turn" else r.max_trajectory_tokens
+
+
 def check_forward_bytes(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> float:
     """The sync check's trainer forward (weight_sync.check_sync): one probe at a time, of up to
     prompt + max_new_tokens tokens, forward only (one layer's working set at a time) + its logits."""
-    probe = prompt_tokens + config.rollout.max_new_tokens
+    probe = prompt_tokens + response_tokens(config)
     return probe * _layer_bytes_per_token(config, arch) + logits_bytes(arch, probe, config.distributed.tensor_parallel)
 
 
@@ -257,9 +264,9 @@ def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> di
     t, r = config.train, config.rollout
     counts = param_counts(arch)
     sequences = t.rollout_batch_size * t.group_size
-    seq_len = prompt_tokens + r.max_new_tokens
+    seq_len = prompt_tokens + response_tokens(config)
     attention = 2 * 2 * arch.num_layers * arch.num_attention_heads * arch.head_dim * seq_len / 2  # causal, per token
-    generated = sequences * r.max_new_tokens
+    generated = sequences * response_tokens(config)  # an upper bound: environment tokens are prefilled
     train_tokens = sequences * seq_len
     generation = generated * (2 * counts["active"] + attention)
     training = t.ppo_epochs * train_tokens * 3 * (2 * counts["active"] + attention)

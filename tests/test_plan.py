@@ -21,6 +21,7 @@ GPU_CONFIGS = {
     "qwen3_30b_a3b_gspo.yaml": (1, HF_30B),
     "qwen3_30b_a3b_gspo_2node.yaml": (2, HF_30B),
     "qwen3_30b_a3b_gspo_async.yaml": (2, HF_30B),  # split: 8 trainer GPUs, 8 SGLang GPUs
+    "qwen3_30b_a3b_gspo_tools.yaml": (1, HF_30B),  # multi-turn with a Python tool
     "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
 }
 # What the shipped configs keep free on an H100 in their tightest phase: the estimates are

@@ -263,3 +263,21 @@ def test_rendering_in_qwen3_format():
     plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tokenizer.apply_chat_template(plain, chat_template=QWEN3_TOOL_TEMPLATE, tokenize=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+
+
+def test_the_python_tool_runs_code_with_limits_and_no_environment(monkeypatch):
+    from transformers.utils import get_json_schema
+
+    from gspo_mcore.tools import python as tool
+
+    assert get_json_schema(tool.python)["function"]["parameters"]["required"] == ["code"]
+    assert tool.python("print(sum(range(10)))") == "45"
+    monkeypatch.setenv("GSPO_SGLANG_API_KEY", "s3cret")
+    assert tool.python("import os; print(sorted(os.environ))") in ("[]", "['LC_CTYPE']")
+    assert "ZeroDivisionError" in tool.python("1/0")
+    assert tool.python("x = 1") == "(no output: use print())"
+    assert tool.python("print('a' * 10000)").endswith("...[truncated 6000 chars]")
+    monkeypatch.setattr(tool, "MEMORY_BYTES", 512 * 1024**2)
+    assert "MemoryError" in tool.python("x = bytearray(1024**3)")
+    monkeypatch.setattr(tool, "CPU_SECONDS", 1)
+    assert "killed by signal" in tool.python("while True: pass")

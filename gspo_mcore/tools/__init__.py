@@ -1,0 +1,1 @@
+"""Tools for `rollout.tools` (module:function), written as Hugging Face tools are."""

@@ -34,6 +34,8 @@ def test_yaml_and_overrides(tmp_path):
         (["loss.aggregation=mean"], "loss.aggregation: 'mean' is not one of"),
         (["loss.dual_clip=big"], "loss.dual_clip: expected float"),
         (["rollout.urls=http://a"], "rollout.urls: expected a list"),
+        (["data.chat_template_kwargs=[1]"], "data.chat_template_kwargs: expected a mapping with string keys"),
+        (["rollout.stop=</answer>"], "rollout.stop: expected a list"),
         (["train.num_minibatches=0"], "train.num_minibatches: must be >= 1"),
         (["rollout.oversample=0.5"], "rollout.oversample: must be >= 1"),
         (["weight_sync.method=nfs"], "weight_sync.method: 'nfs' is not one of"),
@@ -46,6 +48,14 @@ def test_yaml_and_overrides(tmp_path):
 def test_bad_values_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_chat_template_kwargs_and_stop_strings(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  chat_template_kwargs: {enable_thinking: false}\nrollout:\n  stop: ['</answer>']\n")
+    cfg = load_config(path, ["data.chat_template_kwargs.tools=[]"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False, "tools": []}
+    assert cfg.rollout.stop == ["</answer>"] and load_config(None).rollout.stop == []
 
 
 def test_missing_file_is_named(tmp_path):

@@ -459,6 +459,12 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     return _merge(_read_yaml(path.parent / base, (*seen, path.resolve())), data)
 
 
+def config_yaml(config: Config) -> str:
+    """The resolved config (base files merged, overrides applied, every default filled in) as
+    YAML that load_config reads back to the same config."""
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     data: dict = {} if path is None else _read_yaml(Path(path))
     for override in overrides:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from gspo_mcore import plan, weight_sync
 from gspo_mcore.checkpointing import Checkpointer
-from gspo_mcore.config import Config, load_config
+from gspo_mcore.config import Config, config_yaml, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
 from gspo_mcore.learner import Learner
 from gspo_mcore.metric_schema import ASYNC_METRICS, UPDATE
@@ -281,6 +281,8 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", default=None, help="default: runs/<config name>")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's last checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="replace the run OUTPUT_DIR holds")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML (base merged, overrides applied) and exit")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     return parser.parse_intermixed_args(argv)
 
@@ -298,6 +300,9 @@ def main(argv=None) -> None:
     _stop_on_sigterm()
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
+    if args.print_config:  # nothing starts: loadable as is with --config
+        print(config_yaml(config), end="", flush=True)
+        return
     output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
     if "OMP_NUM_THREADS" not in os.environ:
         # CPU runs share the cores with the SGLang server; GPU ranks (CPU-offloaded Adam) take the node's

@@ -125,3 +125,25 @@ def test_group_of_one_and_bad_mask_settings_are_refused():
         load_config(None, ["loss.token_mask_band=[2.0,0.5]"])
     with pytest.raises(ConfigError, match="train.routing_replay: needs rollout.return_routed_experts"):
         load_config(None, ["train.routing_replay=true"])
+
+
+def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, capsys):
+    """`gspo-train --print-config`: the config with its base merged, the overrides applied and
+    every default filled in, as YAML that loads back to the same config; exit 0, nothing run."""
+    import signal
+
+    from conftest import REPO
+    from gspo_mcore.train import main
+
+    overrides = ["train.steps=3", "data.chat_template_kwargs.enable_thinking=false"]
+    handler = signal.getsignal(signal.SIGTERM)  # main installs the trainer's own
+    try:
+        assert main(["--config", str(REPO / "configs/long_cpu.yaml"), "--print-config", *overrides,
+                     "--output-dir", str(tmp_path / "run")]) is None
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    printed = capsys.readouterr().out
+    (tmp_path / "resolved.yaml").write_text(printed)
+    assert load_config(tmp_path / "resolved.yaml") == load_config(REPO / "configs/long_cpu.yaml", overrides)
+    assert "reward:\n  name: gspo_mcore.long_task:list_reward\n" in printed and "  clip_low: 0.0003\n" in printed
+    assert not (tmp_path / "run").exists()

@@ -42,6 +42,7 @@ from gspo_mcore.metric_schema import ASYNC_METRICS, UPDATE
 from gspo_mcore.metrics import Progress, RunLog
 from gspo_mcore.parallel import broadcast_from_host, host_group
 from gspo_mcore.torchrun import omp_threads
+from gspo_mcore.toy_task import check_task_written
 from gspo_mcore.rollout.engine_control import EngineControl
 from gspo_mcore.rollout.http import api_key_from_env
 from gspo_mcore.rollout.server import start_servers
@@ -303,6 +304,7 @@ def main(argv=None) -> None:
     if args.print_config:  # nothing starts: loadable as is with --config
         print(config_yaml(config), end="", flush=True)
         return
+    check_task_written(config)
     output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
     if "OMP_NUM_THREADS" not in os.environ:
         # CPU runs share the cores with the SGLang server; GPU ranks (CPU-offloaded Adam) take the node's

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from gspo_mcore.config import Config, ConfigError, load_config
@@ -147,3 +149,16 @@ def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, cap
     assert load_config(tmp_path / "resolved.yaml") == load_config(REPO / "configs/long_cpu.yaml", overrides)
     assert "reward:\n  name: gspo_mcore.long_task:list_reward\n" in printed and "  clip_low: 0.0003\n" in printed
     assert not (tmp_path / "run").exists()
+
+
+def test_the_grpo_comparison_commands_use_the_demos_run():
+    """configs/tiny_cpu_grpo.yaml's commands plot against the run `make demo` writes."""
+    from conftest import REPO
+    from gspo_mcore.demo import DEFAULT_OUTPUT, train_command
+
+    comment = [line for line in (REPO / "configs/tiny_cpu_grpo.yaml").read_text().splitlines() if line.startswith("#")]
+    plot = next(line for line in comment if "gspo_mcore.plot" in line).split()
+    demo_run = train_command(DEFAULT_OUTPUT, overwrite=False)
+    demo_run = Path(demo_run[demo_run.index("--output-dir") + 1])
+    assert REPO / plot[plot.index("gspo_mcore.plot") + 1] == demo_run
+    assert (REPO / plot[plot.index("gspo_mcore.plot") + 2]).parent == demo_run.parent

@@ -98,11 +98,40 @@ def test_single_node_sbatch_passes_its_arguments_to_the_node_script(tmp_path):
     (repo / "launch").mkdir(parents=True)
     (repo / "launch" / "train_8xh100.sh").write_text((tmp_path / "bin" / "srun").read_text())
     (repo / "launch" / "train_8xh100.sh").chmod(0o755)
+    shutil.copy(REPO / "launch" / "lib.sh", repo / "launch" / "lib.sh")
     proc = subprocess.run(["bash", str(REPO / "launch/slurm/gspo_single_node.sbatch"), "c.yaml", "/runs/x", "a=1"],
                           capture_output=True, text=True, cwd=tmp_path, env={**env, "GSPO_REPO": str(repo)}, timeout=60)
     assert proc.returncode == 0, proc.stderr
     called = json.loads(record.read_text())
     assert called["args"] == ["c.yaml", "/runs/x", "a=1"] and called["cwd"] == str(repo)
+
+
+def test_sbatch_scripts_run_inside_a_pyxis_or_apptainer_container(tmp_path):
+    """GSPO_CONTAINER_IMAGE: each node's step runs in the image (pyxis: srun's --container-*
+    options; apptainer: `apptainer exec` before the command), the repository and OUTPUT_DIR
+    mounted at their own paths, GSPO_CONTAINER_MOUNTS added; a bad runtime is one line."""
+    env, record = _fake_slurm(tmp_path)
+    out = tmp_path / "run"
+    multi = ["bash", str(REPO / "launch/slurm/gspo_multi_node.sbatch"), "c.yaml", str(out), "a=1"]
+    image = {"GSPO_CONTAINER_IMAGE": "nvcr.io#org/gspo-mcore:gpu", "GSPO_CONTAINER_MOUNTS": "/models:/models"}
+    subprocess.run(multi, cwd=tmp_path, env={**env, **image}, timeout=60, check=True)
+    mounts = f"{REPO}:{REPO},{out}:{out},/models:/models"
+    assert json.loads(record.read_text())["args"] == [
+        "--kill-on-bad-exit=1", f"--output={out}/logs/node-%n-%j.out", "--container-image=nvcr.io#org/gspo-mcore:gpu",
+        f"--container-mounts={mounts}", f"--container-workdir={REPO}", "launch/node.sh", "c.yaml", str(out), "a=1"]
+    apptainer = {**image, "GSPO_CONTAINER": "apptainer", "GSPO_CONTAINER_IMAGE": "/images/gspo.sif"}
+    single = ["bash", str(REPO / "launch/slurm/gspo_single_node.sbatch"), "c.yaml", str(out), "a=1"]
+    subprocess.run(single, cwd=tmp_path, env={**env, **apptainer}, timeout=60, check=True)
+    assert json.loads(record.read_text())["args"] == [
+        "--ntasks=1", "apptainer", "exec", "--nv", "--bind", mounts, "--pwd", str(REPO), "/images/gspo.sif",
+        "launch/train_8xh100.sh", "c.yaml", str(out), "a=1"]
+    for wrong, message in (({"GSPO_CONTAINER": "docker"}, "GSPO_CONTAINER=docker: expected pyxis or apptainer"),
+                           ({"GSPO_CONTAINER": "apptainer", "GSPO_CONTAINER_IMAGE": ""},
+                            "GSPO_CONTAINER=apptainer: set GSPO_CONTAINER_IMAGE to the image to run in")):
+        for script in (multi, single):
+            proc = subprocess.run(script, capture_output=True, text=True, cwd=tmp_path,
+                                  env={**env, **image, **wrong}, timeout=60)
+            assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}"
 
 
 def _bash(script: str, timeout=60) -> subprocess.CompletedProcess:

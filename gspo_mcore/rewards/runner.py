@@ -39,12 +39,11 @@ class _Worker:
         path = os.pathsep.join([str(Path.cwd()), *filter(None, sys.path)])
         env = {**os.environ, "PYTHONPATH": path}
         argv = [sys.executable, "-m", "gspo_mcore.rewards.worker", reward_name, *(["--batched"] if batched else [])]
-        self.process = subprocess.Popen(argv,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                         env=env, preexec_fn=die_with_parent if in_main_thread() else None)
         self.reward_name = reward_name
         self.busy_with: list[int] | None = None  # the responses it is scoring
-        self.started = 0.0  # when it got that response
+        self.started = 0.0  # when it got them
 
     def ready(self, deadline: float) -> None:
         reply = self.read(max(0.0, deadline - time.monotonic()))

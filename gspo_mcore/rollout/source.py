@@ -37,11 +37,27 @@ class RolloutSource:
         self.dataset = PromptDataset.load(config.data.path, config.data.prompt_key, config.data.messages_key,
                                           config.data.answer_key)
         self.sampler = PromptSampler(len(self.dataset), seed=config.train.seed)
-        self.rewards = RewardRunner(config.reward.name, config.reward.timeout_s, config.reward.workers)
+        self._check_template()
+        reward = config.reward
+        self.rewards = RewardRunner(reward.name, reward.timeout_s, reward.workers, reward.batched, reward.url)
         self.group_filter = by_name(config.rollout.group_filter, adv.GROUP_FILTERS, "rollout.group_filter")
         self.running = adv.RunningMoments()
         self.client = None
         self.lock = threading.Lock()
+
+    def _check_template(self) -> None:
+        """The chat template renders the first record with data.chat_template_kwargs, or a one-line error."""
+        try:
+            chat_prompt_ids(self.tokenizer, self.dataset[0].messages, self.config.data.chat_template_kwargs)
+        except Exception as err:  # jinja's errors, a keyword apply_chat_template takes itself
+            raise InputError(f"data.chat_template_kwargs: the chat template fails on the first record "
+                             f"({type(err).__name__}: {err})") from None
+
+    def sampling_params(self) -> dict:
+        """What each /generate request samples with (temperature only: see client.check_sampling_params)."""
+        rollout = self.config.rollout
+        params = {"max_new_tokens": rollout.max_new_tokens, "temperature": rollout.temperature}
+        return {**params, "stop": list(rollout.stop)} if rollout.stop else params
 
     def connect(self, urls: list[str], vocab_size: int, routing_shape: tuple[int, int] | None = None,
                 api_key: str | None = None, max_concurrency: int = 64) -> None:
@@ -79,18 +95,19 @@ class RolloutSource:
         cfg = self.config.train
         with self.lock:  # the sampler's position
             samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
-        prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
+        template_kwargs = self.config.data.chat_template_kwargs
+        prompts = [chat_prompt_ids(self.tokenizer, s.messages, template_kwargs) for s in samples]
         requests = [p for p in prompts for _ in range(cfg.group_size)]
-        params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.rollout.temperature}
         seeds = [seeds_base + i for i in range(len(requests))]
-        rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds,
+        rollouts = self.client.generate(requests, self.sampling_params(), weight_version=weight_version, seeds=seeds,
                                         oldest_version=oldest_version)
         texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
         answers = [s.answer for s in samples for _ in range(cfg.group_size)]
         group_ids = torch.arange(len(samples)).repeat_interleave(cfg.group_size)
         reward = self.config.reward
         with self.lock:  # one reward runner; the running moments
-            scores, stats = self.rewards.score(texts, answers)
+            contexts = [s.reward_context() for s in samples for _ in range(cfg.group_size)]
+            scores, stats = self.rewards.score(texts, answers, contexts, group_ids.tolist())
             rewards = torch.tensor(scores, dtype=torch.float32)
             # reward.norm "batch" / "running": over this round's rewards / updated by each round.
             normed = adv.normalize_rewards(rewards, group_ids, reward.norm, self.running)

@@ -23,8 +23,9 @@ $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
 
 install: $(STAMP)
 
+# DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds).
 demo: $(STAMP)
-	$(PY) -m gspo_mcore.demo
+	$(PY) -m gspo_mcore.demo $(DEMO_ARGS)
 
 # Two workers: most slow tests wait on a server or a process more than they compute. Tests
 # that share a module's server (or a layout's launch) stay together (xdist_group).

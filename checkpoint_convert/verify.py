@@ -54,6 +54,8 @@ def verify(hf_dir, mcore_dir, batch: int = 4, seq_len: int = 32) -> dict:
     figures = compare(hf_logits(str(hf_dir), tokens, weight_dtype=stored), megatron_logits(model, tokens))
     figures.pop("logit_std")
     figures["per_layer_max_weight_diff"] = per_layer
+    # What the figures mean: the HF weights were rounded to this dtype before both comparisons.
+    figures["weights_rounded_to"] = str(stored).removeprefix("torch.")
     figures["tolerance"] = TOLERANCE
     figures["ok"] = figures["max_abs_logit_diff"] <= TOLERANCE and max(per_layer.values()) == 0.0
     return figures

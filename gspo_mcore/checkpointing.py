@@ -21,17 +21,27 @@ from gspo_mcore.safetensors_io import HFCheckpointWriter, copy_side_files, write
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
+LATEST = "latest"  # in a run's checkpoints/: the name of its newest complete checkpoint
 
 
 def checkpoint_dir(path) -> Path:
-    """The directory holding `.metadata`: given either it, or a Megatron-LM save root
-    whose latest_checkpointed_iteration.txt names `release` or an iteration."""
+    """The directory holding `.metadata`: given either it, a Megatron-LM save root whose
+    latest_checkpointed_iteration.txt names `release` or an iteration, or a run's save root
+    (OUTPUT_DIR/checkpoints, or OUTPUT_DIR) whose `latest` names a step."""
     path = Path(path)
     if (path / ".metadata").is_file():
         return path
+    if (path / "checkpoints" / LATEST).is_file():
+        path = path / "checkpoints"
+    if (path / LATEST).is_file():
+        step = path / (path / LATEST).read_text(errors="replace").strip()
+        if not (step / ".metadata").is_file():
+            raise CheckpointError(f"{path / LATEST}: names {step.name!r}, which holds no checkpoint (.metadata)")
+        return step
     tracker = path / TRACKER
     if not tracker.is_file():
-        raise CheckpointError(f"{path}: neither a checkpoint (.metadata) nor a save root ({TRACKER})")
+        raise CheckpointError(f"{path}: neither a checkpoint (.metadata) nor a save root ({TRACKER}, or a "
+                              f"run's checkpoints/{LATEST})")
     it = tracker.read_text(errors="replace").strip()
     if it != RELEASE and not it.isdigit():
         raise CheckpointError(f"{tracker}: expected an iteration number or {RELEASE!r}, found {it[:40]!r}")
@@ -92,7 +102,7 @@ class Checkpointer:
                 (tmp / "trainer_state.json").write_text(
                     json.dumps({"step": step, "rollout": rollout_state, "lr_scheduler": schedule}))
         if dist.get_rank() == 0:
-            with atomic_output(self.root / "latest") as latest:
+            with atomic_output(self.root / LATEST) as latest:
                 latest.write_text(path.name)
             self._prune(path)
         dist.barrier()
@@ -107,7 +117,7 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> Path:
-        pointer = self.root / "latest"
+        pointer = self.root / LATEST
         if not pointer.is_file():
             raise CheckpointError(f"{pointer}: no checkpoint to resume from")
         path = self.root / pointer.read_text().strip()

@@ -7,7 +7,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
@@ -125,20 +125,29 @@ class LossConfig:
 @dataclass
 class DataConfig:
     path: str = ""
-    """Prompt dataset, JSONL or Parquet: a prompt (or chat `messages`) and an `answer` per record."""
+    """Prompt dataset, JSONL or Parquet: a prompt (or chat `messages`) and an `answer` per record;
+    other fields go to rewards that ask for them (README, Data)."""
     prompt_key: str = "prompt"
     messages_key: str = "messages"
     answer_key: str = "answer"
     tokenizer_dir: str | None = None
     """Tokenizer (with its chat template); None: model.hf_dir's."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3."""
 
 
 @dataclass
 class RewardConfig:
     name: str = "math"
-    """`math` (boxed answer, math-verify), `exact_match`, or any `module:function(response, answer)`."""
+    """`math` (boxed answer, math-verify), `exact_match`, or any `module:function(response, answer)`;
+    a function that names `prompt`, `messages`, `extra`, `url` or a record field gets it
+    (gspo_mcore/rewards/__init__.py)."""
+    batched: bool = False
+    """The reward takes a prompt's group in one call: lists in, a list of rewards out."""
+    url: str | None = None
+    """A server the reward calls (a reward model served by SGLang), passed as its `url` argument."""
     timeout_s: float = 10.0
-    """Per response; a crash or timeout scores 0 and is counted in the metrics."""
+    """Per call (a response; a group when batched); a crash or timeout scores 0 and is counted."""
     workers: int = 2
     norm: RewardNorm = "none"
     """Reward normalisation before the group advantages: over the batch, per prompt group, or
@@ -187,6 +196,10 @@ class RolloutConfig:
     max_total_tokens: int = 8192
     max_running_requests: int = 64
     max_new_tokens: int = 1024
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a response ends with the token that completes one (kept, with its log-prob).
+    A server the run starts then loads the tokenizer (SGLang matches them on text); servers
+    started elsewhere must not run with --skip-tokenizer-init."""
     request_timeout_s: float = 600.0
     max_attempts: int = 5
     """Per request: retries with exponential backoff across servers, then the run stops."""
@@ -394,6 +407,12 @@ def _convert(tp, value, where: str):
         if value not in typing.get_args(tp):
             raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
         return value
+    if tp is Any:
+        return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{where}: expected a mapping with string keys, got {value!r}")
+        return {k: _convert(args[1], v, f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
@@ -483,6 +502,12 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base: expected a file name")
     return _merge(_read_yaml(path.parent / base, (*seen, path.resolve())), data)
+
+
+def config_yaml(config: Config) -> str:
+    """The resolved config (base files merged, overrides applied, every default filled in) as
+    YAML that load_config reads back to the same config."""
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

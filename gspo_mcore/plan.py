@@ -369,7 +369,11 @@ def main(argv=None) -> int:
     config = load_config(args.config, args.overrides)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be >= 1")
-    arch = load_hf_config(args.hf_config or Path(config.model.hf_dir) / "config.json")
+    hf_config = Path(args.hf_config or Path(config.model.hf_dir) / "config.json")
+    if not args.hf_config and not hf_config.is_file():  # planning comes before the download
+        raise ConfigError(f"model.hf_dir: {hf_config} not found; without the weights on disk give the model's "
+                          "config.json: --hf-config configs/hf/<model>.config.json")
+    arch = load_hf_config(hf_config)
     out = sys.stderr if args.shell else sys.stdout  # --shell: stdout is eval'd
     try:
         result = plan(config, arch, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.prompt_tokens)

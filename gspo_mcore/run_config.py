@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from gspo_mcore.config import Config, ConfigError, from_dict
+from gspo_mcore.config import Config, ConfigError, config_yaml, from_dict
 from gspo_mcore.files import atomic_output
 
 FILE = "config.yaml"
@@ -29,6 +29,7 @@ APPLIED_ON_RESUME = frozenset({
     "rollout.max_attempts", "rollout.max_running_requests", "weight_sync.check_every",
     "weight_sync.master_address", "weight_sync.disk_dir", "weight_sync.bucket_mb",
     "distributed.timeout_minutes", "distributed.rollout_timeout_minutes", "reward.workers", "reward.timeout_s",
+    "reward.url",
 })
 
 
@@ -58,7 +59,7 @@ def provenance() -> str:
 def save(config: Config, output_dir: Path) -> Path:
     path = Path(output_dir) / FILE
     text = (f"# The resolved config of this run ({provenance()}); `--resume` compares against it.\n"
-            + yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+            + config_yaml(config))
     with atomic_output(path) as tmp:
         tmp.write_text(text)
     return path

@@ -24,9 +24,13 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from gspo_mcore.errors import InputError
 from gspo_mcore.files import atomic_output
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 
+# The CPU tasks the shipped configs train, by the directory those configs read them from
+# (model/ and prompts.jsonl): a run that finds them missing is told the command that writes them.
+TASK_WRITERS = {"outputs/demo/toy": "gspo_mcore.toy_task", "outputs/long_task": "gspo_mcore.long_task"}
 CATEGORIES = ("color", "animal", "fruit", "number")
 WORDS_PER_CATEGORY = 60
 SPECIALS = ("<pad>", "<eos>", "<unk>", "user:", "assistant:", "name", "a", "an", "(", ")")
@@ -85,6 +89,16 @@ def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024, write_prompts
         make_tokenizer(tmp / "model")
         write_prompts(tmp / "prompts.jsonl", num_prompts, seed)
     return out_dir
+
+
+def check_task_written(config) -> None:
+    """model.hf_dir or data.path missing where a CPU task of TASK_WRITERS belongs: one line
+    naming the command that writes it (other missing inputs are named where they are read)."""
+    for name, path in (("model.hf_dir", config.model.hf_dir), ("data.path", config.data.path)):
+        if path and not Path(path).exists() and Path(path).parent.as_posix() in TASK_WRITERS:
+            directory = Path(path).parent.as_posix()
+            raise InputError(f"{name}: {path} not found; write the task first: "
+                             f"python -m {TASK_WRITERS[directory]} {directory}")
 
 
 if __name__ == "__main__":

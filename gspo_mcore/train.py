@@ -35,13 +35,14 @@ import torch.distributed as dist
 
 from gspo_mcore import plan, run_config, weight_sync
 from gspo_mcore.checkpointing import Checkpointer
-from gspo_mcore.config import Config, load_config
+from gspo_mcore.config import Config, config_yaml, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
 from gspo_mcore.learner import Learner
 from gspo_mcore.metric_schema import ASYNC_METRICS, UPDATE
 from gspo_mcore.metrics import Progress, RunLog
 from gspo_mcore.parallel import broadcast_from_host, host_group
 from gspo_mcore.torchrun import omp_threads
+from gspo_mcore.toy_task import check_task_written
 from gspo_mcore.rollout.engine_control import EngineControl
 from gspo_mcore.rollout.http import api_key_from_env
 from gspo_mcore.rollout.server import start_servers
@@ -346,6 +347,8 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", default=None, help="default: runs/<config name>")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's last checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="replace the run OUTPUT_DIR holds")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML (base merged, overrides applied) and exit")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     return parser.parse_intermixed_args(argv)
 
@@ -353,6 +356,10 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
+    if args.print_config:  # nothing starts: loadable as is with --config
+        print(config_yaml(config), end="", flush=True)
+        return
+    check_task_written(config)
     output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
     if "OMP_NUM_THREADS" not in os.environ:
         # CPU runs share the cores with the SGLang server; GPU ranks (CPU-offloaded Adam) take the node's

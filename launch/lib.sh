@@ -5,6 +5,36 @@
 
 GSPO_PIDS=()
 
+# gspo_container_command REPO OUTPUT_DIR: sets GSPO_IN_CONTAINER to what runs a job step inside
+# the job's container (empty: none), placed between srun's own options and the command.
+# GSPO_CONTAINER_IMAGE names the image: for pyxis/enroot (srun --container-image; the default
+# runtime) a registry image such as `nvcr.io#org/gspo-mcore:gpu` or a .sqsh file, for
+# apptainer (GSPO_CONTAINER=apptainer) a .sif. The repository and OUTPUT_DIR are mounted at
+# their own paths, so every path the scripts use holds inside; GSPO_CONTAINER_MOUNTS adds more
+# (src:dst[,src:dst], e.g. /models:/models). The job's environment passes into the container.
+# shellcheck disable=SC2034  # GSPO_IN_CONTAINER is the sbatch scripts' to read
+gspo_container_command() {
+    local repo=$1 out=$2 runtime=${GSPO_CONTAINER:-pyxis} image=${GSPO_CONTAINER_IMAGE:-}
+    GSPO_IN_CONTAINER=()
+    if [[ -z $image ]]; then
+        if [[ -n ${GSPO_CONTAINER:-} ]]; then
+            echo "error: GSPO_CONTAINER=$runtime: set GSPO_CONTAINER_IMAGE to the image to run in" >&2
+            return 2
+        fi
+        return 0
+    fi
+    mkdir -p "$out" && out=$(cd "$out" && pwd)  # a mount needs an absolute path that exists
+    local mounts="$repo:$repo,$out:$out${GSPO_CONTAINER_MOUNTS:+,$GSPO_CONTAINER_MOUNTS}"
+    case $runtime in
+        pyxis) GSPO_IN_CONTAINER=(--container-image="$image" --container-mounts="$mounts" --container-workdir="$repo") ;;
+        apptainer) GSPO_IN_CONTAINER=(apptainer exec --nv --bind "$mounts" --pwd "$repo" "$image") ;;
+        *)
+            echo "error: GSPO_CONTAINER=$runtime: expected pyxis or apptainer" >&2
+            return 2
+            ;;
+    esac
+}
+
 gspo_log() {
     printf '[%s] %s\n' "$(date '+%H:%M:%S')" "$*" >&2
 }

@@ -24,3 +24,38 @@ def always_raises(response: str, answer: str) -> float:
 def chatty_reward(response: str, answer: str) -> float:
     print("a reward that prints must not corrupt the worker's replies")
     return 0.5
+
+
+def prompt_reward(response: str, answer: str, prompt: str) -> float:
+    """1.0 when the response repeats the prompt's question: a reward that needs the prompt."""
+    return float(response == prompt)
+
+
+def field_reward(response: str, answer: str, level: str = "none", *, extra: dict, messages: list) -> float:
+    """A record field by name, all the fields, and the chat."""
+    return float(level == "Level 2") + 10 * len(extra) + 100 * len(messages)
+
+
+def group_sizes(responses: list, answers: list) -> list:
+    """Batched: each response scores the size of the call it came in."""
+    if responses[0] == "wrong length":
+        return [1.0]
+    return [float(len(responses))] * len(responses)
+
+
+def scored_by_server(responses: list, answers: list, messages: list, url: str) -> list:
+    """A reward model behind a server: the chat's user turn and the response as one text."""
+    from gspo_mcore.rewards.server import classify
+
+    return classify(url, [f"{m[-1]['content']} => {r}" for m, r in zip(messages, responses)])
+
+
+def one_argument(response: str) -> float:
+    return 0.0
+
+
+def category_from_prompt(response: str, answer: str, prompt: str) -> float:
+    """The toy task's reward with the category read from the prompt, not the answer field."""
+    asked = prompt.split()[2]  # "name a color ( ... )"
+    words = response.split()
+    return 1.0 if words and words[0].startswith(f"{asked}_") else 0.0

@@ -75,6 +75,8 @@ def test_dtype_cast(tiny_hf_dir, tmp_path):
     assert qkv.dtype == torch.bfloat16
     hf = HFCheckpointReader(tiny_hf_dir)
     assert torch.equal(reader.read("embedding.word_embeddings.weight"), hf["model.embed_tokens.weight"].to(torch.bfloat16))
+    figures = last_json_line(cli("verify", "--hf-dir", str(tiny_hf_dir), "--mcore-dir", str(tmp_path / "m")).stdout)
+    assert figures["ok"] and figures["weights_rounded_to"] == "bfloat16"  # a float32 model, compared as converted
 
 
 def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
@@ -126,6 +128,7 @@ def test_verify_passes_and_fails(tiny_hf_dir, converted, tmp_path):
     figures = last_json_line(proc.stdout)
     assert figures["ok"] and figures["max_abs_logit_diff"] <= figures["tolerance"] == 1e-4
     assert figures["top1_agreement"] == 1.0 and set(figures["per_layer_max_weight_diff"]) >= {"layer_0", "layer_3"}
+    assert figures["weights_rounded_to"] == "float32"  # the dtype the checkpoint stores, which both sides used
     other = make_tiny_checkpoint(tmp_path / "other", seed=9)  # same shapes, other weights
     proc = cli("verify", "--hf-dir", str(other), "--mcore-dir", str(converted), check=False)
     assert proc.returncode == 1 and last_json_line(proc.stdout)["ok"] is False

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gspo_mcore.checkpointing import TRACKER, checkpoint_dir
+from gspo_mcore.checkpointing import LATEST, TRACKER, checkpoint_dir
 from gspo_mcore.errors import CheckpointError
 
 
@@ -11,6 +11,20 @@ def test_tracker_names_the_iteration_or_release(tmp_path):
     assert checkpoint_dir(tmp_path) == tmp_path / "release"
     (tmp_path / TRACKER).write_text("12")
     assert checkpoint_dir(tmp_path) == tmp_path / "iter_0000012"
+
+
+def test_a_runs_checkpoints_directory_is_a_save_root(tmp_path):
+    """mcore-to-hf / verify take gspo-train's OUTPUT_DIR/checkpoints (or OUTPUT_DIR): `latest` names the step."""
+    root = tmp_path / "run" / "checkpoints"
+    for step in ("step_000020", "step_000040"):
+        (root / step).mkdir(parents=True)
+        (root / step / ".metadata").write_bytes(b"")
+    (root / LATEST).write_text("step_000040")
+    assert checkpoint_dir(root) == checkpoint_dir(tmp_path / "run") == root / "step_000040"
+    (root / LATEST).write_text("step_000060")
+    with pytest.raises(CheckpointError) as err:
+        checkpoint_dir(root)
+    assert str(err.value) == f"{root / LATEST}: names 'step_000060', which holds no checkpoint (.metadata)"
 
 
 def test_tracker_with_garbage_is_named(tmp_path):

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from gspo_mcore.config import Config, ConfigError, load_config
@@ -34,6 +36,8 @@ def test_yaml_and_overrides(tmp_path):
         (["loss.aggregation=mean"], "loss.aggregation: 'mean' is not one of"),
         (["loss.dual_clip=big"], "loss.dual_clip: expected float"),
         (["rollout.urls=http://a"], "rollout.urls: expected a list"),
+        (["data.chat_template_kwargs=[1]"], "data.chat_template_kwargs: expected a mapping with string keys"),
+        (["rollout.stop=</answer>"], "rollout.stop: expected a list"),
         (["train.num_minibatches=0"], "train.num_minibatches: must be >= 1"),
         (["rollout.oversample=0.5"], "rollout.oversample: must be >= 1"),
         (["weight_sync.method=nfs"], "weight_sync.method: 'nfs' is not one of"),
@@ -46,6 +50,14 @@ def test_yaml_and_overrides(tmp_path):
 def test_bad_values_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_chat_template_kwargs_and_stop_strings(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  chat_template_kwargs: {enable_thinking: false}\nrollout:\n  stop: ['</answer>']\n")
+    cfg = load_config(path, ["data.chat_template_kwargs.tools=[]"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False, "tools": []}
+    assert cfg.rollout.stop == ["</answer>"] and load_config(None).rollout.stop == []
 
 
 def test_missing_file_is_named(tmp_path):
@@ -115,3 +127,38 @@ def test_group_of_one_and_bad_mask_settings_are_refused():
         load_config(None, ["loss.token_mask_band=[2.0,0.5]"])
     with pytest.raises(ConfigError, match="train.routing_replay: needs rollout.return_routed_experts"):
         load_config(None, ["train.routing_replay=true"])
+
+
+def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, capsys):
+    """`gspo-train --print-config`: the config with its base merged, the overrides applied and
+    every default filled in, as YAML that loads back to the same config; exit 0, nothing run."""
+    import signal
+
+    from conftest import REPO
+    from gspo_mcore.train import main
+
+    overrides = ["train.steps=3", "data.chat_template_kwargs.enable_thinking=false"]
+    handler = signal.getsignal(signal.SIGTERM)  # main installs the trainer's own
+    try:
+        assert main(["--config", str(REPO / "configs/long_cpu.yaml"), "--print-config", *overrides,
+                     "--output-dir", str(tmp_path / "run")]) is None
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    printed = capsys.readouterr().out
+    (tmp_path / "resolved.yaml").write_text(printed)
+    assert load_config(tmp_path / "resolved.yaml") == load_config(REPO / "configs/long_cpu.yaml", overrides)
+    assert "reward:\n  name: gspo_mcore.long_task:list_reward\n" in printed and "  clip_low: 0.0003\n" in printed
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_grpo_comparison_commands_use_the_demos_run():
+    """configs/tiny_cpu_grpo.yaml's commands plot against the run `make demo` writes."""
+    from conftest import REPO
+    from gspo_mcore.demo import DEFAULT_OUTPUT, train_command
+
+    comment = [line for line in (REPO / "configs/tiny_cpu_grpo.yaml").read_text().splitlines() if line.startswith("#")]
+    plot = next(line for line in comment if "gspo_mcore.plot" in line).split()
+    demo_run = train_command(DEFAULT_OUTPUT, overwrite=False)
+    demo_run = Path(demo_run[demo_run.index("--output-dir") + 1])
+    assert REPO / plot[plot.index("gspo_mcore.plot") + 1] == demo_run
+    assert (REPO / plot[plot.index("gspo_mcore.plot") + 2]).parent == demo_run.parent

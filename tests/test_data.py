@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO
 from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
-from gspo_mcore.data.prepare_math import prepare
+from gspo_mcore.data.prepare_math import INSTRUCTION, prepare
 from gspo_mcore.errors import InputError
 from gspo_mcore.rewards.answers import math_reward
 
@@ -25,6 +25,23 @@ def test_prepare_math_sample(tmp_path):
     assert len(dataset) == 10 and dataset[7].messages == [{"role": "user", "content": rows[7]["prompt"]}]
     # The extracted answers are what the math reward accepts.
     assert all(math_reward(rf"\boxed{{{r['answer']}}}", r["answer"]) == 1.0 for r in rows)
+
+
+def test_prepare_math_takes_an_aime_style_row(tmp_path):
+    """`problem` and `answer`, no `solution` (AIME): the answer as given, the other fields kept."""
+    aime = tmp_path / "aime.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": 60, "problem": "Find $x$.", "answer": "033", "year": 2024},
+                                         {"id": 61, "problem": "Find $y$.", "answer": "204", "year": 2024}]), aime)
+    assert prepare(aime, tmp_path / "aime.jsonl") == 2
+    rows = [json.loads(line) for line in (tmp_path / "aime.jsonl").read_text().splitlines()]
+    assert rows[0] == {"prompt": f"Find $x$.\n\n{INSTRUCTION}", "answer": "033", "id": 60, "year": 2024}
+    assert rows[1]["answer"] == "204"
+    sample = PromptDataset.load(tmp_path / "aime.jsonl")[0]
+    assert sample.metadata == {"id": 60, "year": 2024} and sample.prompt.startswith("Find $x$.")
+    assert math_reward(r"so \boxed{33}", sample.answer) == 1.0
+    (tmp_path / "neither.jsonl").write_text(json.dumps({"problem": "p"}) + "\n")
+    with pytest.raises(InputError, match=r"neither.jsonl:1: missing field 'answer' \(or 'solution' with a"):
+        prepare(tmp_path / "neither.jsonl", tmp_path / "o.jsonl")
 
 
 def test_prepare_math_cli_errors_name_the_row(tmp_path):
@@ -91,3 +108,22 @@ def test_chat_template_ids():
     )
     ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "2+2?"}])
     assert ids == [1, 4, 3, 2]
+    # data.chat_template_kwargs: the template's own variables (Qwen3's enable_thinking).
+    tokenizer.chat_template += "{% if enable_thinking is defined and not enable_thinking %}<end> {% endif %}"
+    assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "2+2?"}]) == [1, 4, 3, 2]
+    assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "2+2?"}], {"enable_thinking": False}) == [1, 4, 3, 2, 3]
+
+
+def test_the_readme_data_examples_load(tmp_path):
+    """README, Data and rewards: the JSONL records and the Parquet snippet are datasets."""
+    import re
+
+    text = (REPO / "README.md").read_text()
+    jsonl = re.search(r"```jsonl\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "train.jsonl").write_text(jsonl)
+    dataset = PromptDataset.load(tmp_path / "train.jsonl")
+    assert [s.answer for s in dataset.samples] == ["2", "4"] and dataset[0].metadata == {"level": "Level 1"}
+    assert dataset[1].messages[0]["role"] == "system" and dataset[1].prompt == "2+2?"
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "pq.write_table" in block)
+    exec(snippet.replace('"train.parquet"', repr(str(tmp_path / "train.parquet"))), {})
+    assert PromptDataset.load(tmp_path / "train.parquet")[0].metadata == {"source": "algebra"}

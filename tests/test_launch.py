@@ -139,6 +139,34 @@ def test_the_time_limit_warning_reaches_the_trainer_and_the_job_requeues_after_i
     assert "requeueing job 4321" in stderr and proc.returncode == 138
 
 
+def test_sbatch_scripts_run_inside_a_pyxis_or_apptainer_container(tmp_path):
+    """GSPO_CONTAINER_IMAGE: each node's step runs in the image (pyxis: srun's --container-*
+    options; apptainer: `apptainer exec` before the command), the repository and OUTPUT_DIR
+    mounted at their own paths, GSPO_CONTAINER_MOUNTS added; a bad runtime is one line."""
+    env, record = _fake_slurm(tmp_path)
+    out = tmp_path / "run"
+    multi = ["bash", str(REPO / "launch/slurm/gspo_multi_node.sbatch"), "c.yaml", str(out), "a=1"]
+    image = {"GSPO_CONTAINER_IMAGE": "nvcr.io#org/gspo-mcore:gpu", "GSPO_CONTAINER_MOUNTS": "/models:/models"}
+    subprocess.run(multi, cwd=tmp_path, env={**env, **image}, timeout=60, check=True)
+    mounts = f"{REPO}:{REPO},{out}:{out},/models:/models"
+    assert json.loads(record.read_text())["args"] == [
+        "--kill-on-bad-exit=1", f"--output={out}/logs/node-%n-%j.out", "--container-image=nvcr.io#org/gspo-mcore:gpu",
+        f"--container-mounts={mounts}", f"--container-workdir={REPO}", "launch/node.sh", "c.yaml", str(out), "a=1"]
+    apptainer = {**image, "GSPO_CONTAINER": "apptainer", "GSPO_CONTAINER_IMAGE": "/images/gspo.sif"}
+    single = ["bash", str(REPO / "launch/slurm/gspo_single_node.sbatch"), "c.yaml", str(out), "a=1"]
+    subprocess.run(single, cwd=tmp_path, env={**env, **apptainer}, timeout=60, check=True)
+    assert json.loads(record.read_text())["args"] == [
+        "--ntasks=1", "apptainer", "exec", "--nv", "--bind", mounts, "--pwd", str(REPO), "/images/gspo.sif",
+        "launch/train_8xh100.sh", "c.yaml", str(out), "a=1"]
+    for wrong, message in (({"GSPO_CONTAINER": "docker"}, "GSPO_CONTAINER=docker: expected pyxis or apptainer"),
+                           ({"GSPO_CONTAINER": "apptainer", "GSPO_CONTAINER_IMAGE": ""},
+                            "GSPO_CONTAINER=apptainer: set GSPO_CONTAINER_IMAGE to the image to run in")):
+        for script in (multi, single):
+            proc = subprocess.run(script, capture_output=True, text=True, cwd=tmp_path,
+                                  env={**env, **image, **wrong}, timeout=60)
+            assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}"
+
+
 def _bash(script: str, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", f"set -euo pipefail; source launch/lib.sh; {script}"], capture_output=True,
                           text=True, cwd=REPO, timeout=timeout)

@@ -85,3 +85,32 @@ def test_writer_leaves_no_partial_task_and_keeps_a_complete_one(tmp_path, monkey
     (out / "prompts.jsonl").write_text('{"prompt": "kept", "answer": "color 40"}\n')
     make_long_task(out, num_prompts=5)
     assert (out / "prompts.jsonl").read_text() == '{"prompt": "kept", "answer": "color 40"}\n'
+
+
+def test_a_missing_cpu_task_names_the_command_that_writes_it(tmp_path, monkeypatch):
+    """configs/long_cpu.yaml reads outputs/long_task: a run without it is told the command, and
+    that command (run as told) writes what the config reads."""
+    import runpy
+    import shlex
+    import sys
+    import warnings
+
+    from conftest import REPO
+    from gspo_mcore.config import load_config
+    from gspo_mcore.errors import InputError
+    from gspo_mcore.toy_task import check_task_written
+
+    monkeypatch.chdir(tmp_path)  # the config's paths are relative to where the run starts
+    config = load_config(REPO / "configs" / "long_cpu.yaml")
+    with pytest.raises(InputError) as err:
+        check_task_written(config)
+    message = str(err.value)
+    assert message == ("model.hf_dir: outputs/long_task/model not found; write the task first: "
+                       "python -m gspo_mcore.long_task outputs/long_task")
+    python, _, module, *args = shlex.split(message.split("write the task first: ")[1])
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    with warnings.catch_warnings():  # runpy: the module is imported already (by gspo_mcore.toy_task's users)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runpy.run_module(module, run_name="__main__")
+    check_task_written(config)  # written: nothing missing
+    assert (tmp_path / config.data.path).is_file()

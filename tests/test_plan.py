@@ -216,3 +216,22 @@ def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses(caps
 def test_asynchronous_mode_with_colocated_servers_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"rollout.mode: 'async' overlaps generation and training, which colocated"):
         _plan(overrides=["rollout.mode=async"])
+
+
+def test_the_readme_planner_command_runs_without_weights_and_the_default_names_the_way(capsys):
+    """The README's first planner command works on a fresh checkout (no weights on disk); without
+    --hf-config and without the weights, the error names model.hf_dir and --hf-config."""
+    import shlex
+
+    from gspo_mcore.plan import main
+
+    line = next(line for line in (REPO / "README.md").read_text().splitlines()
+                if line.startswith("python -m gspo_mcore.plan"))
+    argv = shlex.split(line)[3:]
+    assert "--hf-config" in argv
+    argv[argv.index("--hf-config") + 1] = str(REPO / argv[argv.index("--hf-config") + 1])
+    argv[argv.index("--config") + 1] = str(REPO / argv[argv.index("--config") + 1])
+    assert main(argv) == 0 and "margin:" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"^model.hf_dir: .*config.json not found; without the weights on disk "
+                                          r"give the model's config.json: --hf-config"):
+        main(["--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "model.hf_dir=/nonexistent"])

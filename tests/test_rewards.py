@@ -115,3 +115,82 @@ def test_the_limit_counts_the_reward_only(tmp_path, reward):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (result["timeouts"], result["errors"]) == (0, 0)
     assert result["rewards"] == [3.0 if "length" in reward else 1.0] * 8
+
+
+def _contexts(*prompts, **extra):
+    return [{"prompt": p, "messages": [{"role": "user", "content": p}], "extra": dict(extra)} for p in prompts]
+
+
+def test_a_reward_that_takes_the_prompt_gets_it():
+    runner = RewardRunner("tests.reward_fixtures:prompt_reward", timeout_s=5.0, workers=1)
+    try:
+        assert runner.wanted == ("prompt",)
+        rewards, stats = runner.score(["what is 2+2?", "4"], ["4", "4"], _contexts("what is 2+2?", "what is 2+2?"))
+        assert rewards == [1.0, 0.0] and (stats.errors, stats.timeouts) == (0, 0)
+    finally:
+        runner.close()
+
+
+def test_record_fields_by_name_all_fields_and_the_chat():
+    runner = RewardRunner("tests.reward_fixtures:field_reward", timeout_s=5.0, workers=1)
+    try:
+        assert runner.wanted == ("level", "extra", "messages")
+        contexts = _contexts("p", level="Level 2", source="aime") + _contexts("q", source="aime")
+        rewards, _ = runner.score(["a", "b"], ["1", "1"], contexts)
+        assert rewards == [121.0, 110.0]  # the second record has no `level`: the default applies
+    finally:
+        runner.close()
+
+
+def test_a_batched_reward_scores_each_group_in_one_call():
+    runner = RewardRunner("tests.reward_fixtures:group_sizes", timeout_s=5.0, workers=2, batched=True)
+    try:
+        rewards, stats = runner.score(list("abcdef"), [""] * 6, groups=[0, 0, 0, 1, 1, 2])
+        assert rewards == [3.0, 3.0, 3.0, 2.0, 2.0, 1.0] and (stats.errors, stats.timeouts) == (0, 0)
+        # One reward per response or the whole group fails, counted per response.
+        rewards, stats = runner.score(["wrong length", "x", "y"], [""] * 3, groups=[0, 0, 1])
+        assert rewards == [0.0, 0.0, 1.0] and stats.errors == 2
+    finally:
+        runner.close()
+
+
+def test_a_reward_model_served_over_http(monkeypatch):
+    """`reward.url` reaches a batched reward that posts the group to SGLang's /classify."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Classify(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            texts = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["text"]
+            body = json.dumps([{"embedding": [float(len(t))], "meta_info": {}} for t in texts]).encode()
+            self.send_response(200 if self.path == "/classify" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Classify)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    runner = RewardRunner("tests.reward_fixtures:scored_by_server", timeout_s=10.0, workers=1, batched=True, url=url)
+    try:
+        rewards, stats = runner.score(["x", "yy"], ["", ""], _contexts("q", "q"), groups=[0, 0])
+        assert rewards == [len("q => x"), len("q => yy")] and stats.errors == 0
+        runner.url = url + "/nowhere"  # a server that refuses: the group fails, counted
+        assert runner.score(["x"], [""], _contexts("q"), groups=[0])[1].errors == 1
+    finally:
+        runner.close()
+        server.shutdown()
+
+
+@pytest.mark.parametrize("name, url, message", [
+    ("tests.reward_fixtures:scored_by_server", None, "takes `url`, but reward.url is not set"),
+    ("tests.reward_fixtures:length_reward", "http://rm:30000", "reward.url: reward .* takes no `url` parameter"),
+    ("tests.reward_fixtures:one_argument", None, r"takes 1 positional parameters, expected \(response, answer"),
+])
+def test_signatures_that_cannot_be_served_are_one_line(name, url, message):
+    with pytest.raises(InputError, match=message):
+        RewardRunner(name, url=url)

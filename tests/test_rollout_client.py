@@ -114,6 +114,13 @@ def test_sglang_command(tmp_path):
     cmd = sglang_command(str(all_moe), 30000)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in cmd
     assert cmd[cmd.index("--max-total-tokens") + 1] == "8192" and "torch_native" in cmd
+    # Stop strings are matched on text: a server the run starts for them loads the tokenizer.
+    from gspo_mcore.config import load_config
+    from gspo_mcore.rollout.server import server_for_config
+
+    config = load_config(None, [f"model.hf_dir={all_moe}", "rollout.stop=['</answer>']", "data.tokenizer_dir=/tok"])
+    cmd, _ = server_for_config(config, 30000)
+    assert "--skip-tokenizer-init" not in cmd and cmd[cmd.index("--tokenizer-path") + 1] == "/tok"
     with_dense_layer = make_tiny_checkpoint(tmp_path / "dense", mlp_only_layers=[1])
     with pytest.raises(InputError, match="runs Qwen3-MoE dense layers"):
         sglang_command(str(with_dense_layer), 30000)

@@ -24,6 +24,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, delay_s: float = 0.0):
         self.tokenizer, self.delay_s = tokenizer, delay_s
         self.calls = []  # (categories asked, seeds) per generate call
+        self.params = []  # the sampling parameters of each call
         self.version = 0  # the weights it generates with (the producer tests move it)
         self.clock, self.tokens_regenerated, self.closed = BusyClock(["scripted"]), 0, False
 
@@ -40,6 +41,7 @@ class ScriptedEngine:
         self.clock.started("scripted", -1)
         categories = [re.search(r"name an? (\w+)", self.tokenizer.decode(p)).group(1) for p in prompts]
         self.calls.append((categories, seeds))
+        self.params.append(params)
         out = []
         for i, (prompt, category) in enumerate(zip(prompts, categories)):
             right = category == "color" and i % GROUP % 2 == 0
@@ -59,12 +61,12 @@ def task(tmp_path_factory):
     return root
 
 
-def source_for(task, **options) -> tuple[RolloutSource, ScriptedEngine]:
-    """options: train.rollout_batch_size, or a rollout field (sampling)."""
+def source_for(task, *extra, **options) -> tuple[RolloutSource, ScriptedEngine]:
+    """options: train.rollout_batch_size, or a rollout field (sampling); extra: more overrides."""
     overrides = [f"data.path={task / 'prompts.jsonl'}", f"data.tokenizer_dir={task / 'tokenizer'}",
                  "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1", f"train.group_size={GROUP}",
                  *(f"{'train' if k == 'rollout_batch_size' else 'rollout'}.{k}={v}" for k, v in options.items()),
-                 "reward.norm=group"]
+                 "reward.norm=group", *extra]
     source = RolloutSource(load_config(None, overrides))
     source.client = engine = ScriptedEngine(source.tokenizer)
     return source, engine
@@ -122,6 +124,29 @@ def test_one_round_without_dropping_keeps_every_group(task):
     assert len(engine.calls) == metrics["sampling_rounds"] == 1
     assert metrics["groups_kept"] == 5 and len(rollouts) == 5 * GROUP
     assert all(a == 0 for a, r in zip(advantages, rollouts) if "color" not in source.tokenizer.decode(r.prompt_ids))
+
+
+def test_a_reward_that_takes_the_prompt_and_stop_strings(task):
+    """A reward that reads the request from the prompt (not the answer field) scores what the
+    toy reward does; rollout.stop goes to the engine with each request."""
+    source, engine = source_for(task, "reward.name=tests.reward_fixtures:category_from_prompt", "rollout.stop=[' )']",
+                                rollout_batch_size=4, group_filter="all")
+    try:
+        rollouts, _, metrics = source.collect(step=0, weight_version="step-0")
+    finally:
+        source.close()
+    asked = engine.calls[0][0][::GROUP]
+    assert metrics["reward_errors"] == 0
+    assert metrics["reward_mean"] == pytest.approx(asked.count("color") * GROUP / 2 / (len(asked) * GROUP))
+    assert engine.params[0]["stop"] == [" )"] and engine.params[0]["max_new_tokens"] == 1024
+
+
+def test_chat_template_kwargs_that_break_the_template_are_named(task):
+    from gspo_mcore.errors import InputError
+
+    with pytest.raises(InputError, match=r"^data.chat_template_kwargs: the chat template fails on the first record "
+                                         r"\(TypeError: .*add_generation_prompt"):
+        source_for(task, "data.chat_template_kwargs.add_generation_prompt=false")
 
 
 def test_max_sampling_rounds_must_be_positive():

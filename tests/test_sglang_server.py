@@ -213,3 +213,37 @@ def test_colocated_release_and_resume_then_generate(sglang_server):
     control.resume_memory()
     (rollout,) = SGLangClient([server.url], 256).generate([[4, 5, 6]], {"max_new_tokens": 4})
     assert len(rollout.logprobs) == 4
+
+
+def test_stop_strings_end_responses_with_their_log_probs_aligned(tmp_path):
+    """rollout.stop: a server started with the tokenizer (as server_for_config does for stop
+    strings) ends a response with the token that completes one; ids and log-probs stay aligned,
+    and that token is kept, so the trainer scores what the engine sampled."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo_mcore.toy_task import make_toy_task
+
+    task = make_toy_task(tmp_path / "toy", seed=0, num_prompts=8)
+    port = free_port()
+    cmd = sglang_command(str(task / "model"), port, dtype="float32", tokenizer=True, extra_args=("--disable-radix-cache",))
+    tokenizer = AutoTokenizer.from_pretrained(task / "model")
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"name an animal ( color_{i} )"}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=False)
+               for i in range(16)]
+    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "sglang.log", env=server_env(),
+                       startup_timeout_s=300) as server:
+        rollouts = SGLangClient([server.url], 256).generate(
+            prompts, {"max_new_tokens": 24, "temperature": 1.0, "stop": ["animal_"]})
+    model = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32)
+    stopped = 0
+    for r in rollouts:
+        words = tokenizer.convert_ids_to_tokens(r.response_ids)
+        assert not any(w.startswith("animal_") for w in words[:-1]), words  # nothing past the stop
+        if r.finish_reason == "stop" and words[-1].startswith("animal_"):
+            stopped += 1
+        sequence = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=sequence[:, :-1]).logits[0]
+        ref = logits.log_softmax(-1)[len(r.prompt_ids) - 1 :].gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        assert (ref - torch.tensor(r.logprobs)).abs().max() < 1e-3  # each log-prob is its own token's
+    assert stopped > 0

@@ -1,5 +1,6 @@
 """Prompt datasets from JSONL or Parquet: each record a prompt (string) or chat `messages`,
-plus the reference `answer` the reward checks."""
+plus the reference `answer` the reward checks; any other field is kept for rewards that ask
+for it (README, Data)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,17 @@ from gspo_mcore.errors import InputError
 class PromptSample:
     messages: list[dict]
     answer: str
-    metadata: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)  # the record's other fields
+
+    @property
+    def prompt(self) -> str:
+        """The question: a prompt record's prompt, a chat record's last user message."""
+        users = [m["content"] for m in self.messages if m["role"] == "user"]
+        return str(users[-1]) if users else ""
+
+    def reward_context(self) -> dict:
+        """What a reward may ask for (gspo_mcore.rewards.CONTEXT)."""
+        return {"prompt": self.prompt, "messages": self.messages, "extra": self.metadata}
 
 
 def _records(path: Path):
@@ -74,9 +85,10 @@ class PromptDataset:
         return self.samples[index]
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the chat template with the assistant turn opened (generation prompt)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of the chat template with the assistant turn opened (generation prompt);
+    `template_kwargs`: the template's own variables (data.chat_template_kwargs)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

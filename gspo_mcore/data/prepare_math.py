@@ -1,5 +1,6 @@
-"""Turn MATH-lighteval-style data (`problem`, `solution` with a final \\boxed{}) into a
-prompt dataset (JSONL: prompt, answer, plus level/type when present).
+"""Turn math problems into a prompt dataset (JSONL: prompt, answer, and the record's other
+fields): MATH-lighteval-style records (`problem`, `solution` with a final \\boxed{}) or
+AIME-style ones (`problem`, `answer`; an `answer` is taken as is when both are there).
 
     python -m gspo_mcore.data.prepare_math --input train.parquet --output math_train.jsonl
 """
@@ -19,27 +20,41 @@ from gspo_mcore.rewards.answers import last_boxed
 INSTRUCTION = "Solve the problem step by step. Put the final answer in \\boxed{}."
 
 
+def _field(record, key: str, where: str):
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: expected an object")
+    if key not in record:
+        raise InputError(f"{where}: missing field '{key}'")
+    return record[key]
+
+
+def _answer(record: dict, where: str) -> str:
+    """The record's `answer`, else the last \\boxed{} of its `solution`."""
+    if "answer" in record:
+        return str(record["answer"]).strip()
+    if "solution" not in record:
+        raise InputError(f"{where}: missing field 'answer' (or 'solution' with a \\boxed{{}} answer)")
+    answer = last_boxed(record["solution"])
+    if answer is None:
+        raise InputError(f"{where}: solution has no complete \\boxed{{}} answer")
+    return answer
+
+
 def prepare(input_path, output_path) -> int:
     count = 0
     with atomic_output(output_path) as tmp:
         with open(tmp, "w") as out:
             for where, record in _records(Path(input_path)):
-                for key in ("problem", "solution"):
-                    if key not in record:
-                        raise InputError(f"{where}: missing field '{key}'")
-                answer = last_boxed(record["solution"])
-                if answer is None:
-                    raise InputError(f"{where}: solution has no complete \\boxed{{}} answer")
-                row = {"prompt": f"{record['problem']}\n\n{INSTRUCTION}", "answer": answer}
-                row.update({k: record[k] for k in ("level", "type") if k in record})
-                out.write(json.dumps(row) + "\n")
+                row = {"prompt": f"{_field(record, 'problem', where)}\n\n{INSTRUCTION}", "answer": _answer(record, where)}
+                row.update({k: v for k, v in record.items() if k not in ("problem", "solution", "answer", "prompt")})
+                out.write(json.dumps(row, default=str) + "\n")
                 count += 1
     return count
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", required=True, help=".jsonl or .parquet with problem/solution")
+    parser.add_argument("--input", required=True, help=".jsonl or .parquet with problem and solution or answer")
     parser.add_argument("--output", required=True, help=".jsonl to write")
     args = parser.parse_args()
     if not Path(args.input).is_file():

@@ -1,4 +1,5 @@
-"""Score responses in worker processes with a time limit per response.
+"""Score responses in worker processes with a time limit per call (a response; a group when
+the reward is batched).
 
 A reward that raises or runs past the limit scores 0 and is counted: math checkers can hang
 on adversarial output, and a stuck reward must not stop training. The limit counts the reward
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from gspo_mcore.errors import InputError
 from gspo_mcore.processes import die_with_parent, in_main_thread
-from gspo_mcore.rewards import load_reward_fn
+from gspo_mcore.rewards import call_arguments, load_reward_fn, reward_arguments
 
 STARTUP_TIMEOUT_S = 300.0  # importing a heavy reward (a math checker, a tokenizer) on a busy node
 
@@ -32,17 +33,17 @@ class RewardStats:
 class _Worker:
     """One worker process and its private request/reply pipe pair."""
 
-    def __init__(self, reward_name: str):
+    def __init__(self, reward_name: str, batched: bool = False):
         # The repository and the trainer's sys.path (a reward named `tests.x:f` or a module
         # beside the config), so the worker imports what the trainer could.
         path = os.pathsep.join([str(Path.cwd()), *filter(None, sys.path)])
         env = {**os.environ, "PYTHONPATH": path}
-        self.process = subprocess.Popen([sys.executable, "-m", "gspo_mcore.rewards.worker", reward_name],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        argv = [sys.executable, "-m", "gspo_mcore.rewards.worker", reward_name, *(["--batched"] if batched else [])]
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                         env=env, preexec_fn=die_with_parent if in_main_thread() else None)
         self.reward_name = reward_name
-        self.busy_with: int | None = None  # the response index it is scoring
-        self.started = 0.0  # when it got that response
+        self.busy_with: list[int] | None = None  # the responses it is scoring
+        self.started = 0.0  # when it got them
 
     def ready(self, deadline: float) -> None:
         reply = self.read(max(0.0, deadline - time.monotonic()))
@@ -51,10 +52,11 @@ class _Worker:
             self.kill()
             raise InputError(f"reward {self.reward_name!r}: its worker did not start ({reason})")
 
-    def send(self, index: int, response: str, answer: str) -> None:
-        self.process.stdin.write(json.dumps([response, answer]) + "\n")
+    def send(self, job: list[int], request: list) -> None:
+        # default=str: a Parquet record's dates and decimals reach the reward as text
+        self.process.stdin.write(json.dumps(request, default=str) + "\n")
         self.process.stdin.flush()
-        self.busy_with, self.started = index, time.monotonic()
+        self.busy_with, self.started = job, time.monotonic()
 
     def read(self, timeout_s: float):
         """The next reply, or None if none came within `timeout_s` or the worker died."""
@@ -74,56 +76,85 @@ class _Worker:
 
 
 class RewardRunner:
-    """`score(responses, answers) -> (rewards, stats)` over `workers` processes, started once."""
+    """`score(responses, answers, contexts, groups) -> (rewards, stats)` over `workers` processes,
+    started once. `batched`: the reward takes a group's lists in one call (gspo_mcore.rewards)."""
 
-    def __init__(self, reward_name: str, timeout_s: float = 10.0, workers: int = 2):
-        load_reward_fn(reward_name)  # fail fast on a bad name, in this process
+    def __init__(self, reward_name: str, timeout_s: float = 10.0, workers: int = 2, batched: bool = False,
+                 url: str | None = None):
+        # Fail fast on a bad name or signature, in this process.
+        self.wanted = reward_arguments(load_reward_fn(reward_name), reward_name, url)
         self.reward_name, self.timeout_s, self.workers = reward_name, timeout_s, workers
+        self.batched, self.url = batched, url
         self._pool: list[_Worker] = []
 
     def _start(self, count: int) -> list[_Worker]:
-        started = [_Worker(self.reward_name) for _ in range(count)]
+        started = [_Worker(self.reward_name, self.batched) for _ in range(count)]
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for worker in started:
             worker.ready(deadline)
         return started
 
-    def score(self, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
+    def _jobs(self, count: int, groups: list[int] | None) -> list[list[int]]:
+        """The calls: one per response, or (batched) one per group (all of them: one group)."""
+        if not self.batched:
+            return [[i] for i in range(count)]
+        by_group: dict[int, list[int]] = {}
+        for i, group in enumerate(groups if groups is not None else [0] * count):
+            by_group.setdefault(group, []).append(i)
+        return list(by_group.values())
+
+    def _request(self, job: list[int], responses, answers, contexts) -> list:
+        """[args, kwargs] of one call, as the worker takes it."""
+        kwargs = [call_arguments(self.wanted, contexts[i], self.url) for i in job] if self.wanted else [{}] * len(job)
+        if not self.batched:
+            return [[responses[job[0]], answers[job[0]]], kwargs[0]]
+        lists = {key: self.url if key == "url" else [k.get(key) for k in kwargs] for key in self.wanted}
+        return [[[responses[i] for i in job], [answers[i] for i in job]], lists]
+
+    def score(self, responses: list[str], answers: list[str], contexts: list[dict] | None = None,
+              groups: list[int] | None = None) -> tuple[list[float], RewardStats]:
+        """`contexts`: per response, the CONTEXT of gspo_mcore.rewards (needed when the reward asks
+        for any of it); `groups`: per response, its prompt's group (the calls of a batched reward)."""
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        if self.wanted and contexts is None:
+            raise ValueError(f"reward {self.reward_name!r} takes {list(self.wanted)}: contexts needed")
         self._pool += self._start(self.workers - len(self._pool))
         rewards, stats = [0.0] * len(responses), RewardStats()
-        todo = list(range(len(responses)))
+        todo = self._jobs(len(responses), groups)
         while todo or any(w.busy_with is not None for w in self._pool):
             for worker in list(self._pool):  # _replace changes the pool
                 if worker.busy_with is None and todo:
-                    i = todo.pop(0)
+                    job = todo.pop(0)
                     try:
-                        worker.send(i, responses[i], answers[i])
-                    except OSError:  # it died between calls: a fresh one takes the response next round
-                        todo.insert(0, i)
+                        worker.send(job, self._request(job, responses, answers, contexts))
+                    except OSError:  # it died between calls: a fresh one takes the job next round
+                        todo.insert(0, job)
                         self._replace(worker)
             busy = [w for w in self._pool if w.busy_with is not None]
-            if not busy:
-                continue
-            soonest = min(w.started + self.timeout_s for w in busy)
-            readable = select.select([w.process.stdout for w in busy], [], [],
-                                     max(0.0, soonest - time.monotonic()))[0]
-            for worker in busy:
-                i = worker.busy_with
-                if worker.process.stdout in readable:
-                    reply = worker.read(0)
-                    worker.busy_with = None
-                    if reply is not None and "reward" in reply:
-                        rewards[i] = reply["reward"]
-                        continue
-                    stats.errors += 1  # it raised, returned NaN, or its process died
-                    if reply is None:
-                        self._replace(worker)
-                elif time.monotonic() >= worker.started + self.timeout_s:
-                    stats.timeouts += 1
-                    self._replace(worker)
+            if busy:
+                self._collect(busy, rewards, stats)
         return rewards, stats
+
+    def _collect(self, busy: list[_Worker], rewards: list[float], stats: RewardStats) -> None:
+        """Wait for the first reply or deadline among `busy`; take every reply there is."""
+        soonest = min(w.started + self.timeout_s for w in busy)
+        readable = select.select([w.process.stdout for w in busy], [], [], max(0.0, soonest - time.monotonic()))[0]
+        for worker in busy:
+            job = worker.busy_with
+            if worker.process.stdout in readable:
+                reply = worker.read(0)
+                worker.busy_with = None
+                if reply is not None and "rewards" in reply:
+                    for i, value in zip(job, reply["rewards"]):
+                        rewards[i] = value
+                    continue
+                stats.errors += len(job)  # it raised, returned NaN, or its process died
+                if reply is None:
+                    self._replace(worker)
+            elif time.monotonic() >= worker.started + self.timeout_s:
+                stats.timeouts += len(job)
+                self._replace(worker)
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()

@@ -1,8 +1,8 @@
-"""A reward worker: `python -m gspo_mcore.rewards.worker NAME`.
+"""A reward worker: `python -m gspo_mcore.rewards.worker NAME [--batched]`.
 
 Imports only the reward function (not the trainer, torch or megatron), says `ready`, then
-answers one JSON line per request on a private pipe: `[response, answer]` ->
-`{"reward": x}` or `{"error": "..."}`. The reward's own prints go to stderr, so they cannot
+answers one JSON line per request on a private pipe: `[[response, answer], kwargs]` (batched:
+`[[responses, answers], kwargs of lists]`) -> `{"rewards": [x, ...]}` or `{"error": "..."}`. The reward's own prints go to stderr, so they cannot
 corrupt the protocol. Ends at end of input (the trainer closed the pipe or died)."""
 
 from __future__ import annotations
@@ -24,18 +24,29 @@ def main() -> int:
     except Exception as err:  # reported by the runner as the reason the worker did not start
         protocol.write(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
         return 2
+    batched = sys.argv[2:] == ["--batched"]
     protocol.write('"ready"\n')
     for line in sys.stdin:
-        response, answer = json.loads(line)
+        args, kwargs = json.loads(line)
         try:
-            value = float(reward_fn(response, answer))
-            if not math.isfinite(value):  # a NaN would poison the group's advantages
-                raise ValueError(f"returned {value}")
-            reply = {"reward": value}
+            reply = {"rewards": call(reward_fn, args, kwargs, batched)}
         except Exception as err:
             reply = {"error": f"{type(err).__name__}: {err}"}
         protocol.write(json.dumps(reply) + "\n")
     return 0
+
+
+def call(reward_fn, args: list, kwargs: dict, batched: bool) -> list[float]:
+    """The rewards of one request, checked: a NaN would poison the group's advantages."""
+    values = reward_fn(*args, **kwargs)
+    if not batched:
+        values = [values]
+    elif len(values) != len(args[0]):
+        raise ValueError(f"returned {len(values)} rewards for {len(args[0])} responses")
+    values = [float(v) for v in values]
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"returned {next(v for v in values if not math.isfinite(v))}")
+    return values
 
 
 if __name__ == "__main__":

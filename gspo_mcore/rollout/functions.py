@@ -38,10 +38,12 @@ class EngineHandle:
     """What a rollout function gets for one trajectory (see the module docstring)."""
 
     def __init__(self, client, tokenizer, server: int, sampling: dict, seed: int, config=None,
-                 weight_version: str | None = None, oldest_version: int | None = None, name: str = "", tools=None):
-        """`config`: the run's RolloutConfig (max_turns, max_trajectory_tokens, ... for functions that read them)."""
+                 weight_version: str | None = None, oldest_version: int | None = None, name: str = "", tools=None,
+                 template_kwargs: dict | None = None):
+        """`config`: the run's RolloutConfig (max_turns, max_trajectory_tokens, ... for functions
+        that read them); `template_kwargs`: data.chat_template_kwargs, for every rendering."""
         self.client, self.tokenizer, self.server, self.sampling = client, tokenizer, server, sampling
-        self.config = config
+        self.config, self.template_kwargs = config, dict(template_kwargs or {})
         self.seed, self.weight_version, self.oldest_version, self.name = seed, weight_version, oldest_version, name
         self.tools = tools  # gspo_mcore.rollout.tools.ToolRunner of rollout.tools (None without tools)
         self.calls = 0
@@ -58,7 +60,8 @@ class EngineHandle:
     def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
         """The chat template's token ids for `messages`, the assistant turn opened (e.g.
         `tools=` the tools' JSON schemas)."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 **{**self.template_kwargs, **template_kwargs})
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def environment_ids(self, messages: list[dict], after: list[int]) -> list[int]:
@@ -66,13 +69,14 @@ class EngineHandle:
         tokens) for `messages` (tool results, a user's reply), through the next assistant
         turn's opening: the template's text for [a model turn, messages] past the model turn,
         less the end-of-turn marker when the model already wrote it."""
-        return environment_ids(self.tokenizer, messages, after)
+        return environment_ids(self.tokenizer, messages, after, **self.template_kwargs)
 
 
-def environment_ids(tokenizer, messages: list[dict], after: list[int]) -> list[int]:
+def environment_ids(tokenizer, messages: list[dict], after: list[int], **template_kwargs) -> list[int]:
     marker = "\u2063"  # an assistant turn whose content the template leaves as written
     base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
-    full = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True,
+                                         **template_kwargs)
     if full.count(marker) != 1:
         raise InputError("rollout.function: the chat template does not render an assistant turn as written; "
                          "environment turns cannot be spliced in by tokens")

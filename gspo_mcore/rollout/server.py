@@ -18,9 +18,10 @@ from gspo_mcore.rollout.sglang_cpu import server_env
 
 def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", device: str = "cpu",
                    dtype: str = "bfloat16", max_total_tokens: int = 8192, max_running_requests: int = 16,
-                   tp: int = 1, extra_args: tuple[str, ...] = ()) -> list[str]:
+                   tp: int = 1, extra_args: tuple[str, ...] = (), tokenizer: bool = False) -> list[str]:
     """`python -m sglang.launch_server ...` for a trainer-driven server: token ids in and out
-    (no tokenizer), a bounded KV cache (unbounded, the CPU server took 14.5 GB)."""
+    (no tokenizer unless `tokenizer`: SGLang matches stop strings on text), a bounded KV cache
+    (unbounded, the CPU server took 14.5 GB)."""
     if load_hf_config(model_path).num_dense_layers:
         # Measured: with a dense layer its log-probs were off by 0.15-1.3 (all-MoE: within bf16 noise).
         raise InputError(
@@ -28,9 +29,9 @@ def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", devic
             "as MoE, so its log-probs would not be this model's; serve an all-MoE model"
         )
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-           "--port", str(port), "--device", device, "--dtype", dtype, "--skip-tokenizer-init",
-           "--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests),
-           "--tp-size", str(tp)]
+           "--port", str(port), "--device", device, "--dtype", dtype,
+           *([] if tokenizer else ["--skip-tokenizer-init"]), "--max-total-tokens", str(max_total_tokens),
+           "--max-running-requests", str(max_running_requests), "--tp-size", str(tp)]
     if device == "cpu":
         # --sleep-on-idle: without it the idle scheduler busy-polls a core (measured 92% CPU),
         # which a CPU trainer on the same machine would lose.
@@ -47,9 +48,11 @@ def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str |
     extra = ("--enable-return-routed-experts",) if r.return_routed_experts else ()
     if api_key:
         extra += ("--api-key", api_key)
+    if r.stop and config.data.tokenizer_dir:  # the text stop strings are matched on is the policy's
+        extra += ("--tokenizer-path", config.data.tokenizer_dir)
     cmd = sglang_command(config.model.hf_dir, port, host=host, device=device, dtype=r.engine_dtype,
                          max_total_tokens=r.max_total_tokens, max_running_requests=r.max_running_requests,
-                         tp=r.engine_tp, extra_args=(*extra, *r.server_args))
+                         tp=r.engine_tp, extra_args=(*extra, *r.server_args), tokenizer=bool(r.stop))
     env = child_env()
     if device == "cpu":
         env = server_env(env)

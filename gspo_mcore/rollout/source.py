@@ -39,7 +39,9 @@ class RolloutSource:
         self.dataset = PromptDataset.load(config.data.path, config.data.prompt_key, config.data.messages_key,
                                           config.data.answer_key)
         self.sampler = PromptSampler(len(self.dataset), seed=config.train.seed)
-        self.rewards = RewardRunner(config.reward.name, config.reward.timeout_s, config.reward.workers)
+        self._check_template()
+        reward = config.reward
+        self.rewards = RewardRunner(reward.name, reward.timeout_s, reward.workers, reward.batched, reward.url)
         self.group_filter = by_name(config.rollout.group_filter, adv.GROUP_FILTERS, "rollout.group_filter")
         self.running = adv.RunningMoments()
         self.function = load_rollout_function(config.rollout.function)
@@ -51,6 +53,20 @@ class RolloutSource:
                                     timeout_s=config.rollout.tool_timeout_s)
         self.client = None
         self.lock = threading.Lock()
+
+    def _check_template(self) -> None:
+        """The chat template renders the first record with data.chat_template_kwargs, or a one-line error."""
+        try:
+            chat_prompt_ids(self.tokenizer, self.dataset[0].messages, self.config.data.chat_template_kwargs)
+        except Exception as err:  # jinja's errors, a keyword apply_chat_template takes itself
+            raise InputError(f"data.chat_template_kwargs: the chat template fails on the first record "
+                             f"({type(err).__name__}: {err})") from None
+
+    def sampling_params(self) -> dict:
+        """What each /generate request samples with (temperature only: see client.check_sampling_params)."""
+        rollout = self.config.rollout
+        params = {"max_new_tokens": rollout.max_new_tokens, "temperature": rollout.temperature}
+        return {**params, "stop": list(rollout.stop)} if rollout.stop else params
 
     def connect(self, urls: list[str], vocab_size: int, routing_shape: tuple[int, int] | None = None,
                 api_key: str | None = None, max_concurrency: int = 64) -> None:
@@ -88,9 +104,10 @@ class RolloutSource:
         cfg = self.config.train
         with self.lock:  # the sampler's position
             samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
-        params = {"max_new_tokens": self.config.rollout.max_new_tokens, "temperature": self.config.rollout.temperature}
+        params = self.sampling_params()
         if self.function is None:
-            prompts = [chat_prompt_ids(self.tokenizer, s.messages) for s in samples]
+            template_kwargs = self.config.data.chat_template_kwargs
+            prompts = [chat_prompt_ids(self.tokenizer, s.messages, template_kwargs) for s in samples]
             requests = [p for p in prompts for _ in range(cfg.group_size)]
             seeds = [seeds_base + i for i in range(len(requests))]
             rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds,
@@ -104,7 +121,8 @@ class RolloutSource:
         group_ids = torch.arange(len(samples)).repeat_interleave(torch.tensor(sizes))
         reward = self.config.reward
         with self.lock:  # one reward runner; the running moments
-            scores, stats = self.rewards.score(texts, answers)
+            contexts = [s.reward_context() for s, n in zip(samples, sizes) for _ in range(n)]
+            scores, stats = self.rewards.score(texts, answers, contexts, group_ids.tolist())
             # A function's own score (an environment's) replaces the reward function's.
             rewards = torch.tensor([s if p is None else p for s, p in zip(scores, preset)], dtype=torch.float32)
             # reward.norm "batch" / "running": over this round's rewards / updated by each round.
@@ -134,7 +152,7 @@ class RolloutSource:
             index = i * repeats + k  # spread over the servers; each trajectory stays on its own
             return EngineHandle(self.client, self.tokenizer, index % count, params, (seeds_base + index) * 1_000,
                                 cfg.rollout, weight_version, oldest_version, name=f"trajectory {index}",
-                                tools=self.tools)
+                                tools=self.tools, template_kwargs=cfg.data.chat_template_kwargs)
 
         groups = run_functions(self.function, tasks, repeats, handle_for, self.client.max_concurrency)
         flat = [t for group in groups for t in group]

@@ -247,6 +247,32 @@ class WeightSyncConfig:
 
 
 @dataclass
+class EvalDatasetConfig:
+    name: str = ""
+    """Its metrics are eval/<name>/...: mean@k, pass@1..k, greedy (temperature 0), response_length, time_s."""
+    path: str = ""
+    """Prompt records as for training (data.path's formats and keys)."""
+    reward: str = ""
+    """The reward to score with (reward.name's forms); empty: reward.name."""
+    samples: int = 4
+    """Responses per prompt (k of mean@k / pass@k); 1 with temperature 0."""
+    temperature: float = 1.0
+    """0: greedy (the eval/<name>/greedy accuracy)."""
+    max_new_tokens: int = 1024
+    max_prompts: int = 0
+    """The first N records only; 0: all."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation on the engine right after a push (the weights evaluated are the
+    version the step tagged), every `every` steps, before the first step and after the last."""
+    datasets: list[EvalDatasetConfig] = field(default_factory=list)
+    every: int = 0
+    """Steps between evaluations; 0: only before the first step and after the last."""
+
+
+@dataclass
 class TrainConfig:
     steps: int = 100
     seed: int = 1234
@@ -278,6 +304,10 @@ class TrainConfig:
     """Also log the metrics to this Weights & Biases project (the `wandb` package; WANDB_MODE=offline
     writes OUTPUT_DIR/wandb without a network, for `wandb sync` later). None: metrics.jsonl and
     TensorBoard only."""
+    log_samples_every: int = 0
+    """Every N steps, OUTPUT_DIR/samples/step_N.jsonl: `log_samples` training responses (prompt,
+    response, reward, advantage) and the evaluation's first responses when it ran; 0: never."""
+    log_samples: int = 8
 
 
 @dataclass
@@ -291,6 +321,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def _check_optimizer(self) -> None:
         if self.optimizer.cpu_offload and (self.distributed.device != "cuda" or not self.optimizer.distributed_optimizer):
@@ -328,7 +359,23 @@ class Config:
             raise ConfigError("rollout.max_turns, max_trajectory_tokens, tool_workers must be >= 1 and "
                               "tool_timeout_s > 0")
 
+    def _check_eval(self) -> None:
+        names = [d.name for d in self.eval.datasets]
+        for i, d in enumerate(self.eval.datasets):
+            if not d.name or "/" in d.name or not d.path:
+                raise ConfigError(f"eval.datasets[{i}]: needs a name (no '/') and a path")
+            if d.samples < 1 or d.max_new_tokens < 1 or d.temperature < 0 or d.max_prompts < 0:
+                raise ConfigError(f"eval.datasets[{i}] ({d.name}): samples and max_new_tokens must be >= 1, "
+                                  "temperature and max_prompts >= 0")
+            if d.temperature == 0 and d.samples != 1:
+                raise ConfigError(f"eval.datasets[{i}] ({d.name}): temperature 0 (greedy) gives one answer: samples 1")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"eval.datasets: names must differ ({names})")
+        if self.eval.every < 0:
+            raise ConfigError("eval.every: must be >= 0")
+
     def validate(self) -> "Config":
+        self._check_eval()
         self._check_rollout_function()
         self._check_optimizer()
         self._check_rollout_mode()

@@ -36,7 +36,8 @@ def train_command(output_dir: Path, overwrite: bool) -> list[str]:
     toy = output_dir / "toy"
     return [sys.executable, "-m", "gspo_mcore.train", "--config", str(CONFIG), "--output-dir",
             str(output_dir / "tiny_cpu"), *(["--overwrite"] if overwrite else []),
-            f"model.hf_dir={toy / 'model'}", f"data.path={toy / 'prompts.jsonl'}"]
+            f"model.hf_dir={toy / 'model'}", f"data.path={toy / 'prompts.jsonl'}",
+            f"eval.datasets=[{{name: toy, path: {toy / 'eval.jsonl'}, samples: 4, max_new_tokens: 3}}]"]
 
 
 def parse_args(argv=None):
@@ -67,6 +68,10 @@ def main(argv=None) -> int:
     last = sum(r["reward_mean"] for r in rows[-10:]) / len(rows[-10:])
     plots = plot_runs([run], run / "plots", ["GSPO"])
     print(f"mean reward: first 10 steps {first:.3f} -> last 10 steps {last:.3f} ({last - first:+.3f})")
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    print(f"held-out accuracy (mean@4): before training {evals[0]['eval/toy/mean@4']:.3f} -> after "
+          f"{evals[-1]['eval/toy/mean@4']:.3f} (python -m gspo_mcore.evaluate --config configs/tiny_cpu.yaml "
+          f"--model {run / 'hf'} evaluates the exported model)")
     print(f"metrics: {run / 'metrics.jsonl'}; TensorBoard: {run / 'tensorboard'}; plots: {plots[0].parent}")
     grpo, toy = output_dir / "tiny_cpu_grpo", output_dir / "toy"
     print(f"GSPO vs GRPO on the same task: .venv/bin/gspo-train --config configs/tiny_cpu_grpo.yaml --output-dir "

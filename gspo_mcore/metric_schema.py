@@ -9,6 +9,7 @@ here and reported, or not computed; `metrics.RunLog` refuses a key that is not h
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # How a per-microbatch figure of the loss combines over microbatches and data-parallel ranks
@@ -161,6 +162,11 @@ def combine_kinds() -> dict[str, str]:
     return {m.name: m.kind for m in LOSS_METRICS}
 
 
+# One family of keys per evaluation dataset (gspo_mcore.evaluation): eval/<dataset>/mean@k,
+# pass@1..k, greedy, response_length, time_s; in the rows of the steps evaluated, absent elsewhere.
+EVAL_KEY = re.compile(r"^eval/[^/]+/(mean@\d+|pass@\d+|greedy|response_length|time_s)$")
+
+
 def unknown(keys) -> list[str]:
-    """Keys that are not in the schema (per-layer lists are one key)."""
-    return sorted(k for k in keys if k not in BY_NAME)
+    """Keys that are not in the schema (per-layer lists are one key; eval/<dataset>/... a family)."""
+    return sorted(k for k in keys if k not in BY_NAME and not EVAL_KEY.match(k))

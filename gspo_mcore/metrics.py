@@ -82,6 +82,14 @@ def _unit_bins(n: int):
     return torch.arange(n + 1, dtype=torch.float64).sub(0.5).numpy()  # host: numpy bins
 
 
+def _drop_after(path: Path, step: int) -> None:
+    """A resumed run's log without what a killed run logged past `step` (trained again)."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        with atomic_output(path) as tmp:
+            tmp.write_text("".join(line + "\n" for line in kept))
+
+
 class RunLog:
     """Every sink of a run's metrics, all fed the same schema-checked rows: OUTPUT_DIR/metrics.jsonl
     (one object per step, appended and flushed), TensorBoard event files in OUTPUT_DIR/tensorboard,
@@ -94,12 +102,11 @@ class RunLog:
                  run_config: dict | None = None):
         output_dir = Path(output_dir)
         path = output_dir / "metrics.jsonl"
-        if start_step and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
-            with atomic_output(path) as tmp:
-                tmp.write_text("".join(line + "\n" for line in kept))
+        if start_step:
+            for log in (path, output_dir / "eval.jsonl"):
+                _drop_after(log, start_step)
         self.file = open(path, "a")
+        self.eval_file = open(output_dir / "eval.jsonl", "a")
         self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"),
                                          purge_step=start_step + 1 if start_step else None)
         self.wandb = _wandb_run(output_dir, wandb_project, start_step, run_config) if wandb_project else None
@@ -123,8 +130,20 @@ class RunLog:
             self.wandb.log({**scalars, **{key: wandb.Histogram(np_histogram=(counts, _unit_bins(len(counts)).tolist()))
                                           for key, counts in histograms.items()}}, step=metrics["step"])
 
+    def write_eval(self, step: int, version: str, metrics: dict) -> None:
+        """An evaluation of the weights `version` after `step` steps (0: before training):
+        OUTPUT_DIR/eval.jsonl and TensorBoard (a trained step's row carries them too)."""
+        if unknown(metrics):
+            raise KeyError(f"metrics not in gspo_mcore.metric_schema: {unknown(metrics)}")
+        self.eval_file.write(json.dumps({"step": step, "version": version, **metrics}) + "\n")
+        self.eval_file.flush()
+        for key, value in metrics.items():
+            self.tensorboard.add_scalar(key, value, step)
+        self.tensorboard.flush()
+
     def close(self) -> None:
         self.file.close()
+        self.eval_file.close()
         self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
@@ -159,5 +178,6 @@ class Progress:
         eta = per_step * (self.total - done)
         # A figure that was not measured (a step that trained nothing; staleness in sync mode) is left out.
         figures = " ".join(metric.printed.format(m[metric.name]) for metric in PRINTED if m.get(metric.name) is not None)
+        figures += "".join(f" | {k} {v:.3f}" for k, v in m.items() if k.startswith("eval/") and "/mean@" in k)
         self.stream.write(f"step {done:>4}/{self.total} [{bar}] {figures} | ETA {int(eta) // 60}m{int(eta) % 60:02d}s\n")
         self.stream.flush()

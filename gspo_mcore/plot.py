@@ -61,7 +61,28 @@ def figures(runs: list[list[dict]], labels: list[str]) -> dict:
     out = {name: _stacked(metrics, labels, runs) if name == STACKED else _lines(metrics, labels, runs, name in LOG_SCALE)
            for name, metrics in FIGURES.items()}
     out["reward_wallclock"] = _reward_over_time(labels, runs)
+    if any(k.startswith("eval/") for rows in runs for r in rows for k in r):
+        out["eval"] = _evaluation(labels, runs)
     return out
+
+
+def _evaluation(labels: list[str], runs: list[list[dict]]):
+    """Each evaluation dataset's mean@k and pass@k over the steps evaluated (gspo_mcore.evaluation)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, rows in zip(labels, runs):
+        keys = sorted({k for r in rows for k in r if k.startswith("eval/") and ("/mean@" in k or "/pass@" in k)})
+        largest = {}  # per dataset, its pass@k of the largest k
+        for k in (k for k in keys if "/pass@" in k):
+            dataset = k.rsplit("/", 1)[0]
+            largest[dataset] = max(largest.get(dataset, k), k, key=lambda key: int(key.rsplit("@", 1)[1]))
+        for key in [k for k in keys if "/mean@" in k] + sorted(largest.values()):
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            ax.plot(*zip(*points), marker="o", label=f"{label}: {key.removeprefix('eval/')}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out score")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
 
 
 def _reward_over_time(labels: list[str], runs: list[list[dict]]):

@@ -32,6 +32,7 @@ from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 # (model/ and prompts.jsonl): a run that finds them missing is told the command that writes them.
 TASK_WRITERS = {"outputs/demo/toy": "gspo_mcore.toy_task", "outputs/long_task": "gspo_mcore.long_task"}
 CATEGORIES = ("color", "animal", "fruit", "number")
+EVAL_PROMPTS = 64
 WORDS_PER_CATEGORY = 60
 SPECIALS = ("<pad>", "<eos>", "<unk>", "user:", "assistant:", "name", "a", "an", "(", ")")
 ARTICLE = {"color": "a", "animal": "an", "fruit": "a", "number": "a"}
@@ -78,16 +79,19 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
 def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024, write_prompts=make_prompts) -> Path:
     """OUT_DIR/model (random all-MoE tiny model + tokenizer) and OUT_DIR/prompts.jsonl (by
     `write_prompts(path, count, seed)`: this task's, or another task's on the same model), written
-    to a temporary sibling first; an existing complete OUT_DIR is left as is."""
+    to a temporary sibling first; an existing complete OUT_DIR is left as is. OUT_DIR/eval.jsonl:
+    EVAL_PROMPTS held-out prompts (another seed) for the evaluation."""
     out_dir = Path(out_dir)
-    if (out_dir / "prompts.jsonl").is_file():
-        return out_dir
-    with atomic_output(out_dir, directory=True) as tmp:
-        # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see rollout.server).
-        make_tiny_checkpoint(tmp / "model", seed=seed, dtype=torch.float32, mlp_only_layers=[],
-                             eos_token_id=1, pad_token_id=0, bos_token_id=None)
-        make_tokenizer(tmp / "model")
-        write_prompts(tmp / "prompts.jsonl", num_prompts, seed)
+    if not (out_dir / "prompts.jsonl").is_file():
+        with atomic_output(out_dir, directory=True) as tmp:
+            # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see rollout.server).
+            make_tiny_checkpoint(tmp / "model", seed=seed, dtype=torch.float32, mlp_only_layers=[],
+                                 eos_token_id=1, pad_token_id=0, bos_token_id=None)
+            make_tokenizer(tmp / "model")
+            write_prompts(tmp / "prompts.jsonl", num_prompts, seed)
+    if not (out_dir / "eval.jsonl").is_file():  # held out: another seed's prompts (eval.datasets)
+        with atomic_output(out_dir / "eval.jsonl") as tmp:
+            write_prompts(tmp, EVAL_PROMPTS, seed + 10_000)
     return out_dir
 
 

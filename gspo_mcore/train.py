@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import secrets
 import shutil
@@ -37,6 +38,8 @@ from gspo_mcore import plan, run_config, weight_sync
 from gspo_mcore.checkpointing import Checkpointer
 from gspo_mcore.config import Config, config_yaml, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
+from gspo_mcore.evaluation import Evaluator
+from gspo_mcore.files import atomic_output
 from gspo_mcore.learner import Learner
 from gspo_mcore.metric_schema import ASYNC_METRICS, UPDATE
 from gspo_mcore.metrics import Progress, RunLog
@@ -121,6 +124,9 @@ class Trainer:
             self.source = RolloutSource(config) if self.rank == 0 else None
             if self.source is not None:
                 self.stack.callback(self.source.close)
+            self.evaluator = Evaluator(config, self.source.tokenizer) if self.source and config.eval.datasets else None
+            if self.evaluator is not None:
+                self.stack.callback(self.evaluator.close)
             # The servers' API key (a run's own servers get one made for it) on every rank:
             # weight-sync owners on any rank call the servers.
             urls, key = broadcast_from_host(self._servers() if self.rank == 0 else None)
@@ -149,6 +155,8 @@ class Trainer:
             # Created only now: bad input found above (prompts, reward, servers) leaves no directory.
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self.log = self._open_log(resume) if self.rank == 0 else None
+            if self.evaluator is not None and not resume:  # the starting point, before any update
+                self.log.write_eval(0, self.version, self._evaluate())
             self.progress = Progress(config.train.steps, self.start_step) if self.rank == 0 else None
             self.probes: list[tuple[list[int], int]] = []  # (tokens, first response token)
             self.peak_gb = 0.0
@@ -204,6 +212,7 @@ class Trainer:
                 metrics.update(self._update(rollouts, advantages, step))
         with timed(timings, "time_sync_s"):
             metrics.update(self._push_and_check(step, rollouts))
+        self.last_rollouts = rollouts
         total = sum(timings.values())
         tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
         waited = metrics.pop("trainer_wait_s")
@@ -212,6 +221,26 @@ class Trainer:
                 "samples": len(rollouts), "samples_per_s": len(rollouts) / total,
                 "peak_memory_gb": peak_memory_gb(),
                 **({"trainer_wait_s": waited, "trainer_idle_fraction": waited / total} if self.asynchronous else {})}
+
+    def _evaluate(self) -> dict:
+        """Rank 0: the eval datasets on the engine, which holds the weights just pushed."""
+        metrics = self.evaluator.run(self.source.client, self.version)
+        print(f"eval of {self.version}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "/mean@" in k
+                                                       or "/pass@1" in k or "/greedy" in k), flush=True)
+        return metrics
+
+    def _after_step(self, done: int) -> dict:
+        """Rank 0, once `done` steps are trained and pushed: the evaluation when due (its figures
+        join the step's row), and the samples when due."""
+        cfg, metrics = self.config, {}
+        if self.evaluator is not None and ((cfg.eval.every and done % cfg.eval.every == 0) or done == cfg.train.steps):
+            metrics = self._evaluate()
+            self.log.write_eval(done, self.version, metrics)
+        every = cfg.train.log_samples_every
+        if every and done % every == 0:
+            write_samples(self.output_dir / "samples" / f"step_{done:06d}.jsonl", self.source.tokenizer,
+                          self.last_rollouts[: cfg.train.log_samples], self.evaluator.last_samples if metrics else [])
+        return metrics
 
     def _rollout(self, step: int):
         """Rank 0: this step's batch, or None when a signal abandoned it."""
@@ -289,6 +318,7 @@ class Trainer:
                 if saved:
                     self.save(step + 1)
                 if self.rank == 0:
+                    summary.update(self._after_step(step + 1))
                     self.log.write(summary)
                     self.progress.update(summary)
                 self.peak_gb = max(self.peak_gb, summary["peak_memory_gb"])
@@ -339,6 +369,16 @@ class Trainer:
         estimate = plan.memory_estimate(self.config, self.learner.arch, layout)["trainer_total_gb"]
         return (f"peak CUDA memory allocated per rank: {self.peak_gb:.1f} GiB; the planner's estimate for the "
                 f"trainer's training phase: {estimate:.1f} GiB (python -m gspo_mcore.plan)")
+
+
+def write_samples(path: Path, tokenizer, rollouts: list, eval_samples: list[dict]) -> None:
+    """Training responses (prompt, response, reward) and evaluation ones, a JSON object per line."""
+    rows = [{"prompt": tokenizer.decode(r.prompt_ids, skip_special_tokens=True),
+             "response": tokenizer.decode(r.response_ids, skip_special_tokens=True), "reward": r.reward}
+            for r in rollouts] + eval_samples
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path) as tmp:
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def parse_args(argv=None):

@@ -74,7 +74,7 @@ step "2/3 colocated" "$log" "$py" -m gspo_mcore.toy_task "$work/toy"
 step "2/3 colocated" "$log" "$py" -m checkpoint_convert hf-to-mcore --hf-dir "$work/toy/model" \
     --output-dir "$work/toy-mcore" --dtype bf16 --spec te
 # The toy model's head_dim is 32, below what SGLang's default FA3 kernels take: triton attention.
-toy=("model.hf_dir=$work/toy/model" "model.mcore_dir=$work/toy-mcore" "data.path=$work/toy/prompts.jsonl"
+toy=("model.hf_dir=$work/toy/model" "model.mcore_dir=$work/toy-mcore" "data.path=$work/toy/prompts.jsonl" "eval.datasets=[]"
      reward.name=gspo_mcore.toy_task:category_reward reward.workers=1 distributed.expert_parallel=1
      rollout.num_servers=1 rollout.engine_tp=1 rollout.max_new_tokens=3 rollout.max_total_tokens=8192
      "rollout.server_args=[--mem-fraction-static,0.3,--enable-memory-saver,--attention-backend,triton]"
@@ -102,7 +102,7 @@ step "3/3 memory" "$log" "$py" -c 'import sys
 from checkpoint_convert.synthetic import QWEN3_30B_A3B, write_synthetic_checkpoint
 write_synthetic_checkpoint(sys.argv[1], {**QWEN3_30B_A3B, "num_hidden_layers": 2})' "$work/synthetic"
 # Toy prompts (~12 tokens) + 4080 new tokens: 4 sequences fill a 16,384-token microbatch.
-memory=("model.hf_dir=$work/synthetic" model.mcore_dir=null "data.path=$work/toy/prompts.jsonl"
+memory=("model.hf_dir=$work/synthetic" model.mcore_dir=null "data.path=$work/toy/prompts.jsonl" "eval.datasets=[]"
         "data.tokenizer_dir=$work/toy/model" reward.name=gspo_mcore.toy_task:category_reward
         rollout.group_filter=all rollout.max_sampling_rounds=1 distributed.expert_parallel=1 rollout.num_servers=1
         rollout.engine_tp=1 rollout.max_new_tokens=4080 train.rollout_batch_size=4 train.group_size=8

@@ -44,6 +44,22 @@ def test_prepare_math_takes_an_aime_style_row(tmp_path):
         prepare(tmp_path / "neither.jsonl", tmp_path / "o.jsonl")
 
 
+def test_prepare_math_takes_the_published_eval_files_as_downloaded(tmp_path):
+    """MATH-500's test.jsonl (answer beside the solution) and AIME 2024's capitalised columns."""
+    math500 = tmp_path / "test.jsonl"
+    math500.write_text(json.dumps({"problem": "Compute $2+3$.", "solution": r"So \boxed{5}.", "answer": "5",
+                                   "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/1.json"}) + "\n")
+    assert prepare(math500, tmp_path / "math500.jsonl") == 1
+    row = json.loads((tmp_path / "math500.jsonl").read_text())
+    assert row["answer"] == "5" and row["unique_id"] == "test/prealgebra/1.json" and "solution" not in row
+    aime = tmp_path / "aime_2024.parquet"
+    pq.write_table(pa.Table.from_pylist([{"ID": "2024-I-1", "Problem": "Find $n$.", "Solution": r"\boxed{204}",
+                                          "Answer": 204}]), aime)
+    assert prepare(aime, tmp_path / "aime.jsonl") == 1
+    row = json.loads((tmp_path / "aime.jsonl").read_text())
+    assert row == {"prompt": f"Find $n$.\n\n{INSTRUCTION}", "answer": "204", "ID": "2024-I-1"}
+
+
 def test_prepare_math_cli_errors_name_the_row(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem": "p", "solution": "no box"}) + "\n")

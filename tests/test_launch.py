@@ -220,7 +220,7 @@ def test_single_node_script_end_to_end_on_cpu(tmp_path):
     env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "2", "GSPO_BASE_PORT": str(free_port()),
            "GSPO_SERVER_TIMEOUT": "300", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(["launch/train_8xh100.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
-                           f"data.path={toy}/prompts.jsonl", "train.steps=2", "train.save_every=0",
+                           f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "train.steps=2", "train.save_every=0",
                            "train.export_hf=false", "weight_sync.check_every=1"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -245,7 +245,7 @@ def test_multi_node_script_colocated_on_one_cpu_node(tmp_path):
            "GSPO_SGLANG_API_KEY": "test-key",
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
-                           f"data.path={toy}/prompts.jsonl", "weight_sync.colocate=true", "weight_sync.method=tensor", "train.steps=1",
+                           f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "weight_sync.colocate=true", "weight_sync.method=tensor", "train.steps=1",
                            "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=1"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -298,7 +298,7 @@ def test_multi_node_split_rollout_node_stops_when_training_ends(tmp_path):
            "GSPO_BASE_PORT": str(free_port()), "GSPO_SERVER_TIMEOUT": "300", "GSPO_SGLANG_API_KEY": "split-key",
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     args = ["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
-            f"data.path={toy}/prompts.jsonl", "train.steps=1", "train.save_every=0", "train.export_hf=false",
+            f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "train.steps=1", "train.save_every=0", "train.export_hf=false",
             "weight_sync.check_every=1"]
     rollout = subprocess.Popen(args, cwd=REPO, env={**env, "GSPO_NODE_RANK": "1"}, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)

@@ -17,14 +17,15 @@ def _rows(mismatch_scale: float, seed: int) -> list[dict]:
                      "response_length_mean": rng.uniform(5, 40),
                      "mismatch_abs_log_ratio_mean": mismatch_scale * rng.uniform(1.5, 4.5),
                      "clip_band_high": 4e-4, "time_rollout_s": rng.uniform(1, 3), "time_train_s": rng.uniform(0.2, 1),
-                     "time_sync_s": 0.05 * seed, "time_step_s": 3.0})
+                     "time_sync_s": 0.05 * seed, "time_step_s": 3.0,
+                     **({"eval/toy/mean@4": 0.1 * step / 4, "eval/toy/pass@4": 0.2 * step / 4} if step % 4 == 0 else {})})
     return rows
 
 
 def test_every_axis_has_a_label_and_tick_labels():
     runs = [_rows(1e-7, 1), _rows(1e-3, 2)]  # float32 and bf16 engines
     made = figures(runs, ["fp32", "bf16"])
-    assert set(made) == {*FIGURES, "reward_wallclock"}
+    assert set(made) == {*FIGURES, "reward_wallclock", "eval"}
     for name, fig in made.items():
         fig.canvas.draw()
         for ax in fig.axes[:1] if name == "step_time" else fig.axes:  # the others share its y axis

@@ -2,6 +2,7 @@
 started and stopped by the run, weights pushed after every step."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,8 +29,10 @@ def toy(tmp_path_factory):
     return make_toy_task(tmp_path_factory.mktemp("toy") / "task", seed=0)
 
 
-def _toy_overrides(toy) -> list[str]:
-    return [f"model.hf_dir={toy / 'model'}", f"data.path={toy / 'prompts.jsonl'}"]
+def _toy_overrides(toy, evaluate: bool = False) -> list[str]:
+    """The toy task's paths; the config's evaluation only when asked (it adds to every run)."""
+    dataset = f"[{{name: toy, path: {toy / 'eval.jsonl'}, samples: 4, max_new_tokens: 3}}]" if evaluate else "[]"
+    return [f"model.hf_dir={toy / 'model'}", f"data.path={toy / 'prompts.jsonl'}", f"eval.datasets={dataset}"]
 
 
 def _metrics(out) -> list[dict]:
@@ -63,7 +66,7 @@ def default_run(toy, tmp_path_factory):
     """The CPU default exactly as shipped (configs/tiny_cpu.yaml), on this test's copy of the toy task."""
     out = tmp_path_factory.mktemp("default_run")
     start = time.monotonic()
-    _train(out, _toy_overrides(toy))
+    _train(out, [*_toy_overrides(toy, evaluate=True), "train.log_samples_every=20"])
     return out, time.monotonic() - start
 
 
@@ -75,6 +78,24 @@ def test_cpu_default_learns_within_ten_minutes(default_run):
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last - first >= 0.3, (first, last)
     assert seconds < 600
+
+
+def test_the_default_run_evaluates_held_out_prompts_and_writes_samples(default_run):
+    """Before training, every 10 steps and at the end, on the version just pushed: held-out
+    accuracy rises with the training reward, pass@k >= mean@k, and the steps evaluated carry the
+    figures in their rows."""
+    out, _ = default_run
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["version"]) for e in evals] == [(s, f"step-{s}") for s in (0, 10, 20, 30, 40)]
+    assert evals[-1]["eval/toy/mean@4"] - evals[0]["eval/toy/mean@4"] >= 0.3, evals
+    for e in evals:
+        assert e["eval/toy/pass@4"] >= e["eval/toy/pass@1"] >= 0 and e["eval/toy/response_length"] > 0
+        assert e["eval/toy/pass@1"] == pytest.approx(e["eval/toy/mean@4"])  # a 0/1 reward: pass@1 is the mean
+    rows = {r["step"]: r for r in _metrics(out)}
+    assert rows[20]["eval/toy/mean@4"] == evals[2]["eval/toy/mean@4"] and "eval/toy/mean@4" not in rows[21]
+    samples = [json.loads(line) for line in (out / "samples" / "step_000020.jsonl").read_text().splitlines()]
+    assert len([s for s in samples if "eval" not in s]) == 8 and any(s.get("eval") == "toy" for s in samples)
+    assert all(isinstance(s["response"], str) and s["reward"] in (0.0, 1.0) for s in samples)
 
 
 def test_metrics_every_step_and_tensorboard(default_run):
@@ -260,3 +281,21 @@ def test_a_run_that_trains_nothing_still_saves(toy, server, tmp_path):
     assert all(r["reward_errors"] > 0 and r["loss"] is None for r in rows)
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
     assert (out / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
+
+
+def test_gspo_eval_on_the_default_runs_exported_model(default_run, toy, server):
+    """gspo-eval on the run's OUTPUT_DIR (its exported hf/), on a running server that loads it:
+    the table and a JSON line, near the run's own last evaluation of the same weights."""
+    out, _ = default_run
+    dataset = f"eval.datasets=[{{name: toy, path: {toy / 'eval.jsonl'}, samples: 4, max_new_tokens: 3}}]"
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.evaluate", "--config", "configs/tiny_cpu.yaml",
+                           "--model", str(out), "--urls", server, dataset], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("| dataset | mean@k |") and lines[2].startswith("| toy | ")
+    figures = json.loads(lines[-1])
+    last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert figures["model"] == str(out / "hf") and figures["eval/toy/pass@4"] >= figures["eval/toy/mean@4"]
+    assert abs(figures["eval/toy/mean@4"] - last["eval/toy/mean@4"]) < 0.2, (figures, last)

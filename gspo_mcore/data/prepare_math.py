@@ -1,6 +1,10 @@
 """Turn math problems into a prompt dataset (JSONL: prompt, answer, and the record's other
 fields): MATH-lighteval-style records (`problem`, `solution` with a final \\boxed{}) or
-AIME-style ones (`problem`, `answer`; an `answer` is taken as is when both are there).
+AIME-style ones (`problem`, `answer`; an `answer` is taken as is when both are there). The
+field names are matched in any case, so the published files load as downloaded:
+MATH-lighteval's train parquet (problem, level, solution, type) for training, MATH-500's
+test.jsonl (problem, solution, answer, subject, level, unique_id) and AIME 2024's
+(ID, Problem, Solution, Answer) for evaluation (eval.datasets).
 
     python -m gspo_mcore.data.prepare_math --input train.parquet --output math_train.jsonl
 """
@@ -17,6 +21,7 @@ from gspo_mcore.errors import InputError, run_cli
 from gspo_mcore.files import atomic_output
 from gspo_mcore.rewards.answers import last_boxed
 
+FIELDS = ("problem", "solution", "answer")
 INSTRUCTION = "Solve the problem step by step. Put the final answer in \\boxed{}."
 
 
@@ -45,6 +50,8 @@ def prepare(input_path, output_path) -> int:
     with atomic_output(output_path) as tmp:
         with open(tmp, "w") as out:
             for where, record in _records(Path(input_path)):
+                if isinstance(record, dict):  # AIME 2024's Problem / Answer as problem / answer
+                    record = {k.lower() if k.lower() in FIELDS else k: v for k, v in record.items()}
                 row = {"prompt": f"{_field(record, 'problem', where)}\n\n{INSTRUCTION}", "answer": _answer(record, where)}
                 row.update({k: v for k, v in record.items() if k not in ("problem", "solution", "answer", "prompt")})
                 out.write(json.dumps(row, default=str) + "\n")

@@ -158,12 +158,14 @@ class SGLangClient:
 
     def generate(self, prompts: list[list[int]], sampling_params: dict,
                  weight_version: str | None = None, seeds: list[int] | None = None,
-                 oldest_version: int | None = None) -> list[Rollout]:
+                 oldest_version: int | None = None, evaluation: bool = False) -> list[Rollout]:
         """One rollout per prompt, in prompt order. `seeds`: a sampling seed per request (a
         retried request samples the same tokens; used by servers started with
         --enable-deterministic-inference, ignored by others). `weight_version` / `oldest_version`:
-        what parse_generate_response accepts."""
-        check_sampling_params(sampling_params)
+        what parse_generate_response accepts. `evaluation`: responses nobody trains on (greedy
+        decoding allowed)."""
+        if not evaluation:
+            check_sampling_params(sampling_params)
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         params = [sampling_params if seeds is None else {**sampling_params, "sampling_seed": seed} for seed in

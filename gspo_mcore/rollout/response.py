@@ -35,6 +35,7 @@ class Rollout:
     # inserted between turns (a multi-turn trajectory: gspo_mcore.rollout.trajectory); their
     # `logprobs` entries are 0 and never read. Empty: every token is the model's.
     loss_mask: tuple[float, ...] = ()
+    reward: float | None = None  # set once scored (gspo_mcore.rollout.source)
 
     @property
     def truncated(self) -> bool:

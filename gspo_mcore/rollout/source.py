@@ -7,6 +7,7 @@ those with signal) and generates more rounds until `rollout_batch_size` groups a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -139,7 +140,8 @@ class RolloutSource:
             "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
             "trainable": sum(sum(r.mask) for r in rollouts), "turns": turns,
         }
-        return [rollouts[i] for i in selected], [advantages[i].item() for i in selected], figures
+        kept = [dataclasses.replace(rollouts[i], reward=rewards[i].item()) for i in selected]
+        return kept, [advantages[i].item() for i in selected], figures
 
     def _trajectories(self, samples, params: dict, seeds_base: int, weight_version, oldest_version):
         """The rollout function's trajectories for `samples` (group_size calls each): their

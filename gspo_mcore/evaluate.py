@@ -1,0 +1,94 @@
+"""`gspo-eval`: a model on the config's `eval` datasets, through SGLang.
+
+    gspo-eval --config FILE --model DIR [--urls URL,...] [key=value ...]
+    python -m gspo_mcore.evaluate ...
+
+DIR is a Hugging Face directory (config.json + safetensors), or a run's OUTPUT_DIR, whose
+exported hf/ is taken. Without --urls the command starts `rollout.num_servers` servers for DIR
+itself (logs in a temporary directory) and stops them; with --urls, running servers load DIR's
+weights first (/update_weights_from_disk: a file system both see). The same chat template,
+reward workers and figures as the evaluation during training (gspo_mcore.evaluation). Prints a
+markdown table, then one JSON line of every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from gspo_mcore.config import ConfigError, load_config
+from gspo_mcore.errors import InputError, run_cli
+from gspo_mcore.evaluation import Evaluator
+from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.rollout.client import SGLangClient
+from gspo_mcore.rollout.engine_control import EngineControl
+from gspo_mcore.rollout.http import api_key_from_env
+from gspo_mcore.rollout.server import start_servers
+from gspo_mcore.weight_sync.disk import push_from_disk
+
+
+def model_dir(path: Path) -> Path:
+    """A Hugging Face directory: `path`, or a run's exported `path`/hf."""
+    if (path / "config.json").is_file():
+        return path
+    if (path / "hf" / "config.json").is_file():
+        return path / "hf"
+    if (path / "checkpoints").is_dir():
+        raise InputError(f"{path}: a run without an exported hf/ (train.export_hf); convert a checkpoint first: "
+                         f"python -m checkpoint_convert mcore-to-hf --help")
+    raise InputError(f"{path}: neither a Hugging Face model directory (config.json) nor a run's OUTPUT_DIR")
+
+
+def table(metrics: dict, names: list[str]) -> str:
+    """One row per dataset: mean@k, pass@1, pass@k, greedy, response length, time."""
+    lines = ["| dataset | mean@k | pass@1 | pass@k | greedy | response length | time (s) |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        mine = {k.split("/")[-1]: v for k, v in metrics.items() if k.startswith(f"eval/{name}/")}
+        k = max(int(key.split("@")[1]) for key in mine if key.startswith("pass@"))
+        greedy = f"{mine['greedy']:.3f}" if "greedy" in mine else "-"
+        lines.append(f"| {name} | {mine[f'mean@{k}']:.3f} (k={k}) | {mine['pass@1']:.3f} | {mine[f'pass@{k}']:.3f} | "
+                     f"{greedy} | {mine['response_length']:.1f} | {mine['time_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gspo-eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--model", required=True, type=Path, help="a Hugging Face directory or a run's OUTPUT_DIR")
+    parser.add_argument("--urls", default="", help="running SGLang servers, comma-separated (default: start them)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+    hf_dir = model_dir(args.model.resolve())
+    config = load_config(args.config, [*args.overrides, f"model.hf_dir={hf_dir}"])
+    if not config.eval.datasets:
+        raise ConfigError(f"eval.datasets: {args.config} names no dataset to evaluate on")
+    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or hf_dir)
+    with ExitStack() as stack:
+        evaluator = Evaluator(config, tokenizer)
+        stack.callback(evaluator.close)
+        key = api_key_from_env()
+        if args.urls:
+            urls = [u for u in args.urls.split(",") if u]
+            push_from_disk(EngineControl(urls, api_key=key), hf_dir, "eval")
+        else:
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-")))
+            urls = start_servers(config, logs, stack, api_key=key)
+        client = SGLangClient(urls, load_hf_config(hf_dir / "config.json").vocab_size, api_key=key)
+        metrics = evaluator.run(client)
+    print(table(metrics, [d.name for d in config.eval.datasets]))
+    print(json.dumps({"model": str(hf_dir), **metrics}), flush=True)
+    return 0
+
+
+def cli() -> None:
+    sys.exit(run_cli(main))
+
+
+if __name__ == "__main__":
+    cli()

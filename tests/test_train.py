@@ -105,7 +105,8 @@ def test_metrics_every_step_and_tensorboard(default_run):
     rows = _metrics(out)
     assert sum(r["clip_fraction"] is not None for r in rows) >= 30
     for row in rows:
-        assert set(row) - SYNC_CHECK == set(BY_NAME) - SYNC_CHECK, set(row) ^ set(BY_NAME)
+        keys = {k for k in row if not k.startswith("eval/")}  # the evaluated steps' (eval.jsonl test)
+        assert keys - SYNC_CHECK == set(BY_NAME) - SYNC_CHECK, keys ^ set(BY_NAME)
         assert 0 <= row["reward_mean"] <= 1
         if row["clip_fraction"] is None:  # every group had equal rewards: nothing to train on
             assert row["groups_kept"] == 0 and row["grad_norm"] is None
@@ -123,6 +124,7 @@ def test_metrics_every_step_and_tensorboard(default_run):
     assert [e.value for e in events.Scalars("clip_fraction")] == pytest.approx(
         [r["clip_fraction"] for r in rows if r["clip_fraction"] is not None])
     assert "router_max_over_mean_load/layer_3" in events.Tags()["scalars"]
+    assert [e.step for e in events.Scalars("eval/toy/mean@4")] == [0, 10, 20, 30, 40]
 
 
 def test_checkpoints_and_final_hf_export(default_run, toy):

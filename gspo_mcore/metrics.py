@@ -116,7 +116,8 @@ class RunLog:
             raise KeyError(f"metrics not in gspo_mcore.metric_schema: {unknown(metrics)}")
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
-        scalars = {key: value for key, value in _scalars(metrics) if key != "step"}
+        # Evaluation figures reach TensorBoard / W&B by write_eval (the one before training too).
+        scalars = {key: value for key, value in _scalars(metrics) if key != "step" and not key.startswith("eval/")}
         for key, value in scalars.items():
             self.tensorboard.add_scalar(key, value, metrics["step"])
         histograms = {key: metrics[key] for key in HISTOGRAMS if metrics.get(key)}
@@ -140,6 +141,8 @@ class RunLog:
         for key, value in metrics.items():
             self.tensorboard.add_scalar(key, value, step)
         self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
 
     def close(self) -> None:
         self.file.close()

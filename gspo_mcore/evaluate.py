@@ -3,8 +3,9 @@
     gspo-eval --config FILE --model DIR [--urls URL,...] [key=value ...]
     python -m gspo_mcore.evaluate ...
 
-DIR is a Hugging Face directory (config.json + safetensors), or a run's OUTPUT_DIR, whose
-exported hf/ is taken. Without --urls the command starts `rollout.num_servers` servers for DIR
+DIR is a Hugging Face directory (config.json + safetensors), or a run's OUTPUT_DIR: its
+exported hf/, else its latest checkpoint converted (checkpoint_convert mcore-to-hf, with
+model.hf_dir's config.json and tokenizer). Without --urls the command starts `rollout.num_servers` servers for DIR
 itself (logs in a temporary directory) and stops them; with --urls, running servers load DIR's
 weights first (/update_weights_from_disk: a file system both see). The same chat template,
 reward workers and figures as the evaluation during training (gspo_mcore.evaluation). Prints a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -33,16 +35,27 @@ from gspo_mcore.rollout.server import start_servers
 from gspo_mcore.weight_sync.disk import push_from_disk
 
 
-def model_dir(path: Path) -> Path:
-    """A Hugging Face directory: `path`, or a run's exported `path`/hf."""
+def model_dir(path: Path, scratch: Path | None = None, hf_config_dir: str | None = None) -> Path:
+    """A Hugging Face directory: `path`, a run's exported `path`/hf, or its latest checkpoint
+    converted into `scratch` (checkpoint_convert mcore-to-hf, with `hf_config_dir`'s config.json
+    and tokenizer)."""
     if (path / "config.json").is_file():
         return path
     if (path / "hf" / "config.json").is_file():
         return path / "hf"
-    if (path / "checkpoints").is_dir():
-        raise InputError(f"{path}: a run without an exported hf/ (train.export_hf); convert a checkpoint first: "
-                         f"python -m checkpoint_convert mcore-to-hf --help")
-    raise InputError(f"{path}: neither a Hugging Face model directory (config.json) nor a run's OUTPUT_DIR")
+    if not (path / "checkpoints").is_dir():
+        raise InputError(f"{path}: neither a Hugging Face model directory (config.json) nor a run's OUTPUT_DIR")
+    if scratch is None or not hf_config_dir:
+        raise InputError(f"{path}: a run without an exported hf/: give model.hf_dir (its config.json and tokenizer)")
+    out = scratch / "hf"
+    print(f"converting the latest checkpoint of {path} for the engine", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir",
+                           str(path / "checkpoints"), "--hf-config-dir", str(hf_config_dir), "--output-dir", str(out),
+                           "--quiet"], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"mcore-to-hf failed ({done.returncode})"])[-1]
+        raise InputError(last.removeprefix("error: "))  # the converter's own one line
+    return out
 
 
 def table(metrics: dict, names: list[str]) -> str:
@@ -64,12 +77,14 @@ def main(argv=None) -> int:
     parser.add_argument("--urls", default="", help="running SGLang servers, comma-separated (default: start them)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
-    hf_dir = model_dir(args.model.resolve())
-    config = load_config(args.config, [*args.overrides, f"model.hf_dir={hf_dir}"])
-    if not config.eval.datasets:
-        raise ConfigError(f"eval.datasets: {args.config} names no dataset to evaluate on")
-    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or hf_dir)
     with ExitStack() as stack:
+        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-")))
+        base = load_config(args.config, args.overrides)
+        hf_dir = model_dir(args.model.resolve(), scratch, base.model.hf_dir)
+        config = load_config(args.config, [*args.overrides, f"model.hf_dir={hf_dir}"])
+        if not config.eval.datasets:
+            raise ConfigError(f"eval.datasets: {args.config} names no dataset to evaluate on")
+        tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or hf_dir)
         evaluator = Evaluator(config, tokenizer)
         stack.callback(evaluator.close)
         key = api_key_from_env()
@@ -77,8 +92,7 @@ def main(argv=None) -> int:
             urls = [u for u in args.urls.split(",") if u]
             push_from_disk(EngineControl(urls, api_key=key), hf_dir, "eval")
         else:
-            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-")))
-            urls = start_servers(config, logs, stack, api_key=key)
+            urls = start_servers(config, scratch / "logs", stack, api_key=key)
         client = SGLangClient(urls, load_hf_config(hf_dir / "config.json").vocab_size, api_key=key)
         metrics = evaluator.run(client)
     print(table(metrics, [d.name for d in config.eval.datasets]))

@@ -47,8 +47,10 @@ def test_gspo_eval_takes_a_model_or_a_run_and_prints_a_table(tmp_path):
     from gspo_mcore.evaluate import model_dir, table
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    with pytest.raises(InputError, match="a run without an exported hf/"):
+    with pytest.raises(InputError, match="a run without an exported hf/: give model.hf_dir"):
         model_dir(tmp_path / "run")
+    with pytest.raises(InputError, match="^[^e].*config.json not found"):  # the converter's own one line
+        model_dir(tmp_path / "run", tmp_path / "scratch", str(tmp_path))
     with pytest.raises(InputError, match="neither a Hugging Face model directory"):
         model_dir(tmp_path)
     (tmp_path / "run" / "hf").mkdir()

@@ -105,3 +105,15 @@ def test_a_signal_stops_at_once_while_starting_and_after_the_step_once_training(
     with pytest.raises(Preempted):
         os.kill(os.getpid(), signal.SIGUSR1)
     assert abandoned == [True] and stop.signum == signal.SIGUSR1
+
+
+def test_a_run_starts_without_megatrons_apex_and_te_warnings():
+    """Importing the trainer printed a dozen 'Apex / Transformer Engine not installed' lines."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", "import gspo_mcore.train"], capture_output=True, text=True, cwd=REPO,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert proc.returncode == 0 and "not installed" not in proc.stderr, proc.stderr[-2000:]

@@ -285,7 +285,7 @@ def test_a_run_that_trains_nothing_still_saves(toy, server, tmp_path):
     assert (out / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
 
 
-def test_gspo_eval_on_the_default_runs_exported_model(default_run, toy, server):
+def test_gspo_eval_on_the_default_runs_exported_model(default_run, toy, server, tmp_path):
     """gspo-eval on the run's OUTPUT_DIR (its exported hf/), on a running server that loads it:
     the table and a JSON line, near the run's own last evaluation of the same weights."""
     out, _ = default_run
@@ -301,3 +301,14 @@ def test_gspo_eval_on_the_default_runs_exported_model(default_run, toy, server):
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert figures["model"] == str(out / "hf") and figures["eval/toy/pass@4"] >= figures["eval/toy/mean@4"]
     assert abs(figures["eval/toy/mean@4"] - last["eval/toy/mean@4"]) < 0.2, (figures, last)
+    # A run without hf/: its latest checkpoint is converted for the engine.
+    bare = tmp_path / "bare"
+    shutil.copytree(out / "checkpoints", bare / "checkpoints")
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.evaluate", "--config", "configs/tiny_cpu.yaml",
+                           "--model", str(bare), "--urls", server, dataset, f"model.hf_dir={toy / 'model'}"],
+                          capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "converting the latest checkpoint" in proc.stderr
+    converted = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert abs(converted["eval/toy/mean@4"] - last["eval/toy/mean@4"]) < 0.2, (converted, last)

@@ -7,14 +7,16 @@ flight are aborted on the servers: generation is most of a step on GPUs, and wha
 lost anyway), a step in its update or push finishes first (its weights are half-updated until
 then). The ranks agree: rank 0 abandons a rollout by broadcasting "stop" instead of a batch, and
 after each step every rank learns whether any rank was signalled (one all-reduce on the host
-group). While the run starts (servers, weights) or finishes (export), and on a second signal,
-the run stops at once, as before: it unwinds, and what it started is stopped on the way out.
+group). While the run starts (servers, weights) or finishes (export), and on a second signal
+(another one, or the same after DUPLICATE_S), the run stops at once, as before: it unwinds, and
+what it started is stopped on the way out.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,10 @@ import torch.distributed as dist
 from gspo_mcore.parallel import host_group
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# A rank gets Ctrl-C's SIGINT from the terminal and again from torchrun (which hands what it got
+# to its workers), and Slurm's SIGTERM from slurmstepd and again from torchrun: the same signal
+# within this many seconds is one.
+DUPLICATE_S = 5.0
 
 
 class Preempted(BaseException):
@@ -34,6 +40,7 @@ class StopRequest:
 
     def __init__(self, on_abandon=None):
         self.signum: int | None = None
+        self.since = 0.0
         self.phase: str | None = None
         self.on_abandon = on_abandon  # rank 0: aborts the requests in flight, so the rollout's threads return
         for sig in SIGNALS:
@@ -41,11 +48,13 @@ class StopRequest:
 
     def _handler(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if signum == self.signum and time.monotonic() - self.since < DUPLICATE_S:
+            return  # the same signal twice at once: the terminal's and torchrun's, or Slurm's and torchrun's
         if self.signum is not None or self.phase is None:
             if dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized():
                 print(f"{name}: stopping now", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
-        self.signum = signum
+        self.signum, self.since = signum, time.monotonic()
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"{name}: saving the last completed step, then stopping ({name} again: stop at once)",
                   file=sys.stderr, flush=True)

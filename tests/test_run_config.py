@@ -99,6 +99,7 @@ def test_a_signal_stops_at_once_while_starting_and_after_the_step_once_training(
     stop.phase = "step"  # an update in progress: noted, finished first
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop.signum == signal.SIGTERM and not abandoned
+    os.kill(os.getpid(), signal.SIGTERM)  # the same again at once (slurmstepd's, then torchrun's): one
     with pytest.raises(SystemExit):  # a second signal: at once
         os.kill(os.getpid(), signal.SIGINT)
     stop.signum, stop.phase = None, "rollout"  # rank 0 generating: the requests aborted, the rollout abandoned

@@ -117,6 +117,12 @@ class LossConfig:
     behavior_weight_cap: float = 2.0
     """Asynchronous modes (decoupled GSPO): each sequence's loss is weighted by its behaviour
     ratio pi_prox / pi_engine over its stale tokens (length-normalised), truncated at this."""
+    proximal: Literal["recompute", "first_minibatch"] = "recompute"
+    """Asynchronous modes: pi_prox, the weights at the start of the step. `recompute`: one
+    forward of the batch first (exact for every minibatch). `first_minibatch`: free, from the
+    first minibatch's own forward (exact there); the later minibatches take the engine's
+    log-probs as pi_prox (behaviour weight 1, their band sized from the mismatch), saving the
+    forward. Learning not yet measured against `recompute`."""
     log_entropy: bool = False
     """Report the policy entropy (`entropy` in metrics.jsonl; one more pass over the logits).
     Always reported when entropy_coef > 0."""

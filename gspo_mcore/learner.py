@@ -97,7 +97,8 @@ class Learner:
         figures (metric_schema rows with `update`), the loss's combined exactly over microbatches
         and ranks, on every rank. {} when the batch is too small for the data-parallel ranks.
         `old_logprobs`: pi_old recomputed by the trainer (default: the engine's log-probs).
-        `stale` (asynchronous modes, with `old_logprobs` = pi_prox): 1 for each response token an
+        `stale` (asynchronous modes, with `old_logprobs` = pi_prox, or None: pi_prox from the first
+        minibatch's own forward, loss.proximal first_minibatch): 1 for each response token an
         older weight version generated: decoupled GSPO (loss.behavior_weight), ratios against
         pi_prox, the band sized from the mismatch on the current version's tokens as in sync."""
         cfg = self.config.train

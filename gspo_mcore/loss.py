@@ -276,8 +276,10 @@ def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(),
     old_logprobs = logprobs.detach() if on_policy else batch["old_logprobs"]
     advantages, weight_metrics = batch["advantages"], {}
     if "stale" in batch:  # asynchronous modes: decoupled GSPO
-        weight, weight_metrics = behavior_weight(old_logprobs, batch["engine_logprobs"], batch["stale"], batch["mask"],
-                                                 cfg.behavior_weight_cap)
+        # Without a recomputed pi_prox (loss.proximal: first_minibatch) a later minibatch's pi_old
+        # is the engine's own: weight 1.
+        weight, weight_metrics = behavior_weight(old_logprobs, batch.get("engine_logprobs", batch["old_logprobs"]),
+                                                 batch["stale"], batch["mask"], cfg.behavior_weight_cap)
         advantages = advantages * (weight if advantages.dim() == 1 else weight[:, None])
     loss, metrics = policy_loss(
         logprobs, old_logprobs, advantages, batch["mask"], level=cfg.level, clip_low=clip_low,

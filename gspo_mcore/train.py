@@ -254,12 +254,14 @@ class Trainer:
 
     def _update(self, rollouts: list, advantages: list[float], step: int) -> dict:
         """The learner's update. Asynchronous modes: decoupled GSPO, pi_prox (this step's weights)
-        from a forward of the batch, each token marked stale when an older version made it."""
+        from a forward of the batch (loss.proximal), each token marked stale when an older
+        version made it."""
         if self.config.rollout.mode == "sync":
             old = self.learner.recompute_old_logprobs(rollouts) if self.config.train.recompute_old_logprobs else None
             return self.learner.update(rollouts, advantages, step, old)
         stale = [[float(v < step) for v in r.token_versions] or [0.0] * len(r.response_ids) for r in rollouts]
-        return self.learner.update(rollouts, advantages, step, self.learner.recompute_old_logprobs(rollouts), stale)
+        prox = self.learner.recompute_old_logprobs(rollouts) if self.config.loss.proximal == "recompute" else None
+        return self.learner.update(rollouts, advantages, step, prox, stale)
 
     def _push_and_check(self, step: int, rollouts: list) -> dict:
         """The new weights to the engine, tagged step-N (and, every `check_every` steps, the proof)."""

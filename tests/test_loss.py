@@ -314,3 +314,26 @@ def test_the_asynchronous_mismatch_is_measured_on_the_current_versions_tokens():
     expected = engine_mismatch(batch["old_logprobs"], batch["engine_logprobs"], batch["mask"] * (1 - stale), 3e-4, 4e-4)
     assert metrics["mismatch_abs_log_ratio_mean"].item() == pytest.approx(expected["mismatch_abs_log_ratio_mean"].item())
     assert metrics["mismatch_abs_log_ratio_mean"].item() < 0.5  # the 2.0 drift is not in it
+
+
+def test_free_proximal_policy_is_exact_on_the_first_minibatch_and_the_engine_after():
+    """loss.proximal first_minibatch: no recomputed pi_prox. The first minibatch (on-policy) takes
+    pi_prox from its own forward, so stale sequences are weighted by own/engine; a later one's
+    pi_old is the engine's, so every weight is 1 and the loss is the synchronous one."""
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import behavior_weight, objective
+
+    batch = _async_batch(seed=3)
+    engine = batch["engine_logprobs"]
+    stale = torch.zeros_like(batch["mask"])
+    stale[:, :4] = 1.0
+    free = {"old_logprobs": engine, "advantages": batch["advantages"], "mask": batch["mask"], "stale": stale}
+    cfg = LossConfig(clip_low=0.05, clip_high=0.05)
+    logp = engine + 0.01
+    later, metrics = objective(logp, free, cfg)
+    plain, _ = objective(logp, {k: v for k, v in free.items() if k != "stale"}, cfg)
+    assert later.item() == plain.item() and metrics["behavior_weight_mean"].item() == 1.0
+    first, metrics = objective(logp, free, cfg, on_policy=True)
+    expected, _ = behavior_weight(logp, engine, stale, batch["mask"], cfg.behavior_weight_cap)
+    assert metrics["behavior_weight_mean"].item() == pytest.approx(
+        expected[batch["mask"].sum(-1) > 0].mean().item())

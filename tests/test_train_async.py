@@ -43,13 +43,15 @@ def servers(toy, tmp_path_factory):
         yield f"rollout.urls=[{','.join(s.ready().url for s in started)}]"
 
 
-@pytest.mark.parametrize("mode, layout", [("async", "distributed.expert_parallel=2"), ("one_step_off", "")])
-def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path, mode, layout):
-    """EP2 (async) and DP2 (one_step_off), two servers: full batches, every step's staleness within
-    rollout.max_staleness, the trainer not waiting once generation runs ahead, weights checked."""
+@pytest.mark.parametrize("mode, options", [("async", ["distributed.expert_parallel=2"]),
+                                           ("one_step_off", ["loss.proximal=first_minibatch"])])
+def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path, mode, options):
+    """EP2 (async, pi_prox recomputed) and DP2 (one_step_off, pi_prox free from the first
+    minibatch), two servers: full batches, every step's staleness within rollout.max_staleness,
+    the trainer not waiting once generation runs ahead, weights checked."""
     out = tmp_path / "run"
     _train(out, [*_toy_overrides(toy), servers, *COMMON, f"rollout.mode={mode}", "train.steps=3", "train.save_every=0",
-                 *([layout] if layout else [])], nproc=2)
+                 *options], nproc=2)
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

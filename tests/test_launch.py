@@ -220,38 +220,14 @@ def test_single_node_script_end_to_end_on_cpu(tmp_path):
     env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "2", "GSPO_BASE_PORT": str(free_port()),
            "GSPO_SERVER_TIMEOUT": "300", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(["launch/train_8xh100.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
-                           f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "train.steps=2", "train.save_every=0",
+                           f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "train.steps=1", "train.save_every=0",
                            "train.export_hf=false", "weight_sync.check_every=1"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainer on GPUs 1" in proc.stderr
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert (out / "logs" / "sglang_0.log").stat().st_size > 0
     assert list((out / "logs" / "torchrun").rglob("stdout.log"))
-
-
-def test_multi_node_script_colocated_on_one_cpu_node(tmp_path):
-    """launch/node.sh as the multi-node template runs it, with a one-node allocation and a
-    colocated config: the node serves SGLang and trains (torchrun's c10d rendezvous at
-    MASTER_ADDR:MASTER_PORT), and the weights go to the server on the trainer's own "GPU"
-    (method tensor, the colocated configs' path; shared memory on CPU)."""
-    from gspo_mcore.toy_task import make_toy_task
-
-    toy = make_toy_task(tmp_path / "toy", seed=0)
-    out = tmp_path / "run"
-    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1",
-           "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "GSPO_BASE_PORT": str(free_port()), "GSPO_SERVER_TIMEOUT": "300",
-           "GSPO_SGLANG_API_KEY": "test-key",
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
-                           f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "weight_sync.colocate=true", "weight_sync.method=tensor", "train.steps=1",
-                           "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=1"],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = (out / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == 1 and "sync_check_median" in rows[0]
-    assert (out / "logs" / "127.0.0.1" / "sglang_0.log").stat().st_size > 0
 
 
 def test_convert_script_on_a_small_checkpoint(tmp_path):

@@ -30,7 +30,7 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     port = free_port()
     cmd = sglang_command(str(toy / "model"), port, dtype="bfloat16", max_running_requests=128,
                          extra_args=("--disable-radix-cache", "--enable-return-routed-experts"))
-    common = [*_toy_overrides(toy), "rollout.return_routed_experts=true", "train.steps=2", "train.save_every=0",
+    common = [*_toy_overrides(toy), "rollout.return_routed_experts=true", "train.steps=1", "train.save_every=0",
               "train.export_hf=false", "weight_sync.check_every=0"]
     with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "sglang.log", env=server_env()) as managed:
         _train(tmp_path / "free", [*common, f"rollout.urls=[{managed.url}]", "distributed.tensor_parallel=2",
@@ -44,39 +44,6 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     for r in free:  # minibatches 2..4 clip at 2 x the mismatch minibatch 1 measured (mean over sequences)
         expected = max(0.0004, 2 * r["mismatch_abs_log_ratio_mean"])
         assert r["clip_band_high"] == pytest.approx(expected, rel=1e-9) and r["clip_band_high"] > 0.001
-
-
-@pytest.mark.parametrize("sig", ["SIGKILL"])  # SIGTERM / SIGUSR1: tests/test_preemption.py
-def test_a_killed_run_leaves_no_process_behind(toy, tmp_path, sig):
-    """The run's SGLang server (its own process group) and reward workers go when the trainer
-    does: on SIGKILL the kernel signals the server (parent-death signal) and the workers lose
-    their parent's pipe."""
-    import os
-    import signal
-
-    import psutil
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                             "--output-dir", str(out), *_toy_overrides(toy), "train.steps=500", "train.save_every=0",
-                             "reward.workers=2"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its first step"
-            time.sleep(1)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 3  # the server and its workers, the reward workers
-        os.kill(proc.pid, getattr(signal, sig))
-        proc.wait(timeout=120)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [(p.pid, p.name()) for p in alive]
-        assert not (out / "checkpoints" / "latest").exists() and proc.returncode == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
@@ -130,7 +97,7 @@ def test_real_shaped_run_ep2_two_bf16_servers_uneven_lengths_save_and_prune(toy,
             article = "an" if category == "animal" else "a"
             f.write(json.dumps({"prompt": f"name {article} {category} ( {fillers} )", "answer": category}) + "\n")
     out = tmp_path / "run"
-    _train(out, [f"model.hf_dir={toy / 'model'}", f"data.path={prompts}", "distributed.expert_parallel=2",
+    _train(out, [f"model.hf_dir={toy / 'model'}", f"data.path={prompts}", "eval.datasets=[]", "distributed.expert_parallel=2",
                  "rollout.num_servers=2", "rollout.engine_dtype=bfloat16", "rollout.max_new_tokens=24",
                  "train.max_tokens_per_microbatch=48", "train.steps=3", "train.save_every=1", "train.keep_checkpoints=2",
                  "weight_sync.check_every=1", "train.export_hf=false"],

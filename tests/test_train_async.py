@@ -65,35 +65,26 @@ def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path,
 
 def test_an_async_run_killed_with_groups_in_flight_resumes(toy, servers, tmp_path):
     """SIGKILL mid-run (groups in flight on the server), then --resume: the run continues from its
-    last checkpoint, the in-flight groups dropped and their prompts admitted again in order. The
-    killed run started its own server and reward workers: the kernel's parent-death signal takes
-    the server down, the workers lose their parent's pipe; none is left (the resume uses the
-    module's servers: an address change a resume applies)."""
-    import psutil
-
+    last checkpoint, the in-flight groups dropped and their prompts admitted again in order."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     common = [*_toy_overrides(toy), "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
               "train.save_every=1"]
     proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                             "--output-dir", str(out), *common, "reward.workers=2", "train.steps=50"], cwd=REPO,
+                             "--output-dir", str(out), *common, servers, "train.steps=50"], cwd=REPO,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
         while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
             time.sleep(0.5)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 3  # the server and its workers, the reward workers
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         if proc.poll() is None:
             proc.kill()
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    _train(out, [*common, servers, "reward.workers=2", f"train.steps={saved + 2}"], extra=["--resume"])
+    _train(out, [*common, servers, f"train.steps={saved + 2}"], extra=["--resume"])
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(1, saved + 3))  # steps after the checkpoint trained again
     assert all(r["staleness_max"] <= 1 for r in rows)

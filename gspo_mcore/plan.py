@@ -261,7 +261,7 @@ def disk_estimate(config: Config, arch: Qwen3MoeArch) -> dict[str, float]:
 def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> dict[str, float]:
     """Upper bound at full-length responses: generation 2N per token; training 6N per token
     per epoch (no old-policy forward: GSPO uses the engine's log-probs); attention included."""
-    t, r = config.train, config.rollout
+    t = config.train
     counts = param_counts(arch)
     sequences = t.rollout_batch_size * t.group_size
     seq_len = prompt_tokens + response_tokens(config)

@@ -5,7 +5,9 @@ Used for SGLang servers (gspo_mcore.rollout) and reward workers (gspo_mcore.rewa
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -179,3 +181,23 @@ class ManagedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def read_json_reply(process: subprocess.Popen, timeout_s: float):
+    """A worker's next one-line JSON reply on its stdout, or None if none came within `timeout_s`
+    or the worker died (reward and tool workers: one reply per request, never two lines waiting)."""
+    if not select.select([process.stdout], [], [], max(0.0, timeout_s))[0]:
+        return None
+    line = process.stdout.readline()
+    return json.loads(line) if line else None
+
+
+def kill_worker(process: subprocess.Popen) -> None:
+    """Kill a pipe-driven worker, reap it, close its pipes."""
+    process.kill()
+    process.wait()
+    for pipe in (process.stdin, process.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass

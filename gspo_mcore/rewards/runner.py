@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo_mcore.errors import InputError
-from gspo_mcore.processes import die_with_parent, in_main_thread
+from gspo_mcore.processes import die_with_parent, in_main_thread, kill_worker, read_json_reply
 from gspo_mcore.rewards import call_arguments, load_reward_fn, reward_arguments
 
 STARTUP_TIMEOUT_S = 300.0  # importing a heavy reward (a math checker, a tokenizer) on a busy node
@@ -59,20 +59,10 @@ class _Worker:
         self.busy_with, self.started = job, time.monotonic()
 
     def read(self, timeout_s: float):
-        """The next reply, or None if none came within `timeout_s` or the worker died."""
-        if not select.select([self.process.stdout], [], [], timeout_s)[0]:
-            return None
-        line = self.process.stdout.readline()  # one reply per request: never more than one line waiting
-        return json.loads(line) if line else None
+        return read_json_reply(self.process, timeout_s)
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        kill_worker(self.process)
 
 
 class RewardRunner:

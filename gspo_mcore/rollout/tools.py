@@ -22,7 +22,6 @@ import json
 import os
 import queue
 import re
-import select
 import subprocess
 import sys
 import threading
@@ -35,7 +34,7 @@ from transformers.utils import get_json_schema
 
 from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
-from gspo_mcore.processes import child_env, die_with_parent, in_main_thread
+from gspo_mcore.processes import child_env, die_with_parent, in_main_thread, kill_worker, read_json_reply
 from gspo_mcore.rewards.runner import STARTUP_TIMEOUT_S
 from gspo_mcore.rollout.tool_worker import clip
 
@@ -208,19 +207,10 @@ class _ToolWorker:
         return self.read(timeout_s)
 
     def read(self, timeout_s: float):
-        if not select.select([self.process.stdout], [], [], max(0.0, timeout_s))[0]:
-            return None
-        line = self.process.stdout.readline()  # one reply per request: never more than one line waiting
-        return json.loads(line) if line else None
+        return read_json_reply(self.process, timeout_s)
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        kill_worker(self.process)
 
 
 class ToolRunner:

@@ -14,7 +14,9 @@ Prints a table, then one JSON line last:
 "overlap_bound": from the sync run's own phases, (rollout + train + sync) / max(rollout, train + sync),
 "max_staleness_seen": ..., "tokens_regenerated": async's (0: a push retracts requests, which keep
 their tokens), "tokens_regenerated_restart": async-restart's}.
-Throughput is over steps 2.. (step 1 includes start-up). Not a test: the machine is shared and noisy.
+Throughput is over steps 2.. (step 1 includes start-up). DIR/plots holds the runs' figures side by
+side (gspo_mcore.plot), reward against summed step time among them (`reward_wallclock.png`: learning
+per second; run `--steps 28` for long_cpu's whole curve). Not a test: the machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from gspo_mcore.config import load_config  # noqa: E402
 from gspo_mcore.long_task import make_long_task  # noqa: E402
 from gspo_mcore.netaddr import free_port  # noqa: E402
+from gspo_mcore.plot import plot_runs  # noqa: E402
 from gspo_mcore.processes import ManagedServer  # noqa: E402
 from gspo_mcore.rollout.server import server_for_config  # noqa: E402
 
@@ -82,6 +85,7 @@ def main() -> None:
     cmd, env = server_for_config(config, port)
     with ManagedServer(["taskset", "-c", "1", *cmd], f"http://127.0.0.1:{port}", args.out / "sglang.log", env=env):
         results = {mode: summary(run_mode(args.out, mode, f"http://127.0.0.1:{port}", overrides)) for mode in MODES}
+    plot_runs([args.out / mode for mode in MODES], args.out / "plots")
     print("| mode | samples/s | step s | rollout s | train s | sync s | trainer idle | engine idle | staleness max "
           "| tokens regenerated | reward (last) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -358,9 +358,6 @@ class Config:
                               "(or a function of yours)")
         if r.function == "tool_loop" and not r.tools:
             raise ConfigError("rollout.function: tool_loop needs rollout.tools (module:function, ...)")
-        if r.function != "single_turn" and r.return_routed_experts:
-            raise ConfigError("rollout.return_routed_experts: not supported with multi-turn rollout functions yet "
-                              "(the engine's routing covers one turn's request)")
         if r.max_turns < 1 or r.max_trajectory_tokens < 1 or r.tool_timeout_s <= 0 or r.tool_workers < 1:
             raise ConfigError("rollout.max_turns, max_trajectory_tokens, tool_workers must be >= 1 and "
                               "tool_timeout_s > 0")

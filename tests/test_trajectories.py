@@ -37,6 +37,37 @@ def test_a_trajectory_becomes_a_rollout_with_the_environment_masked():
         to_rollout(Trajectory([1], [Segment([2, 3], False)]), "env-only")
 
 
+def test_the_last_model_turns_routing_covers_every_segment():
+    """Row t routes the forward whose input is token t of prompt + response; the last turn's
+    request held every earlier token, and trailing environment tokens repeat its last row."""
+    import numpy as np
+
+    def rollout(response, routed_rows):
+        routing = np.arange(routed_rows * 2 * 2, dtype=np.int32).reshape(routed_rows, 2, 2)
+        return Rollout([], response, [-1.0] * len(response), "stop", "step-1", routing, token_versions=(1,) * len(response))
+
+    t = Trajectory(prompt_ids=[5, 6, 7])
+    t.add_model(rollout([10, 11], 4))  # prompt 3 + 2 tokens: 4 inputs
+    t.add_environment([20, 21])
+    t.add_model(rollout([12], 7))  # 3 + 2 + 2 + 1 tokens: 7 inputs
+    r = to_rollout(t, "t")
+    assert r.routed_experts.shape == (7, 2, 2) and (r.routed_experts == t.segments[-1].routed_experts).all()
+    t.add_environment([22, 23])  # a function that ends on environment tokens
+    r = to_rollout(t, "t")
+    assert r.routed_experts.shape == (9, 2, 2) and (r.routed_experts[7:] == r.routed_experts[6]).all()
+    short = Trajectory(prompt_ids=[5, 6, 7])
+    short.add_model(rollout([10, 11], 4))
+    short.add_environment([20, 21])
+    short.add_model(rollout([12], 3))  # generated from the last turn's tokens only
+    with pytest.raises(RolloutError, match="routed experts cover 3 tokens, not the 7 before its last token"):
+        to_rollout(short, "short")
+    mixed = Trajectory(prompt_ids=[5, 6, 7])
+    mixed.add_model(rollout([10, 11], 4))
+    mixed.add_model(Rollout([], [12], [-1.0], "stop", "step-1"))
+    with pytest.raises(RolloutError, match="routed experts for some model turns only"):
+        to_rollout(mixed, "mixed")
+
+
 def test_environment_tokens_get_exactly_zero_gradient_and_do_not_count_in_the_length():
     from gspo_mcore.config import LossConfig
     from gspo_mcore.loss import objective, sequence_log_ratio
@@ -92,8 +123,11 @@ async def three_turns(task, engine):
 
 
 @pytest.mark.slow
-def test_each_model_token_of_three_turns_has_the_trainers_log_prob(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_each_model_token_of_three_turns_has_the_trainers_log_prob_and_routing(tmp_path):
+    """With the prefix cache on (each trajectory sticks to its server): the engine's log-probs
+    of every model token, and its routed experts of every token (the last turn's request covers
+    the earlier turns and the environment's), are the trainer side's."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
@@ -106,11 +140,12 @@ def test_each_model_token_of_three_turns_has_the_trainers_log_prob(tmp_path):
     model_dir = make_toy_task(tmp_path / "toy", seed=0) / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     port = free_port()
-    cmd = sglang_command(str(model_dir), port, dtype="float32", extra_args=("--disable-radix-cache",))
+    cmd = sglang_command(str(model_dir), port, dtype="float32", extra_args=("--enable-return-routed-experts",))
+    arch = AutoConfig.from_pretrained(model_dir)
     tasks = [Task([{"role": "user", "content": "name a color ( animal_1 fruit_2 )"}], "color"),
              Task([{"role": "user", "content": "name an animal ( color_1 )"}], "animal")]
     with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "sglang.log", env=server_env()) as server:
-        client = SGLangClient([server.url], 256)
+        client = SGLangClient([server.url], 256, routing_shape=(arch.num_hidden_layers, arch.num_experts_per_tok))
         groups = run_functions(three_turns, tasks, 2, lambda i, k: EngineHandle(
             client, tokenizer, 0, {"temperature": 1.0, "max_new_tokens": 5}, seed=100 * i + k), concurrency=4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -119,7 +154,13 @@ def test_each_model_token_of_three_turns_has_the_trainers_log_prob(tmp_path):
         r = to_rollout(trajectory)
         sequence = torch.tensor([r.prompt_ids + r.response_ids])
         with torch.no_grad():
-            logits = model(input_ids=sequence[:, :-1]).logits[0].double()
+            output = model(input_ids=sequence[:, :-1], output_router_logits=True)
+        logits = output.logits[0].double()
+        reference_routing = torch.stack([layer.topk(arch.num_experts_per_tok, -1).indices.sort(-1).values
+                                         for layer in output.router_logits], 1)  # [tokens, layers, top-k]
+        routed = torch.from_numpy(r.routed_experts.astype("int64")).sort(-1).values
+        assert routed.shape == reference_routing.shape
+        assert (routed == reference_routing).all(-1).float().mean().item() > 0.99  # float32 near-ties aside
         first = len(r.prompt_ids) - 1
         reference = logits.log_softmax(-1)[first:].gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0]
         trained = torch.tensor(r.loss_mask) > 0

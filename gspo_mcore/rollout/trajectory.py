@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gspo_mcore.errors import RolloutError
 from gspo_mcore.rollout.response import Rollout
 
@@ -23,6 +25,9 @@ class Segment:
     trainable: bool  # the model's tokens (trained on) or the environment's (never)
     logprobs: list[float] = field(default_factory=list)  # the engine's, one per token of a trainable segment
     versions: tuple[int, ...] = ()  # the weight version of each token of a trainable segment (when tagged)
+    # The engine's routed experts for this turn's whole request (rollout.return_routed_experts):
+    # every token before the turn's last, the earlier turns and environment tokens included.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -46,7 +51,8 @@ class Trajectory:
 
     def add_model(self, rollout: Rollout) -> None:
         """A model turn as the engine returned it (gspo_mcore.rollout.client.generate_one)."""
-        self.segments.append(Segment(list(rollout.response_ids), True, list(rollout.logprobs), rollout.token_versions))
+        self.segments.append(Segment(list(rollout.response_ids), True, list(rollout.logprobs), rollout.token_versions,
+                                     rollout.routed_experts))
         self.weight_version, self.finish_reason = rollout.weight_version, rollout.finish_reason
 
     def add_environment(self, token_ids: list[int]) -> None:
@@ -70,7 +76,27 @@ def to_rollout(trajectory: Trajectory, name: str = "") -> Rollout:
     if not any(mask):
         raise RolloutError(f"trajectory {name}: no model tokens")
     return Rollout(list(trajectory.prompt_ids), response, logprobs, trajectory.finish_reason, trajectory.weight_version,
+                   routed_experts=_routing(trajectory, len(trajectory.prompt_ids) + len(response), name),
                    token_versions=_fill_versions(versions) if tagged else (), loss_mask=tuple(mask))
+
+
+def _routing(trajectory: Trajectory, num_tokens: int, name: str) -> np.ndarray | None:
+    """The last model turn's routed experts: its request held every earlier token (the engine
+    routes a prefix the same whether computed or served from its cache), so they cover every
+    segment up to that turn. Environment tokens after it (a function that ends on them) are
+    inputs to no trained token (attention is causal): they repeat the last row."""
+    last = max(i for i, s in enumerate(trajectory.segments) if s.trainable)
+    routed = trajectory.segments[last].routed_experts
+    if routed is None:
+        if any(s.routed_experts is not None for s in trajectory.segments):
+            raise RolloutError(f"trajectory {name}: routed experts for some model turns only")
+        return None
+    covered = len(trajectory.prompt_ids) - 1 + sum(len(s.token_ids) for s in trajectory.segments[:last + 1])
+    if routed.shape[0] != covered:
+        raise RolloutError(f"trajectory {name}: the last model turn's routed experts cover {routed.shape[0]} tokens, "
+                           f"not the {covered} before its last token (was each turn generated from every token "
+                           "before it?)")
+    return np.concatenate([routed, np.repeat(routed[-1:], num_tokens - 1 - covered, axis=0)])
 
 
 def _fill_versions(versions: list[int | None]) -> tuple[int, ...]:

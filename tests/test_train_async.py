@@ -1,6 +1,7 @@
 """Asynchronous GSPO end to end on CPU: generation overlapping training against real SGLang
-servers (two of them) under DP2 and EP2, the staleness bound held and reported every step, and
-an asynchronous run killed (SIGKILL) with groups in flight, then resumed."""
+servers (two of them), both modes under 1 rank, DP2 and EP2 (one of them multi-turn, with the
+engine's routed experts), the staleness bound held and reported every step, and an asynchronous
+run killed (SIGKILL) with groups in flight, then resumed."""
 
 import os
 import signal
@@ -36,23 +37,36 @@ def servers(toy, tmp_path_factory):
         for i in range(2):
             port = free_port()
             cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
-                                 extra_args=("--disable-radix-cache",))
+                                 extra_args=("--disable-radix-cache", "--enable-return-routed-experts"))
             server = ManagedServer(cmd, f"http://127.0.0.1:{port}", logs / f"sglang_{i}.log", env=server_env())
             stack.callback(server.stop)
             started.append(server.launch())
         yield f"rollout.urls=[{','.join(s.ready().url for s in started)}]"
 
 
-@pytest.mark.parametrize("mode, options", [("async", ["distributed.expert_parallel=2"]),
-                                           ("one_step_off", ["loss.proximal=first_minibatch"])])
-def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path, mode, options):
-    """EP2 (async, pi_prox recomputed) and DP2 (one_step_off, pi_prox free from the first
-    minibatch), two servers: full batches, every step's staleness within rollout.max_staleness,
-    the trainer not waiting once generation runs ahead, weights checked."""
+# A user's rollout function by name: three model turns, user messages spliced in between.
+MULTI_TURN = ["rollout.function=tests.test_trajectories:three_turns", "rollout.return_routed_experts=true"]
+
+
+@pytest.mark.parametrize("mode, nproc, options", [
+    ("async", 2, ["distributed.expert_parallel=2"]),
+    ("async", 2, []),  # DP2
+    ("one_step_off", 2, ["loss.proximal=first_minibatch"]),  # DP2
+    ("one_step_off", 2, ["distributed.expert_parallel=2"]),
+    ("one_step_off", 1, MULTI_TURN),
+], ids=["async-EP2", "async-DP2", "one_step_off-DP2-free-prox", "one_step_off-EP2", "one_step_off-1-multi-turn"])
+def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path, mode, nproc, options):
+    """Two servers: full batches, every step's staleness within rollout.max_staleness (a
+    trajectory counts its oldest model token), the trainer not waiting once generation runs
+    ahead, weights checked; pi_prox recomputed or free from the first minibatch."""
     out = tmp_path / "run"
     _train(out, [*_toy_overrides(toy), servers, *COMMON, f"rollout.mode={mode}", "train.steps=3", "train.save_every=0",
-                 *options], nproc=2)
+                 *options], nproc=nproc)
     rows = _metrics(out)
+    if options == MULTI_TURN:
+        assert all(r["turns_mean"] == 3 and 0 < r["env_token_fraction"] < 1 for r in rows)
+        # float32 on both sides: the engine's routing of every segment is the trainer's router's
+        assert all(r["routing_mismatch_fraction"] < 0.02 for r in rows if r["routing_mismatch_fraction"] is not None)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         # async refills continuously; one_step_off keeps sync's rounds (rollout.max_sampling_rounds: 1 here)

@@ -180,6 +180,23 @@ def test_run_functions_keeps_each_tasks_trajectories_together():
     assert [[t.text for t in g] for g in groups] == [["a-0", "a-0", "a-1"], ["bb-0", "bb-0", "bb-1"]]
 
 
+def test_run_functions_keeps_as_many_engine_calls_in_flight_as_asked():
+    """Engine calls wait in threads: all 16 must be waiting at once (asyncio's default pool,
+    min(32, cores + 4) threads, held 6 here and broke the barrier)."""
+    import threading
+
+    from gspo_mcore.rollout.functions import Task, run_functions
+
+    barrier = threading.Barrier(16)
+
+    async def wait_for_all(task, engine):
+        await asyncio.to_thread(barrier.wait, 20)
+        return Trajectory([1], text="ok")
+
+    groups = run_functions(wait_for_all, [Task([], "a")] * 4, 4, lambda i, k: None, concurrency=16)
+    assert sum(len(g) for g in groups) == 16
+
+
 def _byte_tokenizer(tmp_path):
     """Bytes + Qwen3's chat markers (the tool template needs them): any text encodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -15,6 +15,7 @@ never re-tokenized (re-tokenizing a transcript shifts tokens against their log-p
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -109,6 +110,9 @@ def run_functions(function: RolloutFunction, tasks: list[Task], repeats: int, ha
         return out if isinstance(out, list) else [out]
 
     async def all_of_them():
+        # Each engine call waits in a thread (asyncio.to_thread): the default pool (min(32, cores
+        # + 4) threads) would cap the requests in flight far below the servers' capacity.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=max(1, concurrency)))
         semaphore = asyncio.Semaphore(max(1, concurrency))
         results = await asyncio.gather(*(one(semaphore, i, k) for i in range(len(tasks)) for k in range(repeats)))
         return [[t for k in range(repeats) for t in results[i * repeats + k]] for i in range(len(tasks))]

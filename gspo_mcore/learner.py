@@ -23,7 +23,7 @@ from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, response_logpro
 from gspo_mcore.models.qwen3_moe.routing import RouterHooks
 from gspo_mcore.optimizer import lr_scheduler, optimizer_step, setup_training
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
-                                pack_microbatches, sequence_lengths, split_minibatches)
+                                pack_microbatches, sequence_lengths, split_minibatches, spread_over_response)
 from gspo_mcore.parallel import device
 from gspo_mcore.rollout.response import Rollout
 from gspo_mcore.seeds import step_seed
@@ -82,8 +82,8 @@ class Learner:
         gathered = [_gather_dp(found)]
         src = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast_object_list(gathered, src=src, group=parallel_state.get_pipeline_model_parallel_group())
-        values = dict(gathered[0])
-        return [values[i] for i in range(len(rollouts))]
+        values = dict(gathered[0])  # the trained tokens' only: an environment's tokens get 0, as the engine's
+        return [spread_over_response(values[i], r.mask) for i, r in enumerate(rollouts)]
 
     def recompute_old_logprobs(self, rollouts: list[Rollout]) -> list[list[float]]:
         """The comparison arm: pi_old from a trainer forward instead of the engine's log-probs."""

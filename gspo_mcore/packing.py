@@ -59,6 +59,16 @@ def sequence_lengths(rollouts) -> list[int]:
     return [len(r.prompt_ids) + len(r.response_ids) - 1 for r in rollouts]
 
 
+def spread_over_response(values: Sequence[float], mask: Sequence[float]) -> list[float]:
+    """Values of the masked-in response tokens (in order) -> one per response token, 0 where the
+    mask is 0 (an environment's tokens), the layout of `Rollout.logprobs`."""
+    trained = sum(1 for m in mask if m)
+    if len(values) != trained:
+        raise ValueError(f"{len(values)} values for {trained} masked-in tokens")
+    it = iter(values)
+    return [next(it) if m else 0.0 for m in mask]
+
+
 def response_aligned(rollouts, values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     """Per-response-token values [B, width] at the positions that predict those tokens
     (position t predicts token t + 1), zero elsewhere."""

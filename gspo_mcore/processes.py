@@ -48,6 +48,20 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """In a worker (reward, tool): a daemon thread that ends this process once its parent is
+    gone. The kernel's parent-death signal (die_with_parent) fires when the starting *thread*
+    ends, and workers are also started, and replaced, from rollout threads."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 

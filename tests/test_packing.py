@@ -41,3 +41,14 @@ def test_microbatches_respect_the_padded_token_budget_and_keep_sequences_whole(s
         assert padded <= 512 or m == [50]
     # First-fit decreasing is not wasteful: within 2x of the unpadded lower bound.
     assert len(microbatches) <= 2 * sum(lengths) / 512 + 2
+
+
+def test_masked_in_values_spread_over_the_response_with_zeros_for_the_environment():
+    """A trainer forward yields the trained tokens' log-probs only; pi_prox, a recomputed pi_old
+    and the reference need one per response token (a multi-turn trajectory's environment: 0)."""
+    from gspo_mcore.packing import spread_over_response
+
+    assert spread_over_response([-1.0, -2.0, -3.0], [1, 0, 0, 1, 1]) == [-1.0, 0.0, 0.0, -2.0, -3.0]
+    assert spread_over_response([-1.0], [1]) == [-1.0]
+    with pytest.raises(ValueError, match="2 values for 1 masked-in tokens"):
+        spread_over_response([-1.0, -2.0], [0, 1])

@@ -45,14 +45,15 @@ import torch.distributed as dist
 from gspo_mcore.config import DistributedConfig
 from gspo_mcore.parallel import broadcast_from_host, init_distributed
 
-init_distributed(DistributedConfig(timeout_minutes=0.05, rollout_timeout_minutes=1.0), seed=0)
+# 6 s: gloo connects within the group timeout too, and a loaded machine can take seconds
+init_distributed(DistributedConfig(timeout_minutes=0.1, rollout_timeout_minutes=1.0), seed=0)
 if dist.get_rank() == 0:
-    time.sleep(6)  # a rollout twice as long as the trainer's collectives may wait
+    time.sleep(12)  # a rollout twice as long as the trainer's collectives may wait
 value = broadcast_from_host({"batch": [1, 2, 3]} if dist.get_rank() == 0 else None)
 assert value == {"batch": [1, 2, 3]}
 print("host wait ok", flush=True)
 if dist.get_rank() == 0:
-    time.sleep(6)
+    time.sleep(12)
 try:
     dist.barrier()  # the trainer's own group keeps its short timeout
     print("barrier ok", flush=True)

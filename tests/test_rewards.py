@@ -194,3 +194,44 @@ def test_a_reward_model_served_over_http(monkeypatch):
 def test_signatures_that_cannot_be_served_are_one_line(name, url, message):
     with pytest.raises(InputError, match=message):
         RewardRunner(name, url=url)
+
+
+ORPHAN_MAIN = """
+import threading
+from gspo_mcore.rewards.runner import RewardRunner
+
+def score():
+    runner = RewardRunner("tests.reward_fixtures:moody_reward", timeout_s=600, workers=1)
+    runner.score(["hang"], ["x"])  # the worker sleeps in the reward when the trainer dies
+
+# Started by a producer thread (asynchronous modes): no parent-death signal from the kernel.
+threading.Thread(target=score, daemon=True).start()
+threading.Event().wait()
+"""
+
+
+def test_no_reward_worker_outlives_a_killed_trainer(tmp_path):
+    """It was left behind: started from a thread and busy in the reward, it never read the end of
+    its input."""
+    import signal
+    import time
+
+    import psutil
+
+    script = tmp_path / "main.py"
+    script.write_text(ORPHAN_MAIN)
+    trainer = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (workers := psutil.Process(trainer.pid).children()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3)  # the worker started and took the request
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert workers and not alive, alive
+    finally:
+        for worker in [*workers, *psutil.Process().children(recursive=True)]:
+            if worker.is_running():
+                worker.kill()

@@ -78,8 +78,11 @@ def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path,
 
 
 def test_an_async_run_killed_with_groups_in_flight_resumes(toy, servers, tmp_path):
-    """SIGKILL mid-run (groups in flight on the server), then --resume: the run continues from its
-    last checkpoint, the in-flight groups dropped and their prompts admitted again in order."""
+    """SIGKILL mid-run (groups in flight on the server), then --resume: no process of the run is
+    left, and it continues from its last checkpoint, the in-flight groups dropped and their
+    prompts admitted again in order."""
+    import psutil
+
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     common = [*_toy_overrides(toy), "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
@@ -92,8 +95,11 @@ def test_an_async_run_killed_with_groups_in_flight_resumes(toy, servers, tmp_pat
         while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
             time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)  # its reward workers, started by producers
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert children and not alive, [(p.pid, p.cmdline()) for p in alive]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -3,7 +3,7 @@
 Imports only the reward function (not the trainer, torch or megatron), says `ready`, then
 answers one JSON line per request on a private pipe: `[[response, answer], kwargs]` (batched:
 `[[responses, answers], kwargs of lists]`) -> `{"rewards": [x, ...]}` or `{"error": "..."}`. The reward's own prints go to stderr, so they cannot
-corrupt the protocol. Ends at end of input (the trainer closed the pipe or died)."""
+corrupt the protocol. Ends at end of input (the trainer closed the pipe or died) or once the process that started it is gone."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import math
 import os
 import sys
 
+from gspo_mcore.processes import exit_with_parent
+
 
 def main() -> int:
+    exit_with_parent()  # also when a thread that ended started it (the pipe's end alone was not enough)
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else written to stdout goes to stderr
     sys.stdout = sys.stderr

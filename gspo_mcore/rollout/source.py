@@ -136,7 +136,7 @@ class RolloutSource:
         figures = {
             "rewards": rewards, "lengths": torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32),
             "truncated": sum(r.truncated for r in rollouts), "groups_kept": len(kept_groups),
-            "groups_total": len(samples), "requests": len(requests),
+            "groups_total": len(samples), "requests": len(rollouts),
             "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
             "trainable": sum(sum(r.mask) for r in rollouts), "turns": turns,
         }
@@ -159,8 +159,9 @@ class RolloutSource:
         groups = run_functions(self.function, tasks, repeats, handle_for, self.client.max_concurrency)
         flat = [t for group in groups for t in group]
         rollouts = [to_rollout(t, f"{n}") for n, t in enumerate(flat)]
-        return (rollouts, [t.text for t in flat], [len(g) for g in groups], [t.reward for t in flat],
-                [t.info for t in flat])
+        # turns: the model's, counted here (a user's function need not count them in its info)
+        infos = [{**t.info, "turns": sum(s.trainable for s in t.segments)} for t in flat]
+        return rollouts, [t.text for t in flat], [len(g) for g in groups], [t.reward for t in flat], infos
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "running": self.running.state_dict()}

@@ -20,13 +20,12 @@ async def tool_loop(task: Task, engine: EngineHandle) -> Trajectory:
     config = engine.config
     prompt = engine.chat_ids(task.messages, tools=engine.tools.tools.schemas)
     trajectory = Trajectory(prompt_ids=prompt)
-    info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0}
+    info = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0}
     text = ""
     for _ in range(config.max_turns):
         left = config.max_trajectory_tokens - len(trajectory.token_ids)
         reply = await engine.generate(prompt + trajectory.token_ids, max_new_tokens=min(config.max_new_tokens, left))
         trajectory.add_model(reply)
-        info["turns"] += 1
         text = engine.tokenizer.decode(reply.response_ids, skip_special_tokens=True)
         calls = parse_tool_calls(text, engine.tools.tools)
         if not calls or reply.finish_reason == "length":

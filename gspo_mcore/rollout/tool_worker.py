@@ -13,10 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
 
-PARENT_POLL_S = 1.0
+from gspo_mcore.processes import exit_with_parent
 
 
 def clip(text: str, limit: int) -> str:
@@ -45,19 +43,6 @@ def answer(functions: dict, request: dict) -> dict:
         return {"content": as_text(value)}
     except TypeError as err:
         return {"error": f"error: tool {name!r} {err}"}
-
-
-def exit_with_parent() -> None:
-    """A daemon thread that ends this process once its parent is gone: the kernel's parent-death
-    signal fires when the starting *thread* ends, and replacements are started by rollout threads."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def main() -> int:

@@ -35,7 +35,7 @@ class Trajectory:
     """What a rollout function returns: the prompt, the turns after it, and what to score.
     `text` is what the reward function reads (e.g. the last turn's answer); `reward`, when the
     function sets it (an environment's own score), is used instead. `info` counts what the
-    metrics report (turns, tool_calls, tool_errors, tool_timeouts)."""
+    metrics report (tool_calls, tool_errors, tool_timeouts; the model turns are counted for it)."""
     prompt_ids: list[int]
     segments: list[Segment] = field(default_factory=list)
     text: str = ""

@@ -24,6 +24,41 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LATEST = "latest"  # in a run's checkpoints/: the name of its newest complete checkpoint
 
 
+_WRITER_MANAGER = None  # the multiprocessing Manager behind Megatron's writer queue, once started
+
+
+def tie_writer_queue_to_us() -> None:
+    """Megatron's torch_dist writer takes its results queue from a multiprocessing Manager it
+    spawns at the first save (dist_checkpointing/strategies/filesystem_async.py,
+    _get_write_results_queue), a process that outlived a SIGKILLed trainer (measured, with its
+    resource tracker). Started here instead, from the main thread (the kernel's parent-death
+    signal follows the starting thread), with that signal (gspo_mcore.processes.die_with_parent)."""
+    global _WRITER_MANAGER
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from gspo_mcore.processes import die_with_parent, in_main_thread
+
+    if filesystem_async._results_queue is not None or not in_main_thread():
+        return
+    _WRITER_MANAGER = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
+    _WRITER_MANAGER.start(initializer=die_with_parent)
+    filesystem_async._results_queue = _WRITER_MANAGER.Queue()
+
+
+def latest_checkpoint(output_dir: Path) -> Path:
+    """The run's newest complete checkpoint (what --resume loads); CheckpointError if none."""
+    root = Path(output_dir) / "checkpoints"
+    pointer = root / LATEST
+    if not pointer.is_file():
+        raise CheckpointError(f"{pointer}: no checkpoint to resume from")
+    path = root / pointer.read_text().strip()
+    if not (path / "trainer_state.json").is_file():
+        raise CheckpointError(f"{path}: incomplete checkpoint (no trainer_state.json)")
+    return path
+
+
 def checkpoint_dir(path) -> Path:
     """The directory holding `.metadata`: given either it, a Megatron-LM save root whose
     latest_checkpointed_iteration.txt names `release` or an iteration, or a run's save root
@@ -90,6 +125,8 @@ class Checkpointer:
         """Collective; `rollout_state` from rank 0's rollout source (None on other ranks)."""
         from megatron.core import dist_checkpointing
 
+        tie_writer_queue_to_us()
+
         # A run that trained nothing (every group without signal) has no optimizer state to
         # describe: give it neutral ones (zero moments, step 0), leaving the weights as they are.
         _init_optimizer_states(self.optimizer, neutral=True)
@@ -117,13 +154,7 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> Path:
-        pointer = self.root / LATEST
-        if not pointer.is_file():
-            raise CheckpointError(f"{pointer}: no checkpoint to resume from")
-        path = self.root / pointer.read_text().strip()
-        if not (path / "trainer_state.json").is_file():
-            raise CheckpointError(f"{path}: incomplete checkpoint (no trainer_state.json)")
-        return path
+        return latest_checkpoint(self.output_dir)
 
     def load(self) -> tuple[int, dict | None]:
         """(step, rollout state) of the latest checkpoint, the model, optimizer and RNG restored. Collective."""

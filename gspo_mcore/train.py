@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore import plan, run_config, weight_sync
-from gspo_mcore.checkpointing import Checkpointer
+from gspo_mcore.checkpointing import Checkpointer, latest_checkpoint
 from gspo_mcore.config import Config, config_yaml, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
 from gspo_mcore.evaluation import Evaluator
@@ -395,6 +395,25 @@ def parse_args(argv=None):
     return parser.parse_intermixed_args(argv)
 
 
+def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
+    """What a run would otherwise find wrong only after building the model and starting servers
+    (minutes on a 30B checkpoint): the checkpoint to resume; on rank 0, which reads the data and
+    scores, the dataset file and the reward and rollout function names (imported, signatures
+    checked). The same errors their users raise later."""
+    if resume:
+        latest_checkpoint(output_dir)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    from gspo_mcore.rewards import load_reward_fn, reward_arguments
+    from gspo_mcore.rollout.functions import load_rollout_function
+
+    if not Path(config.data.path).is_file():
+        raise InputError(f"{config.data.path}: dataset file not found")
+    reward = config.reward
+    reward_arguments(load_reward_fn(reward.name), reward.name, reward.url)
+    load_rollout_function(config.rollout.function)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
@@ -415,6 +434,7 @@ def main(argv=None) -> None:
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     check_output_dir(output_dir, args.resume, args.overwrite)
     applied = run_config.check_resume(config, output_dir) if args.resume else None
+    check_inputs(config, output_dir, args.resume)
     if applied and int(os.environ.get("RANK", 0)) == 0:
         print(applied, flush=True)
     Trainer(config, output_dir, args.resume, args.overwrite).run()

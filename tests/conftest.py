@@ -39,6 +39,31 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_hf"), seed=0)
 
 
+# The toy task (gspo_mcore.toy_task) and one float32 engine serving it, shared by the modules of
+# a worker (here, not in a module that others import from: pytest would make one per module).
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory):
+    from gspo_mcore.toy_task import make_toy_task
+
+    return make_toy_task(tmp_path_factory.mktemp("toy") / "task", seed=0)
+
+
+@pytest.fixture(scope="session")
+def server(toy, tmp_path_factory):
+    """A float32 engine of the toy model for runs that do not start their own: each run pushes its
+    initial weights first, so a previous run's weights do not leak in."""
+    from gspo_mcore.netaddr import free_port
+    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.rollout.server import sglang_command
+    from gspo_mcore.rollout.sglang_cpu import server_env
+
+    port = free_port()
+    cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
+                         extra_args=("--disable-radix-cache",))
+    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",
+                       env=server_env()) as managed:
+        yield managed.url
+
 def run_module(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run `python -m ...` (nproc 1) or `torchrun --nproc_per_node N -m ...`; fail with its log."""
     if nproc == 1:

@@ -70,3 +70,47 @@ def test_real_metadata_still_loads(tmp_path):
     subprocess.run([sys.executable, "-m", "checkpoint_convert", "hf-to-mcore", "--hf-dir", str(hf), "--output-dir",
                     str(tmp_path / "mc"), "--quiet"], check=True, cwd=REPO, capture_output=True)
     assert isinstance(load_metadata(tmp_path / "mc" / "release" / ".metadata"), Metadata)
+
+
+WRITER_QUEUE = """
+import sys, threading
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from gspo_mcore.checkpointing import tie_writer_queue_to_us
+
+if __name__ == "__main__":  # the Manager is spawned: it imports this file again
+    if sys.argv[1] == "tied":
+        tie_writer_queue_to_us()  # what Checkpointer.save does first
+    filesystem_async._get_write_results_queue().put(1)  # what Megatron's writer does at a save
+    print("saved", flush=True)
+    threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("how", ["tied"])  # "megatron": its own Manager outlives the kill (the bug)
+def test_megatrons_writer_queue_process_ends_with_a_killed_trainer(tmp_path, how):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from conftest import REPO
+
+    script = tmp_path / "save.py"
+    script.write_text(WRITER_QUEUE)
+    trainer = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"})
+    children = []
+    try:
+        assert trainer.stdout.readline().strip() == "saved"
+        children = psutil.Process(trainer.pid).children(recursive=True)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert children and not alive, [p.cmdline() for p in alive]
+    finally:
+        for child in children:
+            if child.is_running():
+                child.kill()
+        trainer.kill()

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import REPO
-from test_train import _metrics, _toy_overrides, server, toy  # noqa: F401 (fixtures)
+from test_train import _metrics, _toy_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train")]
 

@@ -22,13 +22,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train")]
 SYNC_CHECK = {name for name in BY_NAME if name.startswith("sync_check")}
 
 
-@pytest.fixture(scope="session")
-def toy(tmp_path_factory):
-    from gspo_mcore.toy_task import make_toy_task
-
-    return make_toy_task(tmp_path_factory.mktemp("toy") / "task", seed=0)
-
-
 def _toy_overrides(toy, evaluate: bool = False) -> list[str]:
     """The toy task's paths; the config's evaluation only when asked (it adds to every run)."""
     dataset = f"[{{name: toy, path: {toy / 'eval.jsonl'}, samples: 4, max_new_tokens: 3}}]" if evaluate else "[]"
@@ -38,22 +31,6 @@ def _toy_overrides(toy, evaluate: bool = False) -> list[str]:
 def _metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-
-@pytest.fixture(scope="session")
-def server(toy, tmp_path_factory):
-    """One engine for the runs below (the default run starts its own): each run pushes its
-    initial weights first, so a previous run's weights do not leak in."""
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.server import sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
-
-    port = free_port()
-    cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
-                         extra_args=("--disable-radix-cache",))
-    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",
-                       env=server_env()) as managed:
-        yield managed.url
 
 
 def _train(out, overrides, nproc=1, config="configs/tiny_cpu.yaml", extra=(), timeout=900):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO
-from test_train import _metrics, _toy_overrides, _train, toy  # noqa: F401 (toy is a fixture)
+from test_train import _metrics, _toy_overrides, _train
 
 # Starts torchrun and SGLang servers; the module's runs share two servers (each run pushes its
 # own weights first), so they stay on one worker.

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import REPO
-from test_train import _metrics, _toy_overrides, _train, toy  # noqa: F401 (toy is a fixture)
+from test_train import _metrics, _toy_overrides, _train
 
 pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
 

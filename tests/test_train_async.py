@@ -87,13 +87,15 @@ def test_an_async_run_killed_with_groups_in_flight_resumes(toy, servers, tmp_pat
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     common = [*_toy_overrides(toy), "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
               "train.save_every=1"]
-    proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                             "--output-dir", str(out), *common, servers, "train.steps=50"], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "killed.log"
+    with open(log, "w") as output:
+        proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
+                                 "--output-dir", str(out), *common, servers, "train.steps=50"], cwd=REPO,
+                                env=env, stdout=output, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
+            assert proc.poll() is None and time.monotonic() < deadline, f"the run did not reach step 3:\n{log.read_text()[-3000:]}"
             time.sleep(0.5)
         children = psutil.Process(proc.pid).children(recursive=True)  # its reward workers, started by producers
         os.kill(proc.pid, signal.SIGKILL)

@@ -43,7 +43,8 @@ CONFIG = REPO / "configs" / "long_cpu.yaml"
 # run name -> its overrides
 MODES = {"sync": ["rollout.mode=sync"], "one_step_off": ["rollout.mode=one_step_off"], "async": ["rollout.mode=async"],
          "async-restart": ["rollout.mode=async", "rollout.partial=false"]}
-DEFAULTS = ["rollout.max_new_tokens=160", "reward.norm=group", "train.export_hf=false", "train.save_final=false"]
+DEFAULTS = ["rollout.max_new_tokens=160", "reward.norm=group", "train.export_hf=false", "train.save_final=false",
+            "eval.datasets=[]"]
 
 
 def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]:

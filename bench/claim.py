@@ -74,7 +74,7 @@ def run_arm(out: Path, arm: str, seed: int, extra: list[str], steps: int) -> Pat
 
         shutil.rmtree(run_dir)
     overrides = [*ARMS[arm][1], f"train.seed={seed}", "rollout.return_routed_experts=true", "train.export_hf=false",
-                 *extra]
+                 "eval.datasets=[]", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     began = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", str(CONFIG), "--output-dir",

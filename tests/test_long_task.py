@@ -114,3 +114,16 @@ def test_a_missing_cpu_task_names_the_command_that_writes_it(tmp_path, monkeypat
         runpy.run_module(module, run_name="__main__")
     check_task_written(config)  # written: nothing missing
     assert (tmp_path / config.data.path).is_file()
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "long_cpu"])
+def test_a_cpu_configs_evaluation_reads_its_own_tasks_held_out_prompts(name):
+    """long_cpu inherited tiny_cpu's evaluation set: it failed without the demo's toy task."""
+    from pathlib import Path
+
+    from gspo_mcore.config import load_config
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / f"{name}.yaml")
+    task = Path(config.data.path).parent
+    assert config.eval.datasets and all(Path(d.path).parent == task for d in config.eval.datasets)
+    assert all(d.max_new_tokens == config.rollout.max_new_tokens for d in config.eval.datasets)

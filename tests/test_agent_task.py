@@ -1,14 +1,13 @@
 """The agent task (gspo_mcore/agent_task.py): a call in its word-level vocabulary is Qwen3's
 format and parses exactly, the tool's results splice in as its chat template renders them, the
-lookup is deterministic, the reward reads the last turn, and the writer is deterministic, leaves
-no half-written task, and its warm model calls the tool in format. No servers."""
+lookup is deterministic, the reward reads the last turn, and the writer is deterministic and
+leaves no half-written task (its warm model's calls: tests/test_agent_cpu.py). No servers."""
 
 import asyncio
 import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from gspo_mcore import agent_task
@@ -121,38 +120,3 @@ def test_writer_is_deterministic_and_leaves_no_partial_task(tmp_path, monkeypatc
     with pytest.raises(RuntimeError):
         _write(tmp_path / "c", monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
-
-
-def test_the_warm_model_calls_the_tool_in_format_with_the_prompts_table(tmp_path):
-    """The writer as shipped: greedy from the warm model, the call parses, names the prompt's
-    table, and the model relays the tool's result."""
-    from transformers import AutoModelForCausalLM
-
-    from gspo_mcore.rollout.functions import environment_ids
-
-    task = make_agent_task(tmp_path / "task", num_prompts=16)
-    tokenizer = AutoTokenizer.from_pretrained(task / "model")
-    model = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32).eval()
-    tools = load_tools(TOOLS)
-
-    def greedy(ids, count):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        return out[0, len(ids):].tolist()
-
-    records = [json.loads(line) for line in (task / "prompts.jsonl").read_text().splitlines()]
-    in_format = relayed = 0
-    for record in records:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}], tools=tools.schemas,
-                                               add_generation_prompt=True, tokenize=False)
-        prompt = tokenizer.encode(prompt, add_special_tokens=False)
-        reply = greedy(prompt, 24)
-        calls = parse_tool_calls(tokenizer.decode(reply, skip_special_tokens=True), tools)
-        table = record["prompt"].split()[-1].strip('"')
-        if len(calls) == 1 and isinstance(calls[0], ToolCall) and calls[0].arguments["table"] == table:
-            in_format += 1
-            value = lookup(**calls[0].arguments)
-            result = environment_ids(tokenizer, [{"role": "tool", "name": "lookup", "content": value}], reply)
-            relayed += tokenizer.decode(greedy(prompt + reply + result, 2), skip_special_tokens=True).split()[:1] == [value]
-    assert in_format >= 14 and relayed >= in_format - 2, (in_format, relayed)

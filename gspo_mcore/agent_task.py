@@ -15,12 +15,13 @@ the model writes is the very token it must copy. Its chat template is Qwen3's, w
 **A warm start, not a model that knows nothing.** A random tiny model never writes a 19-token
 call by chance; a user's pretrained instruct model knows the tool format already. So the writer
 fits the random tiny Qwen3-MoE briefly (supervised, plain transformers on CPU, WARM_STEPS steps,
-seeded) on transcripts of the FORMAT: the call names the prompt's table but a key drawn at random
-(KEYS: 4), the tool's true result for that key, and the answer relaying the result. The warm
-model calls the tool in format and relays what it returns, but asks the wrong key 3 times in 4:
-its reward starts near 1/4 (plus 1/32 for a wrong key's value that happens to match). RL has to
-learn to ask for the key the prompt names. Measured (README, Multi-turn and tools): see
-tests/test_agent_task.py and the learning test in tests/test_agent_cpu.py.
+seeded; ~20 s on an idle core) on transcripts of the FORMAT: the call names the prompt's table,
+but its key is drawn at random among KEYS (8) in all but KEY_HINT (10%) of them, where it is the
+prompt's key (a weak prior, as a pretrained model's: with none, 4 keys, RL gained 0.08 in 30
+steps); the tool's true result for that key; the answer relaying the result. The warm model calls
+the tool in format and relays what it returns, but asks the wrong key most of the time: its
+reward starts near 0.22 (measured). RL has to learn to ask for the key the prompt names
+(configs/agent_cpu.yaml: ~0.8 after 30 steps; tests/test_agent_cpu.py asserts the rise).
 
 `python -m gspo_mcore.agent_task OUT_DIR` writes OUT_DIR/model (the warm model + tokenizer),
 OUT_DIR/prompts.jsonl and OUT_DIR/eval.jsonl, to a temporary sibling first; the same seed gives

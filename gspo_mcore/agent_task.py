@@ -146,19 +146,14 @@ def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_LR, weight_decay=0.0)
     rng = random.Random(seed + 1)
     model.train()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is as fast, and not starved on a busy machine
-    try:
-        for _ in range(steps):
-            ids, mask = warm_transcripts(tokenizer, WARM_BATCH, rng)
-            logits = model(input_ids=ids[:, :-1]).logits
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-            loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # position t predicts token t + 1
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
+    for _ in range(steps):
+        ids, mask = warm_transcripts(tokenizer, WARM_BATCH, rng)
+        logits = model(input_ids=ids[:, :-1]).logits
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # position t predicts token t + 1
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
     model.save_pretrained(model_dir)
 
 

@@ -30,7 +30,8 @@ from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 
 # The CPU tasks the shipped configs train, by the directory those configs read them from
 # (model/ and prompts.jsonl): a run that finds them missing is told the command that writes them.
-TASK_WRITERS = {"outputs/demo/toy": "gspo_mcore.toy_task", "outputs/long_task": "gspo_mcore.long_task"}
+TASK_WRITERS = {"outputs/demo/toy": "gspo_mcore.toy_task", "outputs/long_task": "gspo_mcore.long_task",
+                "outputs/agent_task": "gspo_mcore.agent_task"}
 CATEGORIES = ("color", "animal", "fruit", "number")
 EVAL_PROMPTS = 64
 WORDS_PER_CATEGORY = 60
@@ -56,13 +57,15 @@ def category_reward(response: str, answer: str) -> float:
     return 1.0 if words and words[0].startswith(f"{answer}_") else 0.0
 
 
-def make_tokenizer(out_dir: Path) -> None:
-    vocab = {word: i for i, word in enumerate(vocabulary())}
+def make_tokenizer(out_dir: Path, words: list[str] | None = None, chat_template: str = CHAT_TEMPLATE) -> None:
+    """A word-level tokenizer of `words` (the toy's vocabulary by default; the first three are
+    pad, eos and unk): text splits on whitespace, decoding joins tokens with single spaces."""
+    vocab = {word: i for i, word in enumerate(words or vocabulary())}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
 
 
@@ -76,18 +79,26 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
             f.write(json.dumps({"prompt": prompt, "answer": category}) + "\n")
 
 
-def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024, write_prompts=make_prompts) -> Path:
-    """OUT_DIR/model (random all-MoE tiny model + tokenizer) and OUT_DIR/prompts.jsonl (by
-    `write_prompts(path, count, seed)`: this task's, or another task's on the same model), written
-    to a temporary sibling first; an existing complete OUT_DIR is left as is. OUT_DIR/eval.jsonl:
-    EVAL_PROMPTS held-out prompts (another seed) for the evaluation."""
+def make_model(model_dir: Path, seed: int, words: list[str] | None = None, chat_template: str = CHAT_TEMPLATE) -> None:
+    """A model directory: a random all-MoE tiny model and a word-level tokenizer (the toy's, or
+    another task's `words` and `chat_template`)."""
+    # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see rollout.server).
+    make_tiny_checkpoint(model_dir, seed=seed, dtype=torch.float32, mlp_only_layers=[],
+                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    make_tokenizer(model_dir, words, chat_template)
+
+
+def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024, write_prompts=make_prompts,
+                  write_model=make_model) -> Path:
+    """OUT_DIR/model (by `write_model(dir, seed)`: a random all-MoE tiny model + tokenizer, or
+    another task's model) and OUT_DIR/prompts.jsonl (by `write_prompts(path, count, seed)`: this
+    task's, or another task's), written to a temporary sibling first; an existing complete OUT_DIR
+    is left as is. OUT_DIR/eval.jsonl: EVAL_PROMPTS held-out prompts (another seed) for the
+    evaluation."""
     out_dir = Path(out_dir)
     if not (out_dir / "prompts.jsonl").is_file():
         with atomic_output(out_dir, directory=True) as tmp:
-            # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see rollout.server).
-            make_tiny_checkpoint(tmp / "model", seed=seed, dtype=torch.float32, mlp_only_layers=[],
-                                 eos_token_id=1, pad_token_id=0, bos_token_id=None)
-            make_tokenizer(tmp / "model")
+            write_model(tmp / "model", seed)
             write_prompts(tmp / "prompts.jsonl", num_prompts, seed)
     if not (out_dir / "eval.jsonl").is_file():  # held out: another seed's prompts (eval.datasets)
         with atomic_output(out_dir / "eval.jsonl") as tmp:

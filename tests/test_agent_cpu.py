@@ -1,0 +1,75 @@
+"""configs/agent_cpu.yaml end to end: the real trainer, a real SGLang server on CPU, the tool
+loop calling gspo_mcore.agent_task:lookup in worker processes; the mean reward rises by >= 0.3
+from the first 10 steps to the last 10 within 10 minutes on 2 cores."""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import run_module
+from gspo_mcore.agent_task import lookup, make_agent_task
+from gspo_mcore.rollout.tools import ToolCall, load_tools, parse_tool_calls
+
+TOOLS = ["gspo_mcore.agent_task:lookup"]
+
+# Slow: starts torchrun and an SGLang server. Its own xdist group: one run, beside the others.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent_cpu")]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The task as shipped (~20 s: the warm start)."""
+    return make_agent_task(tmp_path_factory.mktemp("agent") / "task")
+
+
+def test_the_agent_task_learns_to_ask_the_right_key_within_ten_minutes(task, tmp_path):
+    out = tmp_path / "run"
+    start = time.monotonic()
+    run_module(["-m", "gspo_mcore.train", "--config", "configs/agent_cpu.yaml", "--output-dir", str(out),
+                f"model.hf_dir={task / 'model'}", f"data.path={task / 'prompts.jsonl'}", "train.export_hf=false"],
+               timeout=900)
+    seconds = time.monotonic() - start
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert first <= 0.4 and last - first >= 0.3, (first, last)
+    assert all(r["tool_calls_mean"] > 0.9 and r["mismatch_abs_log_ratio_max"] < 1e-4 for r in rows)
+    assert seconds < 600
+
+
+def test_the_warm_model_calls_the_tool_in_format_with_the_prompts_table(task):
+    """The writer as shipped: greedy from the warm model, the call parses, names the prompt's
+    table, and the model relays the tool's result."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo_mcore.rollout.functions import environment_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(task / "model")
+    model = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32).eval()
+    tools = load_tools(TOOLS)
+
+    def greedy(ids, count):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        return out[0, len(ids):].tolist()
+
+    records = [json.loads(line) for line in (task / "prompts.jsonl").read_text().splitlines()[:16]]
+    in_format = relayed = 0
+    for record in records:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}], tools=tools.schemas,
+                                               add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(prompt, add_special_tokens=False)
+        reply = greedy(prompt, 24)
+        calls = parse_tool_calls(tokenizer.decode(reply, skip_special_tokens=True), tools)
+        table = record["prompt"].split()[-1].strip('"')
+        if len(calls) == 1 and isinstance(calls[0], ToolCall) and calls[0].arguments["table"] == table:
+            in_format += 1
+            value = lookup(**calls[0].arguments)
+            result = environment_ids(tokenizer, [{"role": "tool", "name": "lookup", "content": value}], reply)
+            relayed += tokenizer.decode(greedy(prompt + reply + result, 2), skip_special_tokens=True).split()[:1] == [value]
+    assert in_format >= 14 and relayed >= in_format - 2, (in_format, relayed)

@@ -1,0 +1,122 @@
+"""The agent task (gspo_mcore/agent_task.py): a call in its word-level vocabulary is Qwen3's
+format and parses exactly, the tool's results splice in as its chat template renders them, the
+lookup is deterministic, the reward reads the last turn, and the writer is deterministic and
+leaves no half-written task (its warm model's calls: tests/test_agent_cpu.py). No servers."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+from gspo_mcore import agent_task
+from gspo_mcore.agent_task import lookup, lookup_reward, make_agent_task, tool_call
+from gspo_mcore.rollout.tools import ToolCall, load_tools, parse_tool_calls
+from test_trajectories import ScriptedModel
+
+TOOLS = ["gspo_mcore.agent_task:lookup"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("agent_tokenizer")
+    agent_task.toy_task.make_tokenizer(path, agent_task.vocabulary(), agent_task.CHAT_TEMPLATE)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_a_call_is_one_word_per_json_token_and_parses_exactly(tokenizer):
+    ids = tokenizer.encode(tool_call("t_12", "k_3"), add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert tokenizer.unk_token_id not in ids and len(ids) == 20
+    # What the tool loop parses: the model turn's tokens decoded without specials.
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert parse_tool_calls(text, load_tools(TOOLS)) == [ToolCall("lookup", {"table": "t_12", "key": "k_3"})]
+    # The prompt names the key and the table by the very tokens the call carries.
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": 'look up "k_3" in "t_12"'}],
+                                           tools=load_tools(TOOLS).schemas, add_generation_prompt=True, tokenize=False)
+    assert prompt == 'system: tools lookup ( table key ) <eos> user: look up "k_3" in "t_12" <eos> assistant:'
+    assert {'"k_3"', '"t_12"'} <= set(tokenizer.tokenize(prompt)) & set(tokenizer.convert_ids_to_tokens(ids))
+
+
+def test_lookup_is_a_deterministic_table_per_prompt():
+    assert lookup("t_12", "k_3") == lookup("t_12", "k_3")
+    values = {lookup(f"t_{t}", f"k_{k}") for t in range(agent_task.TABLES) for k in range(agent_task.KEYS)}
+    assert values <= {f"v_{i}" for i in range(agent_task.VALUES)} and len(values) == agent_task.VALUES
+    # The same key means different values in different tables: the table cannot be ignored.
+    assert len({lookup(f"t_{t}", "k_0") for t in range(agent_task.TABLES)}) > agent_task.VALUES // 2
+    assert lookup("anything", "else").startswith("v_")  # a wrong argument is answered, never an error
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("v_7", 1.0), ("v_7 v_3", 1.0), ("v_3 v_7", 0.0), ("", 0.0),
+    (tool_call("t_1", "k_0"), 0.0),  # the last turn is another call: no answer
+])
+def test_reward_is_one_when_the_last_turns_first_word_is_the_value(response, expected):
+    assert lookup_reward(response, "v_7") == expected
+
+
+def test_the_tool_loop_splices_the_result_as_the_template_renders_the_whole_conversation(tokenizer):
+    from gspo_mcore.rollout.functions import EngineHandle, Task
+    from gspo_mcore.rollout.tool_loop import tool_loop
+    from gspo_mcore.rollout.tools import ToolRunner
+
+    value = lookup("t_12", "k_3")
+    model = ScriptedModel(tokenizer, [tool_call("t_12", "k_3"), value])
+    runner = ToolRunner(TOOLS, workers=1, timeout_s=30)
+    try:
+        engine = EngineHandle(model, tokenizer, 0, {"temperature": 1.0}, seed=0, tools=runner,
+                              config=SimpleNamespace(max_turns=2, max_trajectory_tokens=64, max_new_tokens=24))
+        task = Task([{"role": "user", "content": 'look up "k_3" in "t_12"'}], value)
+        trajectory = asyncio.run(tool_loop(task, engine))
+    finally:
+        runner.close()
+    assert [s.trainable for s in trajectory.segments] == [True, False, True]
+    assert lookup_reward(trajectory.text, task.answer) == 1.0
+    assert tokenizer.convert_ids_to_tokens(trajectory.segments[1].token_ids) == [
+        "user:", "<tool_response>", value, "</tool_response>", "<eos>", "assistant:"]
+    whole = tokenizer.apply_chat_template(
+        [*task.messages, {"role": "assistant", "content": tool_call("t_12", "k_3")},
+         {"role": "tool", "name": "lookup", "content": value}, {"role": "assistant", "content": value}],
+        tools=runner.tools.schemas, tokenize=False)
+    assert trajectory.prompt_ids + trajectory.token_ids == tokenizer.encode(whole, add_special_tokens=False)
+
+
+def test_format_transcripts_call_the_prompts_table_and_relay_the_result(tokenizer):
+    import random
+
+    ids, mask = agent_task.warm_transcripts(tokenizer, 64, random.Random(0))
+    tools = load_tools(TOOLS)
+    asked_right = 0
+    for row, row_mask in zip(ids.tolist(), mask.tolist()):
+        tokens = tokenizer.convert_ids_to_tokens(row)
+        key, table = tokens[11].strip('"'), tokens[13].strip('"')  # look up "k_" in "t_"
+        start = tokens.index("<tool_call>")
+        (call,) = parse_tool_calls(tokenizer.decode(row[start:start + 19]), tools)
+        assert call.arguments["table"] == table
+        asked_right += call.arguments["key"] == key
+        assert tokens[-2] == lookup(table, call.arguments["key"]) and tokens[-1] == "<eos>"
+        # Trained on: the call and the answer (the model's turns), not the prompt or the result.
+        assert [t for t, m in zip(tokens, row_mask) if m] == tokens[start:start + 20] + tokens[-2:]
+    assert asked_right < 64 * 0.5  # mostly a random key
+
+
+def _write(out, monkeypatch, steps=2):
+    monkeypatch.setattr(agent_task, "WARM_STEPS", steps)
+    return make_agent_task(out, num_prompts=20)
+
+
+def test_writer_is_deterministic_and_leaves_no_partial_task(tmp_path, monkeypatch):
+    first, second = _write(tmp_path / "a", monkeypatch), _write(tmp_path / "b", monkeypatch)
+    for name in ("prompts.jsonl", "eval.jsonl", "model/model.safetensors", "model/config.json", "model/tokenizer.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    record = json.loads((first / "prompts.jsonl").read_text().splitlines()[0])
+    key, table = (word.strip('"') for word in record["prompt"].split()[2::2])
+    assert record["answer"] == lookup(table, key)
+
+    def broken(model_dir, seed, steps):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(agent_task, "warm_start", broken)
+    with pytest.raises(RuntimeError):
+        _write(tmp_path / "c", monkeypatch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]

@@ -49,6 +49,7 @@ WARM_STEPS = 300
 KEY_HINT = 0.1  # the fraction of format transcripts whose call asks the prompt's key
 WARM_BATCH = 32
 WARM_LR = 3e-3
+WARM_THREADS = 2
 SPECIALS = ("<pad>", "<eos>", "<unk>", "system:", "user:", "assistant:", "tools", "(", ")", "look", "up", "in")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 JSON_WORDS = ("{", "}", ":", ",", '"name"', '"arguments"', '"lookup"', '"table"', '"key"', "lookup", "table", "key")
@@ -146,14 +147,22 @@ def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_LR, weight_decay=0.0)
     rng = random.Random(seed + 1)
     model.train()
-    for _ in range(steps):
-        ids, mask = warm_transcripts(tokenizer, WARM_BATCH, rng)
-        logits = model(input_ids=ids[:, :-1]).logits
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # position t predicts token t + 1
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    # The same numerics wherever it runs (OMP_NUM_THREADS, a caller's torch.set_num_threads):
+    # the thread count changes the reductions, and the model measured was fitted on WARM_THREADS
+    # (one thread gave another model, which collapsed under RL).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WARM_THREADS)
+    try:
+        for _ in range(steps):
+            ids, mask = warm_transcripts(tokenizer, WARM_BATCH, rng)
+            logits = model(input_ids=ids[:, :-1]).logits
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+            loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # position t predicts token t + 1
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(model_dir)
 
 

@@ -1,7 +1,7 @@
 """The agent task (gspo_mcore/agent_task.py): a call in its word-level vocabulary is Qwen3's
 format and parses exactly, the tool's results splice in as its chat template renders them, the
 lookup is deterministic, the reward reads the last turn, and the writer is deterministic and
-leaves no half-written task (its warm model's calls: tests/test_agent_cpu.py). No servers."""
+leaves no half-written task. No servers."""
 
 import asyncio
 import json

@@ -104,6 +104,10 @@ def tool_call(table: str, key: str) -> str:
             "</tool_call>")
 
 
+def prompt_text(table: str, key: str) -> str:
+    return f'look up "{key}" in "{table}"'
+
+
 def _draw(rng: random.Random) -> tuple[str, str]:
     return f"t_{rng.randrange(TABLES)}", f"k_{rng.randrange(KEYS)}"
 
@@ -113,7 +117,7 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
     with open(path, "w") as f:
         for _ in range(count):
             table, key = _draw(rng)
-            f.write(json.dumps({"prompt": f'look up "{key}" in "{table}"', "answer": lookup(table, key)}) + "\n")
+            f.write(json.dumps({"prompt": prompt_text(table, key), "answer": lookup(table, key)}) + "\n")
 
 
 def warm_transcripts(tokenizer, count: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +131,7 @@ def warm_transcripts(tokenizer, count: int, rng: random.Random) -> tuple[torch.T
         table, key = _draw(rng)
         asked = key if rng.random() < KEY_HINT else f"k_{rng.randrange(KEYS)}"  # mostly not the prompt's
         value = lookup(table, asked)
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f'look up "{key}" in "{table}"'}],
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(table, key)}],
                                                tools=tools, add_generation_prompt=True, tokenize=False)
         prompt = tokenizer.encode(prompt, add_special_tokens=False)
         call = tokenizer.encode(tool_call(table, asked), add_special_tokens=False) + [eos]

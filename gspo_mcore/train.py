@@ -404,11 +404,11 @@ def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
         latest_checkpoint(output_dir)
     if int(os.environ.get("RANK", 0)) != 0:
         return
+    from gspo_mcore.data.dataset import require_file
     from gspo_mcore.rewards import load_reward_fn, reward_arguments
     from gspo_mcore.rollout.functions import load_rollout_function
 
-    if not Path(config.data.path).is_file():
-        raise InputError(f"{config.data.path}: dataset file not found")
+    require_file(config.data.path)
     reward = config.reward
     reward_arguments(load_reward_fn(reward.name), reward.name, reward.url)
     load_rollout_function(config.rollout.function)

@@ -47,6 +47,14 @@ def _records(path: Path):
         raise InputError(f"{path}: unsupported dataset format (expected .jsonl or .parquet)")
 
 
+def require_file(path) -> Path:
+    """`path` as a Path; InputError naming it if there is no such file."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: dataset file not found")
+    return path
+
+
 class PromptDataset:
     def __init__(self, samples: list[PromptSample]):
         self.samples = samples
@@ -54,9 +62,7 @@ class PromptDataset:
     @classmethod
     def load(cls, path, prompt_key: str = "prompt", messages_key: str = "messages",
              answer_key: str = "answer") -> "PromptDataset":
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(f"{path}: dataset file not found")
+        path = require_file(path)
         samples = []
         for where, record in _records(path):
             if not isinstance(record, dict):

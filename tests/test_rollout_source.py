@@ -219,3 +219,21 @@ def test_asynchronous_producers_keep_the_staleness_bound_and_full_batches(task, 
     # Pacing: groups accepted or running never exceed (max_staleness + version + 1) batches; groups
     # without signal are replaced (dynamic sampling), not counted.
     assert all(count <= bound for count, bound in outstanding), outstanding
+
+
+def test_async_pacing_does_not_depend_on_when_a_groups_callback_runs(task, monkeypatch):
+    """A future is done before its done-callbacks run: the producer once read "kept" from a flag
+    its callback set, so a group taken in between went uncounted and one group too many was
+    admitted (CI: staleness 2 under max_staleness 1). Callbacks delayed here make that window wide."""
+    from gspo_mcore.rollout import producer
+
+    finished = producer.AsyncProducer._finished
+
+    def late(self, *args):
+        time.sleep(0.2)
+        finished(self, *args)
+
+    monkeypatch.setattr(producer.AsyncProducer, "_finished", late)
+    rows, outstanding = _producer_run(task, "async", steps=5)
+    assert all(m["staleness_max"] <= 1 for _, _, m in rows), [m["staleness_max"] for _, _, m in rows]
+    assert all(count <= bound for count, bound in outstanding), outstanding

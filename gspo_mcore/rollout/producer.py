@@ -158,7 +158,7 @@ class AsyncProducer(Overlapping):
 
     def _outstanding(self) -> int:
         """Groups accepted (taken or waiting) or still running: what the pacing rule counts."""
-        return self.taken + sum(1 for g in self.pending if not g["future"].done() or g["kept"])
+        return self.taken + sum(1 for g in self.pending if not g["future"].done() or _kept(g["future"]))
 
     def _admit_forever(self) -> None:
         while True:
@@ -176,14 +176,17 @@ class AsyncProducer(Overlapping):
         state = self.source.state_dict()
         index, self.admitted = self.admitted, self.admitted + 1
         seeds_base = step_seed(self.source.config.train.seed, index) * 100_003
-        group = {"index": index, "state": state, "kept": False}
+        group = {"index": index, "state": state}
         group["future"] = self.pool.submit(self.source.round, 1, 1, seeds_base, None, self.version)
-        group["future"].add_done_callback(lambda future, group=group: self._finished(group, future))
+        group["future"].add_done_callback(self._finished)
         self.pending.append(group)
 
-    def _finished(self, group: dict, future: Future) -> None:
+    def _finished(self, future: Future) -> None:
+        """Wakes the admission and the trainer. Whether the group was kept is read from the future
+        itself: a future is done before its callbacks run (concurrent.futures.Future.set_result),
+        and a flag set here was read as "not kept" in between, so a kept group went uncounted and
+        one group too many was admitted (staleness 2 under max_staleness 1, seen in CI)."""
         with self.changed:
-            group["kept"] = future.exception() is None and future.result()[2]["groups_kept"] > 0
             self.changed.notify_all()
 
     def set_version(self, version: int) -> None:
@@ -202,7 +205,7 @@ class AsyncProducer(Overlapping):
                 self.changed.wait_for(lambda: self.pending[0]["future"].done() if self.pending else self.closed)
                 group = self.pending.pop(0)
                 self.unfinished = self.unfinished or group["state"]
-                self.taken += group["kept"]
+                self.taken += _kept(group["future"])
                 self.changed.notify_all()
             got, got_advantages, figures = group["future"].result()  # a failed group raises here
             rollouts += got
@@ -231,6 +234,11 @@ class AsyncProducer(Overlapping):
             self.changed.notify_all()
         self.source.client.close()  # the groups in flight: aborted, their threads return
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _kept(future: Future) -> bool:
+    """A finished group's future: did it yield a group with signal (a failed or cancelled one did not)."""
+    return not future.cancelled() and future.exception() is None and future.result()[2]["groups_kept"] > 0
 
 
 def make_producer(source: RolloutSource, version: int, control):

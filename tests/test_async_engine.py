@@ -42,13 +42,17 @@ def engine(tmp_path_factory):
     new = make_tiny_checkpoint(root / "new", seed=1, mlp_only_layers=[])
     port = free_port()
     log = root / "sglang.log"
-    cmd = sglang_command(str(old), port, dtype="float32", extra_args=("--disable-radix-cache",))
+    # A log line per decode iteration (40 by default): the push lands after a few tokens, not
+    # after 40 of 64, which a loaded machine finished before the pause (CI: no response spanned both).
+    cmd = sglang_command(str(old), port, dtype="float32",
+                         extra_args=("--disable-radix-cache", "--decode-log-interval", "1"))
     with ManagedServer(cmd, f"http://127.0.0.1:{port}", log, env=server_env(), startup_timeout_s=300) as server:
         yield server.url, log, old, new
 
 
 def _generate_across_a_push(engine, client: SGLangClient, keep_tokens: bool):
-    """Three long responses; once the server decodes them, pause, push version 1, continue."""
+    """Three long responses; once the server has decoded a few of their tokens, pause, push
+    version 1, continue."""
     url, log, old, new = engine
     control = EngineControl([url])
     push_from_disk(control, old, "step-0")
@@ -59,7 +63,7 @@ def _generate_across_a_push(engine, client: SGLangClient, keep_tokens: bool):
     decoded_before = log.read_text().count("Decode batch")
     worker.start()
     deadline = time.monotonic() + 120
-    while log.read_text().count("Decode batch") == decoded_before and time.monotonic() < deadline:
+    while log.read_text().count("Decode batch") < decoded_before + 4 and time.monotonic() < deadline:
         time.sleep(0.05)  # update once the server is decoding the batch
     if not keep_tokens:
         client.interrupt()

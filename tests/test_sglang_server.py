@@ -163,15 +163,15 @@ def test_real_server_killed_mid_batch_and_restarted_then_gone(tmp_path):
                              startup_timeout_s=300)
 
     first = server().start()
-    prompts = [[i + 1, 2 * i + 3, 7] for i in range(24)]
+    prompts = [[i + 1, 2 * i + 3, 7] for i in range(8)]
     # Backoff 1, 2, 4, ..., 128 s: long enough for a restart (about 25 s here, minutes on a loaded
-    # machine), and a request timeout that a loaded machine's 24 x 128 tokens fit in.
+    # machine), and a request timeout that a loaded machine's 8 x 64 tokens fit in.
     client = SGLangClient([url], 256, max_attempts=9, backoff_s=1.0, request_timeout_s=300)
     result = {}
 
     def generate():
-        try:  # ignore_eos: every response is 128 tokens long, so the batch outlives its first prefill.
-            result["rollouts"] = client.generate(prompts, {"max_new_tokens": 128, "temperature": 1.0,
+        try:  # ignore_eos: every response is 64 tokens long, so the batch outlives its first prefill.
+            result["rollouts"] = client.generate(prompts, {"max_new_tokens": 64, "temperature": 1.0,
                                                            "ignore_eos": True})
         except Exception as err:  # reported by the assertion below
             result["error"] = err

@@ -372,6 +372,10 @@ class Config:
                                   "temperature and max_prompts >= 0")
             if d.temperature == 0 and d.samples != 1:
                 raise ConfigError(f"eval.datasets[{i}] ({d.name}): temperature 0 (greedy) gives one answer: samples 1")
+            if d.temperature == 0 and self.rollout.function != "single_turn":
+                # A rollout function's engine calls check their sampling as training's do.
+                raise ConfigError(f"eval.datasets[{i}] ({d.name}): temperature 0 (greedy) runs single-turn "
+                                  f"only, not through rollout.function {self.rollout.function}")
         if len(set(names)) != len(names):
             raise ConfigError(f"eval.datasets: names must differ ({names})")
         if self.eval.every < 0:

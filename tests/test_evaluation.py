@@ -37,10 +37,12 @@ def test_dataset_figures_mean_at_k_pass_at_k_and_greedy():
     ("eval.datasets=[{name: a, path: x, temperature: 0, samples: 4}]", "temperature 0 (greedy) gives one answer"),
     ("eval.datasets=[{name: a, path: x}, {name: a, path: y}]", "eval.datasets: names must differ"),
     ("eval.every=-1", "eval.every: must be >= 0"),
+    ("eval.datasets=[{name: a, path: x, temperature: 0, samples: 1}]",
+     "eval.datasets[0] (a): temperature 0 (greedy) runs single-turn only, not through rollout.function tool_loop"),
 ])
 def test_eval_config_is_checked(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config("configs/tiny_cpu.yaml", [override])
+        load_config("configs/tiny_cpu.yaml" if "greedy) runs" not in message else "configs/agent_cpu.yaml", [override])
 
 
 def test_gspo_eval_takes_a_model_or_a_run_and_prints_a_table(tmp_path):
@@ -58,3 +60,67 @@ def test_gspo_eval_takes_a_model_or_a_run_and_prints_a_table(tmp_path):
     assert model_dir(tmp_path / "run") == tmp_path / "run" / "hf"
     figures = dataset_metrics("toy", [[1, 0], [1, 1]], [3, 3, 3, 3], greedy=False, seconds=1.0)
     assert table(figures, ["toy"]).splitlines()[-1] == "| toy | 0.750 (k=2) | 0.750 | 1.000 | - | 3.0 | 1.0 |"
+
+
+class _ScriptedEngine:
+    """The rollout client's generate_one: answers the category the prompt asks for on even calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.urls, self.max_concurrency, self.calls = tokenizer, ["a", "b"], 4, []
+
+    def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):
+        from gspo_mcore.rollout.response import Rollout
+
+        self.calls.append((name, server, weight_version))
+        category = re.search(r"name an? (\w+)", self.tokenizer.decode(prompt_ids)).group(1)
+        wrong = "fruit_1" if category == "color" else "color_1"
+        word = f"{category}_0" if int(name.split()[2].split("/")[0]) % 2 == 0 else wrong
+        ids = self.tokenizer.convert_tokens_to_ids([word, "<eos>"])
+        return Rollout(list(prompt_ids), ids, [-0.5, -0.5], "stop", weight_version, token_versions=(0, 0))
+
+
+async def answer_once(task, engine):
+    """A user's function: one turn, its text scored."""
+    from gspo_mcore.rollout.trajectory import Trajectory
+
+    prompt = engine.chat_ids(task.messages)
+    trajectory = Trajectory(prompt)
+    trajectory.add_model(await engine.generate(prompt))
+    trajectory.text = engine.tokenizer.decode(trajectory.token_ids, skip_special_tokens=True)
+    return trajectory
+
+
+async def answer_twice(task, engine):
+    return [await answer_once(task, engine), await answer_once(task, engine)]
+
+
+@pytest.mark.parametrize("function", ["answer_once", "answer_twice"])
+def test_evaluation_runs_the_rollout_function_as_training_does(tmp_path, function):
+    """With rollout.function set, each eval sample is one call of it (spread over the servers, on
+    the version just pushed), scored on its trajectory's text; pass@k needs one trajectory per call."""
+    from transformers import AutoTokenizer
+
+    from gspo_mcore.evaluation import Evaluator
+    from gspo_mcore.toy_task import make_prompts, make_tokenizer
+
+    make_tokenizer(tmp_path / "tokenizer")
+    make_prompts(tmp_path / "eval.jsonl", 3, seed=0)
+    config = load_config(None, [f"data.tokenizer_dir={tmp_path / 'tokenizer'}", f"rollout.function=test_evaluation:{function}",
+                                "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1",
+                                f"eval.datasets=[{{name: toy, path: {tmp_path / 'eval.jsonl'}, samples: 4}}]"])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    engine = _ScriptedEngine(tokenizer)
+    evaluator = Evaluator(config, tokenizer)
+    try:
+        if function == "answer_twice":
+            with pytest.raises(InputError, match="returned 8 trajectories for 4 calls on eval dataset toy"):
+                evaluator.run(engine, version="step-3")
+            return
+        metrics = evaluator.run(engine, version="step-3")
+    finally:
+        evaluator.close()
+    assert len(engine.calls) == 12 and {c[2] for c in engine.calls} == {"step-3"}
+    assert sorted({c[1] for c in engine.calls}) == [0, 1]  # one server per trajectory, both used
+    # Calls 0, 2 of each prompt's 4 answer right: mean@4 0.5, every prompt solved within 4.
+    assert metrics["eval/toy/mean@4"] == 0.5 and metrics["eval/toy/pass@4"] == 1.0
+    assert metrics["eval/toy/response_length"] == 2

@@ -2,7 +2,7 @@
 rollout.mode sync, one_step_off and async, with the trainer and the SGLang server pinned to
 separate cores (taskset) so that overlap is physically possible on a 2-core machine.
 
-    python bench/async.py --out DIR [--steps 8] [key=value ...]
+    python bench/async.py --out DIR [--steps 8] [--modes sync,async] [--seeds 1,2,3] [key=value ...]
 
 The task is configs/long_cpu.yaml's (a bf16 engine) with long-tailed response lengths (the tiny
 model stops at random: 8 to rollout.max_new_tokens tokens). Each mode is one real run
@@ -13,7 +13,11 @@ Prints a table, then one JSON line last:
 {"async_speedup": samples/s async / sync, "one_step_off_speedup": ..., "async_restart_speedup": ...,
 "overlap_bound": from the sync run's own phases, (rollout + train + sync) / max(rollout, train + sync),
 "max_staleness_seen": ..., "tokens_regenerated": async's (0: a push retracts requests, which keep
-their tokens), "tokens_regenerated_restart": async-restart's}.
+their tokens), "tokens_regenerated_restart": async-restart's, "reward_last_steps": per mode, the
+mean reward of the last quarter of the steps (learning per step), "reward_in_time": per mode, the
+mean reward of the steps that ended in the last quarter of a wall-clock budget every mode shares
+(learning per second)}; with --seeds, each figure is the mean over the seeds (one table row per
+seed and mode). --modes runs a subset (sync always).
 Throughput is over steps 2.. (step 1 includes start-up). DIR/plots holds the runs' figures side by
 side (gspo_mcore.plot), reward against summed step time among them (`reward_wallclock.png`: learning
 per second; run `--steps 28` for long_cpu's whole curve). Not a test: the machine is shared and noisy.
@@ -73,36 +77,75 @@ def summary(rows: list[dict]) -> dict:
             "tokens_regenerated": sum(r["tokens_regenerated"] for r in rows)}
 
 
+def learning_in_time(runs: dict[str, list[dict]]) -> dict[str, float]:
+    """Per mode, the mean reward of the steps that ended in the last quarter of a wall-clock budget
+    shared by every mode (the shortest run's summed step time): what each mode had learnt by then,
+    per second rather than per step."""
+    budget = min(sum(r["time_step_s"] for r in rows) for rows in runs.values())
+    out = {}
+    for mode, rows in runs.items():
+        ends = [sum(r["time_step_s"] for r in rows[:i + 1]) for i in range(len(rows))]
+        window = [r["reward_mean"] for r, end in zip(rows, ends) if 0.75 * budget < end <= budget]
+        out[mode] = sum(window) / len(window) if window else float("nan")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
+    parser.add_argument("--seeds", default="", help="train.seed values, comma-separated (default: the config's)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if "sync" not in modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes: sync and any of {', '.join(MODES)}")
+    seeds = [int(x) for x in args.seeds.split(",") if x] or [None]
     overrides = [*DEFAULTS, f"train.steps={args.steps}", *args.overrides]
     config = load_config(CONFIG, overrides)
     make_long_task(Path(config.model.hf_dir).parent)
     port = free_port()
     cmd, env = server_for_config(config, port)
+    runs: dict[int | None, dict[str, list[dict]]] = {}
     with ManagedServer(["taskset", "-c", "1", *cmd], f"http://127.0.0.1:{port}", args.out / "sglang.log", env=env):
-        results = {mode: summary(run_mode(args.out, mode, f"http://127.0.0.1:{port}", overrides)) for mode in MODES}
-    plot_runs([args.out / mode for mode in MODES], args.out / "plots")
-    print("| mode | samples/s | step s | rollout s | train s | sync s | trainer idle | engine idle | staleness max "
-          "| tokens regenerated | reward (last) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for mode, r in results.items():
-        print(f"| {mode} | {r['samples_per_s']:.1f} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['train_s']:.2f} | "
-              f"{r['sync_s']:.2f} | {r['idle']:.2f} | {r['engine_idle']:.2f} | {r['staleness_max']} | "
-              f"{r['tokens_regenerated']} | {r['reward_last']:.3f} |")
-    sync = results["sync"]
-    bound = (sync["rollout_s"] + sync["train_s"] + sync["sync_s"]) / max(sync["rollout_s"], sync["train_s"] + sync["sync_s"])
-    print(json.dumps({"async_speedup": results["async"]["samples_per_s"] / sync["samples_per_s"],
-                      "one_step_off_speedup": results["one_step_off"]["samples_per_s"] / sync["samples_per_s"],
-                      "async_restart_speedup": results["async-restart"]["samples_per_s"] / sync["samples_per_s"],
-                      "overlap_bound": bound,
-                      "max_staleness_seen": max(r["staleness_max"] for r in results.values()),
-                      "tokens_regenerated": results["async"]["tokens_regenerated"],
-                      "tokens_regenerated_restart": results["async-restart"]["tokens_regenerated"]}))
+        for seed in seeds:
+            out = args.out if seed is None else args.out / f"seed-{seed}"
+            extra = [] if seed is None else [f"train.seed={seed}"]
+            runs[seed] = {mode: run_mode(out, mode, f"http://127.0.0.1:{port}", [*overrides, *extra]) for mode in modes}
+            plot_runs([out / mode for mode in modes], out / "plots")
+    print("| seed | mode | samples/s | step s | rollout s | train s | sync s | trainer idle | engine idle | staleness max "
+          "| tokens regenerated | reward (last quarter of steps) | reward (last quarter of the time budget) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    results, quarter = {}, max(1, args.steps // 4)
+    for seed, by_mode in runs.items():
+        in_time = learning_in_time(by_mode)
+        for mode, rows in by_mode.items():
+            r = summary(rows)
+            r["reward_last_steps"] = sum(x["reward_mean"] for x in rows[-quarter:]) / quarter
+            r["reward_in_time"] = in_time[mode]
+            results[(seed, mode)] = r
+            print(f"| {seed if seed is not None else '-'} | {mode} | {r['samples_per_s']:.1f} | {r['step_s']:.2f} | "
+                  f"{r['rollout_s']:.2f} | {r['train_s']:.2f} | {r['sync_s']:.2f} | {r['idle']:.2f} | "
+                  f"{r['engine_idle']:.2f} | {r['staleness_max']} | {r['tokens_regenerated']} | "
+                  f"{r['reward_last_steps']:.3f} | {r['reward_in_time']:.3f} |")
+
+    def mean(mode: str, key: str) -> float:
+        return sum(results[(seed, mode)][key] for seed in runs) / len(runs)
+
+    bound = sum((results[(s, "sync")]["rollout_s"] + results[(s, "sync")]["train_s"] + results[(s, "sync")]["sync_s"])
+                / max(results[(s, "sync")]["rollout_s"], results[(s, "sync")]["train_s"] + results[(s, "sync")]["sync_s"])
+                for s in runs) / len(runs)
+    line = {f"{m.replace('-', '_')}_speedup": sum(results[(s, m)]["samples_per_s"] / results[(s, "sync")]["samples_per_s"]
+                                                  for s in runs) / len(runs) for m in modes if m != "sync"}
+    line.update({"overlap_bound": bound, "max_staleness_seen": max(r["staleness_max"] for r in results.values())})
+    if "async" in modes:
+        line["tokens_regenerated"] = mean("async", "tokens_regenerated")
+    if "async-restart" in modes:
+        line["tokens_regenerated_restart"] = mean("async-restart", "tokens_regenerated")
+    line["reward_last_steps"] = {m: mean(m, "reward_last_steps") for m in modes}
+    line["reward_in_time"] = {m: mean(m, "reward_in_time") for m in modes}
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

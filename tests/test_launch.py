@@ -448,9 +448,12 @@ def test_torchrun_gloo_interface_is_the_one_routing_to_the_rendezvous():
     assert rendezvous_host(parse_args(["--nnodes", "2", "--master-addr", "gpu-b", "x.py"])) == "gpu-b"
 
 
+# One write per rank (a line under PIPE_BUF is atomic): print() may write the JSON and its newline
+# separately (PYTHONUNBUFFERED), and two ranks' lines then interleave on the shared pipe.
 PROBE_ENV = """
 import json, os
-print(json.dumps({k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}))
+line = json.dumps({k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}) + "\\n"
+os.write(1, line.encode())
 """
 
 

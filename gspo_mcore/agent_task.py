@@ -15,14 +15,14 @@ the model writes is the very token it must copy. Its chat template is Qwen3's, w
 **A warm start, not a model that knows nothing.** A random tiny model never writes a 19-token
 call by chance; a user's pretrained instruct model knows the tool format already. So the writer
 fits the random tiny Qwen3-MoE briefly (supervised, plain transformers on CPU, WARM_STEPS steps,
-seeded; ~20 s on an idle core) on transcripts of the FORMAT: the call names the prompt's table,
-but its key is drawn at random among KEYS (8) in all but KEY_HINT (10%) of them, where it is the
-prompt's key (a weak prior, as a pretrained model's: with none, 4 keys, RL gained 0.08 in 30
-steps); the tool's true result for that key; the answer relaying the result. The warm model calls
-the tool in format and relays what it returns, but asks the wrong key most of the time: its
-reward starts near 0.22 (measured). RL has to learn to ask for the key the prompt names
-(configs/agent_cpu.yaml: ~0.25 -> ~0.72 from the first 10 steps to the last 10, in each of 5
-training seeds, with an LR warmup; without it 2 of 4 runs collapsed after one update: README).
+seeded, one thread; ~25 s on an idle core) on transcripts of the FORMAT: the call names the
+prompt's table, but its key is drawn at random among KEYS (8) in all but KEY_HINT (20%) of them,
+where it is the prompt's key (a weak prior, as a pretrained model's); the tool's true result for
+that key; the answer relaying the result. The warm model calls the tool in format and relays what
+it returns, but asks the wrong key most of the time: its reward starts near 0.3. RL has to learn
+to ask for the key the prompt names (configs/agent_cpu.yaml, first 10 steps against the last 10:
++0.41 to +0.46 for writer seeds 0-3; at KEY_HINT 10% writer seed 0 rose +0.47 but seed 1 only
++0.13, a prior too weak for 30 steps; with none, 4 keys, RL gained 0.08).
 
 `python -m gspo_mcore.agent_task OUT_DIR` writes OUT_DIR/model (the warm model + tokenizer),
 OUT_DIR/prompts.jsonl and OUT_DIR/eval.jsonl, to a temporary sibling first; the same seed gives
@@ -47,10 +47,10 @@ TABLES = 64
 KEYS = 8
 VALUES = 32
 WARM_STEPS = 300
-KEY_HINT = 0.1  # the fraction of format transcripts whose call asks the prompt's key
+KEY_HINT = 0.2  # the fraction of format transcripts whose call asks the prompt's key
 WARM_BATCH = 32
 WARM_LR = 3e-3
-WARM_THREADS = 2
+WARM_THREADS = 1
 SPECIALS = ("<pad>", "<eos>", "<unk>", "system:", "user:", "assistant:", "tools", "(", ")", "look", "up", "in")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 JSON_WORDS = ("{", "}", ":", ",", '"name"', '"arguments"', '"lookup"', '"table"', '"key"', "lookup", "table", "key")
@@ -153,8 +153,9 @@ def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS) -> None:
     rng = random.Random(seed + 1)
     model.train()
     # The same numerics wherever it runs (OMP_NUM_THREADS, a caller's torch.set_num_threads):
-    # the thread count changes the reductions, and the model measured was fitted on WARM_THREADS
-    # (one thread gave another model, which collapsed under RL).
+    # the thread count changes the reductions, so the model measured is the one fitted on
+    # WARM_THREADS. One thread: two spun against a loaded machine's other work (under the test
+    # suite the warm start took 287 s with two, against ~25 s idle).
     threads = torch.get_num_threads()
     torch.set_num_threads(WARM_THREADS)
     try:

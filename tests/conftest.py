@@ -9,6 +9,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# One OpenMP thread per process (the servers the tests start, the ranks, torch in the workers)
+# unless the caller chose: `make test` runs three workers on two cores, where a second thread
+# spinning at a barrier while another process holds its core burns that core (measured: the
+# agent task's warm start took 287 s under the suite with two threads, ~25 s alone).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Parallel layouts the model must be exact under: name -> (processes, config overrides).
 LAYOUTS = {
     "single": (1, []),

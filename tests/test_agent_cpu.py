@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-# Slow: the writer's warm start (~30 s) and a 30-step run with its own server. Its own xdist group.
+# Slow: the writer's warm start (~25 s) and a 30-step run with its own server. Its own xdist group.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent_cpu")]
 
 

@@ -20,7 +20,10 @@ from gspo_mcore.weight_sync import push_from_disk
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("async_engine")]
 
-NEW_TOKENS = 64
+# Long responses: the pause must land before the server decodes them all, and a loaded machine
+# can hold the test's thread back for as long as the server decodes 60 tokens (a run with 64: no
+# response spanned both versions).
+NEW_TOKENS = 192
 
 
 def _reference_logprobs(hf_dir, rollout) -> torch.Tensor:
@@ -42,8 +45,8 @@ def engine(tmp_path_factory):
     new = make_tiny_checkpoint(root / "new", seed=1, mlp_only_layers=[])
     port = free_port()
     log = root / "sglang.log"
-    # A log line per decode iteration (40 by default): the push lands after a few tokens, not
-    # after 40 of 64, which a loaded machine finished before the pause (CI: no response spanned both).
+    # A log line per decode iteration (40 by default): the push lands after a token or two, not
+    # after 40 (CI: no response spanned both).
     cmd = sglang_command(str(old), port, dtype="float32",
                          extra_args=("--disable-radix-cache", "--decode-log-interval", "1"))
     with ManagedServer(cmd, f"http://127.0.0.1:{port}", log, env=server_env(), startup_timeout_s=300) as server:
@@ -51,8 +54,8 @@ def engine(tmp_path_factory):
 
 
 def _generate_across_a_push(engine, client: SGLangClient, keep_tokens: bool):
-    """Three long responses; once the server has decoded a few of their tokens, pause, push
-    version 1, continue."""
+    """Three long responses; once the server decodes them (the prefill made their first token
+    under version 0), pause, push version 1, continue."""
     url, log, old, new = engine
     control = EngineControl([url])
     push_from_disk(control, old, "step-0")
@@ -63,7 +66,7 @@ def _generate_across_a_push(engine, client: SGLangClient, keep_tokens: bool):
     decoded_before = log.read_text().count("Decode batch")
     worker.start()
     deadline = time.monotonic() + 120
-    while log.read_text().count("Decode batch") < decoded_before + 4 and time.monotonic() < deadline:
+    while log.read_text().count("Decode batch") < decoded_before + 1 and time.monotonic() < deadline:
         time.sleep(0.05)  # update once the server is decoding the batch
     if not keep_tokens:
         client.interrupt()

@@ -50,7 +50,8 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("response_length_mean", "mean response length (tokens) of every response generated",
            printed="len {:.1f}", figure="response_length", label="mean response length (tokens)"),
     Metric("response_length_max", "longest response (tokens)"),
-    Metric("truncated_fraction", "share of responses cut at rollout.max_new_tokens"),
+    Metric("truncated_fraction", "share of responses cut by a token budget: rollout.max_new_tokens, or a "
+                                  "trajectory's rollout.max_trajectory_tokens"),
     Metric("groups_kept", "prompt groups trained on (dynamic sampling keeps those with signal)"),
     Metric("groups_total", "prompt groups generated, over every sampling round"),
     Metric("sampling_rounds", "generation rounds this step took to fill the batch"),

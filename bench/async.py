@@ -8,7 +8,9 @@ The task is configs/long_cpu.yaml's (a bf16 engine) with long-tailed response le
 model stops at random: 8 to rollout.max_new_tokens tokens). Each mode is one real run
 (`python -m gspo_mcore.train` on core 0) against one server the bench starts (core 1); each run
 pushes its own initial weights first. A fourth run, `async-restart`, is async with
-rollout.partial false (a push aborts the requests in flight, which start over), for comparison.
+rollout.partial false (a push aborts the requests in flight, which start over), for comparison; a
+fifth, `async-first-minibatch`, is async with pi_prox from the first minibatch's forward
+(loss.proximal first_minibatch) instead of a recompute.
 Prints a table, then one JSON line last:
 {"async_speedup": samples/s async / sync, "one_step_off_speedup": ..., "async_restart_speedup": ...,
 "overlap_bound": from the sync run's own phases, (rollout + train + sync) / max(rollout, train + sync),
@@ -16,7 +18,9 @@ Prints a table, then one JSON line last:
 their tokens), "tokens_regenerated_restart": async-restart's, "reward_last_steps": per mode, the
 mean reward of the last quarter of the steps (learning per step), "reward_in_time": per mode, the
 mean reward of the steps that ended in the last quarter of a wall-clock budget every mode shares
-(learning per second)}; with --seeds, each figure is the mean over the seeds (one table row per
+(learning per second), "reward_held_out": per mode, the final weights' mean reward on the 64
+held-out prompts, 4 samples each (gspo-eval after the run: learning per update, without the lag of
+a stale batch's own reward)}; with --seeds, each figure is the mean over the seeds (one table row per
 seed and mode). --modes runs a subset (sync always).
 Throughput is over steps 2.. (step 1 includes start-up). DIR/plots holds the runs' figures side by
 side (gspo_mcore.plot), reward against summed step time among them (`reward_wallclock.png`: learning
@@ -46,9 +50,15 @@ from gspo_mcore.rollout.server import server_for_config  # noqa: E402
 CONFIG = REPO / "configs" / "long_cpu.yaml"
 # run name -> its overrides
 MODES = {"sync": ["rollout.mode=sync"], "one_step_off": ["rollout.mode=one_step_off"], "async": ["rollout.mode=async"],
-         "async-restart": ["rollout.mode=async", "rollout.partial=false"]}
-DEFAULTS = ["rollout.max_new_tokens=160", "reward.norm=group", "train.export_hf=false", "train.save_final=false",
+         "async-restart": ["rollout.mode=async", "rollout.partial=false"],
+         "async-first-minibatch": ["rollout.mode=async", "loss.proximal=first_minibatch"]}
+# export_hf: the final weights, evaluated after the run (held_out) so that no evaluation runs
+# inside a run (an asynchronous producer would generate during it: a head start the step times hide).
+DEFAULTS = ["rollout.max_new_tokens=160", "reward.norm=group", "train.export_hf=true", "train.save_final=false",
             "eval.datasets=[]"]
+# The 64 held-out prompts, 4 samples each, at the task's own length.
+EVAL = ("eval.datasets=[{name: long, path: outputs/long_task/eval.jsonl, samples: 4, temperature: 1.0, "
+        "max_new_tokens: 40}]")
 
 
 def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]:
@@ -62,6 +72,19 @@ def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]
     if proc.returncode != 0:
         raise SystemExit(f"{mode}: the run failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def held_out(run_dir: Path, url: str) -> float:
+    """The run's final weights (its hf/) on the held-out prompts, through gspo-eval on the bench's
+    server: learning per update, free of the lag a stale batch's own reward carries (its responses
+    came from older weights)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "gspo_mcore.evaluate", "--config", str(CONFIG),
+                           "--model", str(run_dir), "--urls", url, EVAL], cwd=REPO, env=env, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{run_dir}: the evaluation failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["eval/long/mean@4"]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -108,15 +131,21 @@ def main() -> None:
     port = free_port()
     cmd, env = server_for_config(config, port)
     runs: dict[int | None, dict[str, list[dict]]] = {}
-    with ManagedServer(["taskset", "-c", "1", *cmd], f"http://127.0.0.1:{port}", args.out / "sglang.log", env=env):
+    evals: dict[tuple[int | None, str], float] = {}
+    url = f"http://127.0.0.1:{port}"
+    with ManagedServer(["taskset", "-c", "1", *cmd], url, args.out / "sglang.log", env=env):
         for seed in seeds:
             out = args.out if seed is None else args.out / f"seed-{seed}"
             extra = [] if seed is None else [f"train.seed={seed}"]
-            runs[seed] = {mode: run_mode(out, mode, f"http://127.0.0.1:{port}", [*overrides, *extra]) for mode in modes}
+            runs[seed] = {}
+            for mode in modes:
+                runs[seed][mode] = run_mode(out, mode, url, [*overrides, *extra])
+                evals[(seed, mode)] = held_out(out / mode, url)
             plot_runs([out / mode for mode in modes], out / "plots")
     print("| seed | mode | samples/s | step s | rollout s | train s | sync s | trainer idle | engine idle | staleness max "
-          "| tokens regenerated | reward (last quarter of steps) | reward (last quarter of the time budget) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| tokens regenerated | reward (last quarter of steps) | reward (last quarter of the time budget) "
+          "| held-out reward after the last step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     results, quarter = {}, max(1, args.steps // 4)
     for seed, by_mode in runs.items():
         in_time = learning_in_time(by_mode)
@@ -124,11 +153,12 @@ def main() -> None:
             r = summary(rows)
             r["reward_last_steps"] = sum(x["reward_mean"] for x in rows[-quarter:]) / quarter
             r["reward_in_time"] = in_time[mode]
+            r["reward_held_out"] = evals[(seed, mode)]
             results[(seed, mode)] = r
             print(f"| {seed if seed is not None else '-'} | {mode} | {r['samples_per_s']:.1f} | {r['step_s']:.2f} | "
                   f"{r['rollout_s']:.2f} | {r['train_s']:.2f} | {r['sync_s']:.2f} | {r['idle']:.2f} | "
                   f"{r['engine_idle']:.2f} | {r['staleness_max']} | {r['tokens_regenerated']} | "
-                  f"{r['reward_last_steps']:.3f} | {r['reward_in_time']:.3f} |")
+                  f"{r['reward_last_steps']:.3f} | {r['reward_in_time']:.3f} | {r['reward_held_out']:.3f} |")
 
     def mean(mode: str, key: str) -> float:
         return sum(results[(seed, mode)][key] for seed in runs) / len(runs)
@@ -145,6 +175,7 @@ def main() -> None:
         line["tokens_regenerated_restart"] = mean("async-restart", "tokens_regenerated")
     line["reward_last_steps"] = {m: mean(m, "reward_last_steps") for m in modes}
     line["reward_in_time"] = {m: mean(m, "reward_in_time") for m in modes}
+    line["reward_held_out"] = {m: mean(m, "reward_held_out") for m in modes}
     print(json.dumps(line))
 
 

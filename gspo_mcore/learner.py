@@ -48,6 +48,10 @@ class Learner:
                                    engine_routing=config.rollout.return_routed_experts,
                                    replay=config.train.routing_replay)
         self.reference = reference_model(config, self.arch) if config.loss.kl_loss_coef > 0 else None
+        # The latest train-inference mismatch measured (loss.band_from_mismatch): an asynchronous
+        # step whose first minibatch has no token of the current weights measures none and keeps
+        # this one. Not checkpointed: a run's first step (a resume's too) generates with its own weights.
+        self.last_mismatch: float | None = None
 
     # ------------------------------------------------------------ microbatches
 
@@ -148,11 +152,15 @@ class Learner:
 
     def _band_from_mismatch(self, first_parts: list[dict]) -> tuple[float, float] | None:
         """The clip band for the later minibatches: at least k x the mean per-sequence mismatch
-        measured on the first (all its data-parallel ranks). Only the last stage has a loss."""
+        measured on the first (all its data-parallel ranks), or the latest one measured when the
+        first has no token of the current weights (asynchronous modes: a stale token's difference
+        is the policy's own change too). Only the last stage has a loss."""
         if not parallel_state.is_pipeline_last_stage():
             return None
-        measured = combine(_gather_dp(first_parts)).get("mismatch_abs_log_ratio_mean") or 0.0
-        width = self.config.loss.band_from_mismatch * measured
+        measured = combine(_gather_dp(first_parts)).get("mismatch_abs_log_ratio_mean")
+        if measured is not None:
+            self.last_mismatch = measured
+        width = self.config.loss.band_from_mismatch * (self.last_mismatch or 0.0)
         return max(self.config.loss.clip_low, width), max(self.config.loss.clip_high, width)
 
     def _optimizer_step(self, microbatches: list[dict], band=None, on_policy: bool = False,

@@ -193,6 +193,7 @@ def engine_mismatch(logprobs, engine_logprobs, mask, clip_low: float, clip_high:
     count = has_tokens.sum().clamp(min=1)
     out_of_band = (seq.exp() > 1 + clip_high) | (seq.exp() < 1 - clip_low)
     return {
+        "mismatch_num_sequences": has_tokens.sum(), "mismatch_num_tokens": mask.sum(),
         "mismatch_abs_log_ratio_mean": (seq.abs() * has_tokens).sum() / count,
         "mismatch_abs_log_ratio_max": (seq.abs() * has_tokens).max(),
         "mismatch_token_abs_log_ratio_mean": token.abs().sum() / mask.sum().clamp(min=1),

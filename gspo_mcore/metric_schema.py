@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 # How a per-microbatch figure of the loss combines over microbatches and data-parallel ranks
 # (gspo_mcore.metrics.combine): "tokens" / "sequences" are means weighted by each part's
-# `num_tokens` / `num_sequences`, "min" / "max" extremes over parts with sequences, "sum" totals.
+# `num_tokens` / `num_sequences` (or the row's own count, `counted_by`), "min" / "max" extremes
+# over parts with sequences, "sum" totals.
 # Combined this way they equal the figure of the whole minibatch exactly.
 KINDS = ("sum", "tokens", "sequences", "min", "max")
 # Which optimizer steps of a rollout batch a loss figure covers: "all" of them; "first" (theta =
@@ -35,6 +36,13 @@ class Metric:
     label: str | None = None  # its axis label / legend entry there
     asynchronous: bool = False  # measured in rollout.mode one_step_off / async only: null in sync
     histogram: bool = False  # a list of counts per value 0, 1, ...: a histogram in TensorBoard / W&B
+    counted_by: str | None = None  # the count a mean weighs by, an extreme is present with (default: kind's)
+
+    @property
+    def count(self) -> str:
+        """The per-part count this figure combines by: its own, else num_tokens for a "tokens"
+        mean and num_sequences for the rest."""
+        return self.counted_by or ("num_tokens" if self.kind == "tokens" else "num_sequences")
 
 
 def _loss(name, kind, doc, scope="all", **shown) -> Metric:
@@ -91,13 +99,22 @@ SCHEMA: tuple[Metric, ...] = (
     _loss("token_mask_fraction", "tokens", "share of response tokens loss.token_mask_band masked; null when off"),
     _loss("sequence_mask_fraction", "sequences", "share of sequences loss.sequence_mask_threshold masked; null "
           "when off"),
+    # The mismatch figures cover the tokens the current weights generated (every token in sync; in
+    # the asynchronous modes an older version's tokens differ by the policy's own change too), so
+    # they weigh by their own counts: null when a step has no such token, never diluted by zeros.
+    _loss("mismatch_num_sequences", "sum", "sequences with tokens the current weights generated, first minibatch "
+          "(every sequence in sync): what the mismatch figures are measured on", scope="first"),
+    _loss("mismatch_num_tokens", "sum", "... their tokens", scope="first"),
     _loss("mismatch_abs_log_ratio_mean", "sequences", "train-inference mismatch: mean |log s_i| of the trainer "
           "against the engine's log-probs at theta = theta_old (first minibatch)", scope="first",
-          printed="mismatch {:.1e}", figure="mismatch", label="mismatch |log s| (engine vs trainer)"),
-    _loss("mismatch_abs_log_ratio_max", "max", "largest per-sequence mismatch there", scope="first"),
-    _loss("mismatch_token_abs_log_ratio_mean", "tokens", "per-token mismatch there", scope="first"),
+          printed="mismatch {:.1e}", figure="mismatch", label="mismatch |log s| (engine vs trainer)",
+          counted_by="mismatch_num_sequences"),
+    _loss("mismatch_abs_log_ratio_max", "max", "largest per-sequence mismatch there", scope="first",
+          counted_by="mismatch_num_sequences"),
+    _loss("mismatch_token_abs_log_ratio_mean", "tokens", "per-token mismatch there", scope="first",
+          counted_by="mismatch_num_tokens"),
     _loss("mismatch_out_of_band_fraction", "sequences", "share of sequences whose engine ratio is outside the "
-          "configured clip band there", scope="first"),
+          "configured clip band there", scope="first", counted_by="mismatch_num_sequences"),
     _loss("behavior_weight_mean", "sequences", "asynchronous modes: mean per-sequence behaviour weight "
           "pi_prox / pi_engine over stale tokens (decoupled GSPO); null in sync"),
     _loss("behavior_weight_truncated_fraction", "sequences", "... share of sequences whose weight hit "
@@ -158,9 +175,9 @@ HISTOGRAMS = tuple(m.name for m in SCHEMA if m.histogram)
 FIGURES = {m.figure: tuple(n for n in SCHEMA if n.figure == m.figure) for m in SCHEMA if m.figure}
 
 
-def combine_kinds() -> dict[str, str]:
-    """The loss figure name -> its combination kind."""
-    return {m.name: m.kind for m in LOSS_METRICS}
+def combine_kinds() -> dict[str, tuple[str, str]]:
+    """The loss figure name -> (its combination kind, the count it combines by)."""
+    return {m.name: (m.kind, m.count) for m in LOSS_METRICS}
 
 
 # One family of keys per evaluation dataset (gspo_mcore.evaluation): eval/<dataset>/mean@k,

@@ -19,26 +19,24 @@ from gspo_mcore.metric_schema import HISTOGRAMS, LOSS_METRICS, SCHEMA, combine_k
 
 PRINTED = tuple(m for m in SCHEMA if m.printed)
 
-_WEIGHTS = {"tokens": "num_tokens", "sequences": "num_sequences"}
-
-
-def combine(parts: list[dict[str, float]], kinds: dict[str, str] | None = None) -> dict[str, float]:
+def combine(parts: list[dict[str, float]], kinds: dict[str, tuple[str, str]] | None = None) -> dict[str, float]:
     """Per-microbatch metrics (any split of one minibatch over microbatches and ranks) -> the
-    minibatch's: weighted means by each part's token / sequence count, extremes, sums (kinds:
-    the schema's). A mean with no weight anywhere is None (nothing measured)."""
+    minibatch's: means weighted by each part's count, extremes over the parts that count
+    something, sums (kinds: name -> (kind, count), the schema's). A mean or extreme with no
+    count anywhere is None (nothing measured)."""
     kinds = kinds or combine_kinds()
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for part in parts for k in part):
-        kind = kinds[key]
+        kind, count = kinds[key]
         values = [p[key] for p in parts if key in p]
         if kind == "sum":
             out[key] = sum(values)
         elif kind in ("min", "max"):
-            weights = [p["num_sequences"] for p in parts if key in p]
+            weights = [p[count] for p in parts if key in p]
             present = [v for v, w in zip(values, weights) if w > 0]
             out[key] = (min if kind == "min" else max)(present) if present else None
         else:
-            weights = [p[_WEIGHTS[kind]] for p in parts if key in p]
+            weights = [p[count] for p in parts if key in p]
             total = sum(weights)
             out[key] = sum(v * w for v, w in zip(values, weights)) / total if total > 0 else None
     return out

@@ -316,6 +316,38 @@ def test_the_asynchronous_mismatch_is_measured_on_the_current_versions_tokens():
     assert metrics["mismatch_abs_log_ratio_mean"].item() < 0.5  # the 2.0 drift is not in it
 
 
+def test_the_asynchronous_mismatch_combines_over_its_own_tokens_and_is_null_without_them():
+    """Split into microbatches (and ranks), the mismatch of the current version's tokens combines
+    by their own counts: a microbatch with only stale sequences adds nothing (it used to count as
+    a mismatch of 0 weighted by all its sequences, shrinking the band in proportion to the stale
+    share), and a first minibatch with no current-version token measures nothing (null), never 0,
+    so the band keeps the latest measurement (gspo_mcore.learner)."""
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import objective
+    from gspo_mcore.metrics import combine, to_floats
+
+    batch = _async_batch(seed=5, B=8)
+    stale = torch.zeros_like(batch["mask"])
+    stale[:4] = 1.0  # the first four sequences stale throughout
+    stale[5, :3] = 1.0  # one spanning two versions
+    full = {**batch, "stale": stale}
+    _, whole = objective(batch["old_logprobs"], full, LossConfig())
+    parts = [to_floats(objective(batch["old_logprobs"][s], {k: v[s] for k, v in full.items()}, LossConfig())[1])
+             for s in (slice(0, 4), slice(4, 6), slice(6, 8))]
+    combined = combine(parts)
+    fresh_sequences = ((batch["mask"] * (1 - stale)).sum(-1) > 0).sum().item()
+    assert combined["mismatch_num_sequences"] == whole["mismatch_num_sequences"].item() == fresh_sequences == 4
+    for key in ("mismatch_abs_log_ratio_mean", "mismatch_abs_log_ratio_max", "mismatch_token_abs_log_ratio_mean",
+                "mismatch_out_of_band_fraction"):
+        assert combined[key] == pytest.approx(whole[key].item(), rel=1e-6), key  # float32 sums
+    assert combined["mismatch_abs_log_ratio_mean"] > 0.05
+    # Only stale tokens: nothing measured.
+    none = combine([to_floats(objective(batch["old_logprobs"][s], {k: v[s] for k, v in full.items()},
+                                        LossConfig())[1]) for s in (slice(0, 2), slice(2, 4))])
+    assert none["mismatch_num_sequences"] == 0 and none["num_sequences"] == 3
+    assert none["mismatch_abs_log_ratio_mean"] is None and none["mismatch_abs_log_ratio_max"] is None
+
+
 def test_free_proximal_policy_is_exact_on_the_first_minibatch_and_the_engine_after():
     """loss.proximal first_minibatch: no recomputed pi_prox. The first minibatch (on-policy) takes
     pi_prox from its own forward, so stale sequences are weighted by own/engine; a later one's
@@ -337,3 +369,26 @@ def test_free_proximal_policy_is_exact_on_the_first_minibatch_and_the_engine_aft
     expected, _ = behavior_weight(logp, engine, stale, batch["mask"], cfg.behavior_weight_cap)
     assert metrics["behavior_weight_mean"].item() == pytest.approx(
         expected[batch["mask"].sum(-1) > 0].mean().item())
+
+
+def test_a_step_without_current_version_tokens_keeps_the_latest_mismatch_band(monkeypatch):
+    """loss.band_from_mismatch in the asynchronous modes: a first minibatch with no token of the
+    current weights (generation ran ahead: every token one version old) measures no mismatch, and
+    the later minibatches keep the band of the latest one measured. It fell back to the
+    configured 4e-4 (10x narrower than sync's on a bf16 engine): half the steps of an async run
+    on long_cpu clipped at the paper's band while sync clipped at ~0.008."""
+    from gspo_mcore import learner as learner_module
+    from gspo_mcore.config import Config
+
+    monkeypatch.setattr(learner_module.parallel_state, "is_pipeline_last_stage", lambda: True)
+    monkeypatch.setattr(learner_module, "_gather_dp", lambda parts: parts)  # one data-parallel rank
+    learner = learner_module.Learner.__new__(learner_module.Learner)  # the band needs no model
+    learner.config, learner.last_mismatch = Config(), None
+
+    def first(mismatch, fresh):
+        return [{"num_sequences": 4.0, "mismatch_num_sequences": fresh, "mismatch_abs_log_ratio_mean": mismatch}]
+
+    assert learner._band_from_mismatch(first(0.0, 0.0)) == (3e-4, 4e-4)  # nothing measured yet: the config's
+    assert learner._band_from_mismatch(first(0.005, 3.0)) == pytest.approx((0.01, 0.01))
+    assert learner._band_from_mismatch(first(0.0, 0.0)) == pytest.approx((0.01, 0.01))  # all stale: kept
+    assert learner._band_from_mismatch(first(0.0001, 1.0)) == pytest.approx((3e-4, 4e-4))  # measured again

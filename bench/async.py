@@ -24,7 +24,8 @@ a stale batch's own reward)}; with --seeds, each figure is the mean over the see
 seed and mode). --modes runs a subset (sync always).
 Throughput is over steps 2.. (step 1 includes start-up). DIR/plots holds the runs' figures side by
 side (gspo_mcore.plot), reward against summed step time among them (`reward_wallclock.png`: learning
-per second; run `--steps 28` for long_cpu's whole curve). Not a test: the machine is shared and noisy.
+per second; run `--steps 28` for long_cpu's whole curve); with several seeds, DIR/over_seeds.png
+overlays every mode's mean over them (reward per step, reward per second, clip fraction). Not a test: the machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]
 
 def held_out(run_dir: Path, url: str) -> float:
     """The run's final weights (its hf/) on the held-out prompts, through gspo-eval on the bench's
-    server: learning per update, free of the lag a stale batch's own reward carries (its responses
+    server (its figures: RUN/held_out.json): learning per update, free of the lag a stale batch's own reward carries (its responses
     came from older weights)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "gspo_mcore.evaluate", "--config", str(CONFIG),
@@ -84,7 +85,9 @@ def held_out(run_dir: Path, url: str) -> float:
                           text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir}: the evaluation failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["eval/long/mean@4"]
+    figures = proc.stdout.strip().splitlines()[-1]
+    (run_dir / "held_out.json").write_text(figures + "\n")
+    return json.loads(figures)["eval/long/mean@4"]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -98,6 +101,51 @@ def summary(rows: list[dict]) -> dict:
             "idle": sum(r["trainer_idle_fraction"] or 0 for r in steady) / len(steady),
             "engine_idle": sum(r["engine_idle_fraction"] for r in steady) / len(steady),
             "tokens_regenerated": sum(r["tokens_regenerated"] for r in rows)}
+
+
+def plot_over_seeds(runs: dict[int | None, dict[str, list[dict]]], path: Path) -> None:
+    """Every mode's mean over the seeds, overlaid: reward per step, reward against summed step
+    time (each seed's curve sampled on a shared time grid, up to the shortest run), and the clip
+    fraction per step; the shaded band is the seeds' range."""
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(next(iter(runs.values())))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    every = [rows for by_mode in runs.values() for rows in by_mode.values()]
+    budget = min(sum(r["time_step_s"] for r in rows) for rows in every)
+    grid = np.linspace(max(rows[0]["time_step_s"] for rows in every), budget, 60)  # every run has a step
+    for mode in modes:
+        per_seed = [by_mode[mode] for by_mode in runs.values()]
+        steps = np.array([r["step"] for r in per_seed[0]])
+        for ax, key in ((axes[0], "reward_mean"), (axes[2], "clip_fraction")):
+            values = np.array([[r[key] if r.get(key) is not None else np.nan for r in rows] for rows in per_seed])
+            ax.plot(steps, np.nanmean(values, 0), label=mode)
+            ax.fill_between(steps, np.nanmin(values, 0), np.nanmax(values, 0), alpha=0.15)
+        # Reward against time: each step's reward at the time it ended, held until the next.
+        in_time = []
+        for rows in per_seed:
+            ends = np.cumsum([r["time_step_s"] for r in rows])
+            rewards = np.array([r["reward_mean"] for r in rows])
+            index = np.searchsorted(ends, grid, side="right") - 1
+            in_time.append(rewards[index])
+        in_time = np.array(in_time)
+        axes[1].plot(grid / 60, np.nanmean(in_time, 0), label=mode)
+        axes[1].fill_between(grid / 60, np.nanmin(in_time, 0), np.nanmax(in_time, 0), alpha=0.15)
+    seeds = len(runs)
+    for ax, title, xlabel in ((axes[0], "reward per step", "step"),
+                              (axes[1], "reward per second", "training time (min, summed step times)"),
+                              (axes[2], "clipped share of response tokens", "step")):
+        ax.set_title(f"{title}, mean of {seeds} seeds (band: range)", fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def learning_in_time(runs: dict[str, list[dict]]) -> dict[str, float]:
@@ -142,6 +190,8 @@ def main() -> None:
                 runs[seed][mode] = run_mode(out, mode, url, [*overrides, *extra])
                 evals[(seed, mode)] = held_out(out / mode, url)
             plot_runs([out / mode for mode in modes], out / "plots")
+    if len(runs) > 1:
+        plot_over_seeds(runs, args.out / "over_seeds.png")
     print("| seed | mode | samples/s | step s | rollout s | train s | sync s | trainer idle | engine idle | staleness max "
           "| tokens regenerated | reward (last quarter of steps) | reward (last quarter of the time budget) "
           "| held-out reward after the last step |")

@@ -25,7 +25,7 @@ from gspo_mcore.optimizer import lr_scheduler, optimizer_step, setup_training
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches, spread_over_response)
 from gspo_mcore.parallel import device
-from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.rollout.response import Rollout, version_number
 from gspo_mcore.seeds import step_seed
 
 def _gather_dp(values: list) -> list:
@@ -55,10 +55,13 @@ class Learner:
 
     # ------------------------------------------------------------ microbatches
 
-    def microbatches(self, indices: list[int], rollouts: list[Rollout], advantages, extra=None) -> list[dict]:
+    def microbatches(self, indices: list[int], rollouts: list[Rollout], advantages, extra=None,
+                     routed_by_older: list[bool] | None = None) -> list[dict]:
         """This rank's share of `indices`, packed by the token budget. Every data-parallel rank
         gets the same number of microbatches (fillers that add nothing): under expert
-        parallelism a rank that finished early would leave its peers waiting in an all-to-all."""
+        parallelism a rank that finished early would leave its peers waiting in an all-to-all.
+        `routed_by_older`: per rollout, whether older weights than these routed it in the engine
+        (its routing is compared apart)."""
         lengths = sequence_lengths(rollouts)
         shards = balance_across_ranks(indices, lengths, parallel_state.get_data_parallel_world_size())
         mine = pack_microbatches(shards[parallel_state.get_data_parallel_rank()], lengths,
@@ -67,8 +70,9 @@ class Learner:
         built = [microbatch_tensors(rollouts, advantages, members, tp, extra) for members in mine]
         if self.routers.engine_routing:
             for mb, members in zip(built, mine):
+                older = [routed_by_older[i] for i in members] if routed_by_older is not None else None
                 mb.update(input_aligned_routing([rollouts[i] for i in members], self.arch.num_experts,
-                                                mb["inputs"].shape[1]))
+                                                mb["inputs"].shape[1], older))
         count = torch.tensor([len(built)], device=device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
         return equalize_count(built, int(count.item()))
@@ -114,8 +118,12 @@ class Learner:
             extra["ref_logprobs"] = self.token_logprobs_of(self.reference, rollouts)
         if old_logprobs is not None:
             extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
+        routed_by_older = None
         if stale is not None:
             extra["stale"] = stale
+            # SGLang re-prefills a retracted request (Req.reset_for_retract drops its routed
+            # experts), so a response's routing is all of its last token's version.
+            routed_by_older = [(version_number(r.weight_version) or 0) < step for r in rollouts]
         generator = torch.Generator().manual_seed(step_seed(cfg.seed, step))
         order = torch.randperm(len(rollouts), generator=generator).tolist()  # host: an order of Python lists
         self.routers.reset()
@@ -125,7 +133,8 @@ class Learner:
         for _ in range(cfg.ppo_epochs):
             for mini in split_minibatches(len(rollouts), num_minibatches):
                 first = not parts  # theta = theta_old: the engine/trainer differences alone
-                microbatches = self.microbatches([order[i] for i in mini], rollouts, advantages, extra)
+                microbatches = self.microbatches([order[i] for i in mini], rollouts, advantages, extra,
+                                                 routed_by_older)
                 step_parts, grad_norm = self._optimizer_step(
                     microbatches, band=band, on_policy=first and self.config.loss.on_policy_first_minibatch,
                     compare_routing=first)
@@ -146,9 +155,10 @@ class Learner:
             metrics = [update_report(by_step)]
         dist.broadcast_object_list(metrics, src=last_stage_rank())
         # Compared with the engine's routing only when it sent it: no collective otherwise.
-        routing_mismatch, per_layer = self.routers.mismatch() if self.routers.engine_routing else (None, None)
+        routing_mismatch, per_layer, older = self.routers.mismatch() if self.routers.engine_routing else (None,) * 3
         return {**metrics[0], "router_max_over_mean_load": self.routers.imbalance(),
-                "routing_mismatch_fraction": routing_mismatch, "routing_mismatch_fraction_per_layer": per_layer}
+                "routing_mismatch_fraction": routing_mismatch, "routing_mismatch_fraction_per_layer": per_layer,
+                "routing_mismatch_fraction_older": older}
 
     def _band_from_mismatch(self, first_parts: list[dict]) -> tuple[float, float] | None:
         """The clip band for the later minibatches: at least k x the mean per-sequence mismatch

@@ -127,8 +127,12 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("lr", "learning rate", update=True),
     Metric("router_max_over_mean_load", "per MoE layer: max expert load / mean (1 = balanced)", update=True),
     Metric("routing_mismatch_fraction", "share of (token, MoE layer) pairs whose trainer top-k differs from the "
-           "engine's, first minibatch (rollout.return_routed_experts; null otherwise)", update=True),
+           "engine's, first minibatch, over the responses the engine routed with the trainer's weights (every "
+           "one in sync; rollout.return_routed_experts; null otherwise or when none)", update=True),
     Metric("routing_mismatch_fraction_per_layer", "the same per MoE layer", update=True),
+    Metric("routing_mismatch_fraction_older", "asynchronous modes: the same over the responses older weights "
+           "routed (a response's routing is its last token's version: SGLang re-prefills a retracted request); "
+           "the policy's change as well as the numerics; null in sync", update=True),
     # ---- asynchronous modes (gspo_mcore.rollout.producer); null in sync
     Metric("staleness_mean", "mean over trained responses of (the step's weight version - the response's oldest "
            "token's version)", printed="| stale {:.2f}", asynchronous=True),

@@ -115,19 +115,25 @@ def microbatch_tensors(rollouts, advantages: Sequence[float], members: list[int]
             "index": torch.tensor(members), "sequences": torch.ones(len(members))}
 
 
-def input_aligned_routing(rollouts, num_experts: int, width: int) -> dict[str, torch.Tensor]:
+def input_aligned_routing(rollouts, num_experts: int, width: int,
+                          routed_by_older: Sequence[bool] | None = None) -> dict[str, torch.Tensor]:
     """The engine's routed experts as model inputs see them: `routing` [B, width, layers,
-    top-k] (row t: input token t) and `real_inputs` [B, width] (1 where a real token is).
-    Padding rows name distinct experts 0..k-1 (a replayed router needs a valid top-k)."""
+    top-k] (row t: input token t), `real_inputs` [B, width] (1 where a real token is) and
+    `older_inputs` [B, width] (1 on the real rows of a sequence `routed_by_older` marks: older
+    weights than the trainer's routed it). Padding rows name distinct experts 0..k-1 (a
+    replayed router needs a valid top-k)."""
     first = rollouts[0].routed_experts
     layers, top_k = first.shape[1:]
     routing = (torch.arange(top_k) % num_experts).expand(len(rollouts), width, layers, top_k).clone()
     real = torch.zeros(len(rollouts), width)
+    older = torch.zeros(len(rollouts), width)
     for i, r in enumerate(rollouts):
         n = r.routed_experts.shape[0]
         routing[i, :n] = torch.from_numpy(r.routed_experts.astype("int64"))
         real[i, :n] = 1.0
-    return {"routing": routing, "real_inputs": real}
+        if routed_by_older is not None and routed_by_older[i]:
+            older[i, :n] = 1.0
+    return {"routing": routing, "real_inputs": real, "older_inputs": older}
 
 
 def filler_microbatch(template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

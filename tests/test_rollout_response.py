@@ -89,6 +89,10 @@ def test_routed_experts_decoded_per_input_token():
     assert torch.equal(laid_out["routing"][0, :7], torch.from_numpy(routed).long())
     assert laid_out["routing"][0, 7:].tolist() == [[[0, 1, 2]] * 2] * 2
     assert laid_out["real_inputs"][0].tolist() == [1.0] * 7 + [0.0] * 2
+    assert laid_out["older_inputs"][0].tolist() == [0.0] * 9  # nothing said: the trainer's weights routed it
+    # Routed by older weights (asynchronous modes): its real rows are compared apart.
+    pair = input_aligned_routing([rollout, rollout], num_experts=8, width=9, routed_by_older=[False, True])
+    assert pair["older_inputs"].tolist() == [[0.0] * 9, [1.0] * 7 + [0.0] * 2]
 
 
 def _spanning(spans):

@@ -65,11 +65,15 @@ def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path,
     rows = _metrics(out)
     if options == MULTI_TURN:
         assert all(r["turns_mean"] == 3 and 0 < r["env_token_fraction"] < 1 for r in rows)
-        # float32 on both sides: the engine's routing of every segment is the trainer's router's, on
-        # the steps the compared weights generated (step 1; a stale token's experts were chosen by
-        # older weights: 25% of step 2's differed when most of its tokens were stale)
-        fresh = [r for r in rows if r["staleness_max"] == 0 and r["routing_mismatch_fraction"] is not None]
-        assert rows[0] in fresh and all(r["routing_mismatch_fraction"] < 0.02 for r in fresh), rows
+        # float32 on both sides: the engine's routing of every segment is the trainer's router's
+        # wherever the trainer's weights routed it (a response's routing is its last token's
+        # version). Responses older weights routed are compared apart: they differ by the
+        # policy's change too (25% of a step's pairs once, when both were counted together).
+        measured = [r for r in rows if r["routing_mismatch_fraction"] is not None]
+        assert rows[0] in measured and all(r["routing_mismatch_fraction"] < 0.02 for r in measured), rows
+        assert rows[0]["routing_mismatch_fraction_older"] is None  # step 1: nothing older exists
+        older = [r for r in rows if r["routing_mismatch_fraction_older"] is not None]
+        assert all(r["routing_mismatch_fraction_older"] > 0.02 for r in older), rows
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         # async refills continuously; one_step_off keeps sync's rounds (rollout.max_sampling_rounds: 1 here)

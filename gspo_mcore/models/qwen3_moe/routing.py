@@ -46,14 +46,18 @@ class RouterHooks:
                 router.register_forward_hook(self._hook(index))
         num_layers = model.config.num_layers
         self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device())
-        self.differing = torch.zeros(num_layers, 2, dtype=torch.float64, device=device())  # (differing, compared)
+        # Per layer: (differing, compared) over the sequences the trainer's own weights routed in
+        # the engine, then over those older weights routed (asynchronous modes: compared apart,
+        # the second also measures the policy's change).
+        self.differing = torch.zeros(num_layers, 4, dtype=torch.float64, device=device())
         self.current: dict | None = None
 
     def before_forward(self, mb: dict, compare: bool = False) -> None:
         if not self.engine_routing or "routing" not in mb:
             self.current = None
             return
-        self.current = {"routing": mb["routing"], "real": local_real_tokens(mb), "compare": compare}
+        self.current = {"routing": mb["routing"], "real": local_real_tokens(mb),
+                        "older": local_real_tokens(mb, "older_inputs"), "compare": compare}
         if self.replay:
             for index, router in self.routers.items():
                 router.router_replay.set_target_indices(local_targets(mb["routing"], index))
@@ -83,8 +87,11 @@ class RouterHooks:
             targets = local_targets(self.current["routing"], index).to(routing_map.device)
             engine = torch.zeros_like(routing_map).scatter_(1, targets, True)
             real = self.current["real"].to(routing_map.device)
-            differs = (routing_map != engine).any(-1) & real
-            self.differing[index] += torch.stack([differs.sum(), real.sum()]).double()
+            older = self.current["older"].to(routing_map.device)
+            own = real & ~older
+            differs = (routing_map != engine).any(-1)
+            self.differing[index] += torch.stack([(differs & own).sum(), own.sum(), (differs & older).sum(),
+                                                  older.sum()]).double()
         return hook
 
     def reset(self) -> None:
@@ -97,20 +104,24 @@ class RouterHooks:
         dist.all_reduce(load)
         return [(row.max() / row.mean()).item() for row in load if row.sum() > 0]
 
-    def mismatch(self) -> tuple[float | None, list[float | None]]:
-        """(share of compared (token, MoE layer) pairs whose top-k sets differ, the same per
-        MoE layer) over all ranks' tokens. Collective."""
+    def mismatch(self) -> tuple[float | None, list[float] | None, float | None]:
+        """Over all ranks' tokens: the share of compared (token, MoE layer) pairs whose top-k sets
+        differ among the sequences the trainer's weights routed in the engine, the same per MoE
+        layer, and the share among those older weights routed (None: no such pair). Collective."""
         counts = self.differing.clone()
         dist.all_reduce(counts)
         rows = counts.cpu().tolist()
-        differing, compared = sum(d for d, _ in rows), sum(n for _, n in rows)
-        return (differing / compared if compared else None), [d / n for d, n in rows if n > 0]
+        differing, compared = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        older_differing, older = sum(r[2] for r in rows), sum(r[3] for r in rows)
+        return ((differing / compared if compared else None),
+                ([r[0] / r[1] for r in rows if r[1] > 0] if compared else None),
+                (older_differing / older if older else None))
 
 
-def local_real_tokens(mb: dict) -> torch.Tensor:
-    """[T_local * b] bool: this rank's token slots that hold a real input token (not padding,
-    not a filler microbatch), in the routers' order."""
-    real = mb["real_inputs"].bool().transpose(0, 1)  # [T, b]
+def local_real_tokens(mb: dict, key: str = "real_inputs") -> torch.Tensor:
+    """[T_local * b] bool: this rank's token slots marked in `mb[key]` [b, T] (real_inputs: a
+    real input token, not padding, not a filler microbatch), in the routers' order."""
+    real = mb[key].bool().transpose(0, 1)  # [T, b]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp > 1:
         real = real.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]

@@ -1,0 +1,54 @@
+"""The trainer's routers against the engine's routed experts (gspo_mcore.models.qwen3_moe.routing),
+without a model: one stand-in router whose choice the test sets."""
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+
+from gspo_mcore.models.qwen3_moe import routing as routing_module
+from gspo_mcore.packing import input_aligned_routing
+from gspo_mcore.rollout.response import Rollout
+
+
+class FixedRouter(nn.Module):
+    """Returns (probs, routing_map) as megatron-core's TopKRouter does, routing_map [tokens,
+    experts] from a set choice [tokens, k]."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts, self.choice = num_experts, None
+
+    def forward(self, x):
+        routing_map = torch.zeros(x.shape[0], self.num_experts, dtype=torch.bool).scatter_(1, self.choice, True)
+        return None, routing_map
+
+
+def test_responses_older_weights_routed_are_compared_apart(monkeypatch):
+    """Asynchronous modes: the engine routed a stale response with older weights, so its experts
+    differ from the trainer's by the policy's change, not only numerics. Counted together they
+    made routing_mismatch_fraction read 25% on a float32 engine; apart, the trainer's own
+    responses read their numerics (here 0) and the older ones their own share (here all)."""
+    monkeypatch.setattr(routing_module.parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(routing_module.dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # one rank
+    router = FixedRouter(num_experts=4)
+    layer = SimpleNamespace(layer_number=1, mlp=SimpleNamespace(router=router))
+    hooks = routing_module.RouterHooks(SimpleNamespace(decoder=SimpleNamespace(layers=[layer]),
+                                                       config=SimpleNamespace(num_layers=1)), 4, engine_routing=True)
+    # Two responses of 3 input tokens (prompt 2 + response 2), the engine routing experts {0, 1}
+    # for every token of both; version 0 routed the second, the trainer is at version 1.
+    routed = torch.tensor([0, 1], dtype=torch.int32).expand(3, 1, 2).numpy()
+    rollouts = [Rollout([5, 6], [7, 8], [-0.1, -0.2], "stop", version, routed_experts=routed)
+                for version in ("step-1", "step-0")]
+    mb = input_aligned_routing(rollouts, num_experts=4, width=3, routed_by_older=[False, True])
+    # The trainer agrees with the engine on the first response, not on the second. Tokens reach
+    # a router sequence-major ([T, b] flattened): token t of response i is row 2 t + i.
+    router.choice = torch.tensor([[0, 1], [2, 3]] * 3)
+    hooks.before_forward(mb, compare=True)
+    router(torch.zeros(6, 8))
+    assert hooks.mismatch() == (0.0, [0.0], 1.0)
+    # In sync nothing is older: every response is compared as the trainer's own.
+    hooks.reset()
+    hooks.before_forward(input_aligned_routing(rollouts, num_experts=4, width=3), compare=True)
+    router(torch.zeros(6, 8))
+    assert hooks.mismatch() == (0.5, [0.5], None)

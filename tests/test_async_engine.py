@@ -73,6 +73,7 @@ def _generate_across_a_push(engine, client: SGLangClient, keep_tokens: bool):
     control.pause_generation(keep_tokens=keep_tokens)
     push_from_disk(control, new, "step-1")
     control.continue_generation()
+    client.end_interrupt()
     worker.join(timeout=300)
     return result["rollouts"]
 

@@ -124,3 +124,34 @@ def test_sglang_command(tmp_path):
     with_dense_layer = make_tiny_checkpoint(tmp_path / "dense", mlp_only_layers=[1])
     with pytest.raises(InputError, match="runs Qwen3-MoE dense layers"):
         sglang_command(str(with_dense_layer), 30000)
+
+
+def test_a_request_restarted_during_an_aborting_push_is_restarted_again_if_aborted_again():
+    """rollout.partial false: the push aborts the requests in flight and the client restarts them
+    at once, so the restart waits on the paused server, registered there; SGLang's abort-mode
+    pause aborts every registered request each second until none runs, so the restart can be
+    aborted too, and its answer arrives after /continue_generation. That abort is the push's as
+    well: the request starts over again, using no attempt (it failed the run with
+    max_attempts 1 in CI: test_async_engine's restart test)."""
+    client = SGLangClient(["http://stand-in"], 256, max_attempts=1)
+    answers = []
+
+    def post(url, body):
+        answers.append(body["input_ids"])
+        if len(answers) == 1:  # in flight when the push starts: aborted by it
+            client.interrupt()
+            return {"meta_info": {"finish_reason": {"type": "abort"}, "completion_tokens": 2}}
+        if len(answers) == 2:  # the restart, sent during the push: aborted by the pause's next round,
+            client.end_interrupt()  # its answer arriving once the push is over
+            return {"meta_info": {"finish_reason": {"type": "abort"}, "completion_tokens": 0}}
+        return {"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
+                                                    "finish_reason": {"type": "stop"}, "weight_version": "v"}}
+
+    client._post = post
+    [rollout] = client.generate([[1, 2, 3]], PARAMS)
+    assert rollout.response_ids == [5, 6] and len(answers) == 3 and client.tokens_regenerated == 2
+    # Once the push is over, an abort is the server's: it uses an attempt.
+    answers.clear()
+    answers.append(None)  # the next answer is the second kind: an abort, no push under way
+    with pytest.raises(RolloutError, match="failed after 1 attempts"):
+        client.generate([[1, 2, 3]], PARAMS)

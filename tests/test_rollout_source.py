@@ -34,6 +34,9 @@ class ScriptedEngine:
     def interrupt(self):
         pass
 
+    def end_interrupt(self):
+        pass
+
     def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None):
         version = self.version
         self.clock.started("scripted")

@@ -83,13 +83,23 @@ class SGLangClient:
         self.clock = BusyClock(self.urls)
         # Pushes that aborted the requests in flight on purpose (rollout.partial: false): those
         # requests start over from their prompt at once, without using an attempt.
-        self.interruptions, self.tokens_regenerated = 0, 0
+        # A request restarted (or sent) while such a push is under way waits on the paused server,
+        # where SGLang's abort-mode pause can abort it again (TokenizerManager.pause_generation
+        # aborts every registered request each second until none runs, and a waiting request is
+        # registered): it starts over too.
+        self.interruptions, self.tokens_regenerated, self.interrupting = 0, 0, False
         self.count_lock = threading.Lock()
 
     def interrupt(self) -> None:
         """Before a pause that aborts the requests in flight (rollout.partial: false)."""
         with self.count_lock:
             self.interruptions += 1
+            self.interrupting = True
+
+    def end_interrupt(self) -> None:
+        """After the push and /continue_generation: an abort of a request sent from now on is the
+        server's, not ours."""
+        self.interrupting = False
 
     def close(self) -> None:
         """Stop for good (asynchronous producers at the end of a run): requests in flight are
@@ -127,7 +137,7 @@ class SGLangClient:
             if self.closed:
                 raise RolloutError(f"request {index}: the client was closed")
             url = self.urls[((index if server is None else server) + attempt) % len(self.urls)]
-            interruptions = self.interruptions
+            interruptions, during_push = self.interruptions, self.interrupting
             try:
                 self.clock.started(url)
                 try:
@@ -136,7 +146,7 @@ class SGLangClient:
                     self.clock.started(url, -1)
                 meta = payload.get("meta_info", {})
                 if (meta.get("finish_reason") or {}).get("type") == "abort":
-                    if self.interruptions != interruptions and not self.closed:  # our push: start over
+                    if (self.interruptions != interruptions or during_push) and not self.closed:  # ours: start over
                         with self.count_lock:
                             self.tokens_regenerated += int(meta.get("completion_tokens") or 0)
                         continue

@@ -94,6 +94,8 @@ class Overlapping:
 
     def resume(self, version: int) -> None:
         self.control.continue_generation()
+        if not self.source.config.rollout.partial:
+            self.source.client.end_interrupt()
         self.source.client.clock.set_paused(False)
         self.set_version(version)
 

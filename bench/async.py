@@ -62,14 +62,18 @@ EVAL = ("eval.datasets=[{name: long, path: outputs/long_task/eval.jsonl, samples
         "max_new_tokens: 40}]")
 
 
+def _env() -> dict:
+    """A run's or an evaluation's environment: this checkout, one OpenMP thread on its core."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
 def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]:
     """One run named `mode` (a key of MODES) against the server at `url`: its metrics rows."""
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "gspo_mcore.train", "--config", str(CONFIG), "--output-dir",
            str(run_dir), *overrides, *MODES[mode], f"rollout.urls=[{url}]"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{mode}: the run failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -79,9 +83,8 @@ def held_out(run_dir: Path, url: str) -> float:
     """The run's final weights (its hf/) on the held-out prompts, through gspo-eval on the bench's
     server (its figures: RUN/held_out.json): learning per update, free of the lag a stale batch's own reward carries (its responses
     came from older weights)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "gspo_mcore.evaluate", "--config", str(CONFIG),
-                           "--model", str(run_dir), "--urls", url, EVAL], cwd=REPO, env=env, capture_output=True,
+                           "--model", str(run_dir), "--urls", url, EVAL], cwd=REPO, env=_env(), capture_output=True,
                           text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir}: the evaluation failed:\n{proc.stderr[-3000:]}")

@@ -25,7 +25,7 @@ from gspo_mcore.optimizer import lr_scheduler, optimizer_step, setup_training
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches, spread_over_response)
 from gspo_mcore.parallel import device
-from gspo_mcore.rollout.response import Rollout, version_number
+from gspo_mcore.rollout.response import Rollout
 from gspo_mcore.seeds import step_seed
 
 def _gather_dp(values: list) -> list:
@@ -122,8 +122,9 @@ class Learner:
         if stale is not None:
             extra["stale"] = stale
             # SGLang re-prefills a retracted request (Req.reset_for_retract drops its routed
-            # experts), so a response's routing is all of its last token's version.
-            routed_by_older = [(version_number(r.weight_version) or 0) < step for r in rollouts]
+            # experts), so a response's routing is all of its last token's version (an
+            # environment's tokens carry the version of the model token before them).
+            routed_by_older = [bool(tokens) and tokens[-1] > 0 for tokens in stale]
         generator = torch.Generator().manual_seed(step_seed(cfg.seed, step))
         order = torch.randperm(len(rollouts), generator=generator).tolist()  # host: an order of Python lists
         self.routers.reset()

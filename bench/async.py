@@ -2,7 +2,12 @@
 rollout.mode sync, one_step_off and async, with the trainer and the SGLang server pinned to
 separate cores (taskset) so that overlap is physically possible on a 2-core machine.
 
-    python bench/async.py --out DIR [--steps 8] [--modes sync,async] [--seeds 1,2,3] [key=value ...]
+    python bench/async.py --out DIR [--steps 8] [--modes sync,async] [--seeds 1,2,3] [--url URL] [--smoke]
+                          [key=value ...]
+
+`--url`: a running server of the task's model instead of one the bench starts (then nothing is
+pinned). `--smoke`: sync and async, 2 steps of a small batch, 1 held-out sample per prompt: the
+suite's check that the bench runs (the JSON line has every key, null for the modes not run).
 
 The task is configs/long_cpu.yaml's (a bf16 engine) with long-tailed response lengths (the tiny
 model stops at random: 8 to rollout.max_new_tokens tokens). Each mode is one real run
@@ -36,6 +41,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,6 +68,21 @@ EVAL = ("eval.datasets=[{name: long, path: outputs/long_task/eval.jsonl, samples
         "max_new_tokens: 40}]")
 
 
+# The runs and evaluations on core 0 when the bench's own server has core 1 (none with --url).
+PIN = ["taskset", "-c", "0"]
+# --smoke: a small batch of short responses.
+SMOKE = ["train.rollout_batch_size=2", "train.group_size=4", "rollout.max_new_tokens=16"]
+
+
+def start_pinned_server(config, out: Path, stack: ExitStack) -> str:
+    """The bench's server on core 1 (the runs take core 0), stopped when `stack` closes."""
+    port = free_port()
+    cmd, env = server_for_config(config, port)
+    url = f"http://127.0.0.1:{port}"
+    stack.enter_context(ManagedServer(["taskset", "-c", "1", *cmd], url, out / "sglang.log", env=env))
+    return url
+
+
 def _env() -> dict:
     """A run's or an evaluation's environment: this checkout, one OpenMP thread on its core."""
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -71,7 +92,7 @@ def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]
     """One run named `mode` (a key of MODES) against the server at `url`: its metrics rows."""
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = ["taskset", "-c", "0", sys.executable, "-m", "gspo_mcore.train", "--config", str(CONFIG), "--output-dir",
+    cmd = [*PIN, sys.executable, "-m", "gspo_mcore.train", "--config", str(CONFIG), "--output-dir",
            str(run_dir), *overrides, *MODES[mode], f"rollout.urls=[{url}]"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -79,18 +100,19 @@ def run_mode(out: Path, mode: str, url: str, overrides: list[str]) -> list[dict]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def held_out(run_dir: Path, url: str) -> float:
+def held_out(run_dir: Path, url: str, samples: int = 4) -> float:
     """The run's final weights (its hf/) on the held-out prompts, through gspo-eval on the bench's
     server (its figures: RUN/held_out.json): learning per update, free of the lag a stale batch's own reward carries (its responses
     came from older weights)."""
-    proc = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "gspo_mcore.evaluate", "--config", str(CONFIG),
-                           "--model", str(run_dir), "--urls", url, EVAL], cwd=REPO, env=_env(), capture_output=True,
+    proc = subprocess.run([*PIN, sys.executable, "-m", "gspo_mcore.evaluate", "--config", str(CONFIG),
+                           "--model", str(run_dir), "--urls", url, EVAL.replace("samples: 4", f"samples: {samples}")],
+                          cwd=REPO, env=_env(), capture_output=True,
                           text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir}: the evaluation failed:\n{proc.stderr[-3000:]}")
     figures = proc.stdout.strip().splitlines()[-1]
     (run_dir / "held_out.json").write_text(figures + "\n")
-    return json.loads(figures)["eval/long/mean@4"]
+    return json.loads(figures)[f"eval/long/mean@{samples}"]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -170,8 +192,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
     parser.add_argument("--seeds", default="", help="train.seed values, comma-separated (default: the config's)")
+    parser.add_argument("--url", default="", help="a running server of the task's model (default: start one)")
+    parser.add_argument("--smoke", action="store_true", help="sync and async, 2 steps of a small batch")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.modes, args.overrides = 2, "sync,async", [*SMOKE, *args.overrides]
     modes = [m for m in args.modes.split(",") if m]
     if "sync" not in modes or any(m not in MODES for m in modes):
         raise SystemExit(f"--modes: sync and any of {', '.join(MODES)}")
@@ -179,19 +205,20 @@ def main() -> None:
     overrides = [*DEFAULTS, f"train.steps={args.steps}", *args.overrides]
     config = load_config(CONFIG, overrides)
     make_long_task(Path(config.model.hf_dir).parent)
-    port = free_port()
-    cmd, env = server_for_config(config, port)
     runs: dict[int | None, dict[str, list[dict]]] = {}
     evals: dict[tuple[int | None, str], float] = {}
-    url = f"http://127.0.0.1:{port}"
-    with ManagedServer(["taskset", "-c", "1", *cmd], url, args.out / "sglang.log", env=env):
+    samples = 1 if args.smoke else 4
+    if args.url:
+        PIN.clear()
+    with ExitStack() as stack:
+        url = args.url or start_pinned_server(config, args.out, stack)
         for seed in seeds:
             out = args.out if seed is None else args.out / f"seed-{seed}"
             extra = [] if seed is None else [f"train.seed={seed}"]
             runs[seed] = {}
             for mode in modes:
                 runs[seed][mode] = run_mode(out, mode, url, [*overrides, *extra])
-                evals[(seed, mode)] = held_out(out / mode, url)
+                evals[(seed, mode)] = held_out(out / mode, url, samples)
             plot_runs([out / mode for mode in modes], out / "plots")
     if len(runs) > 1:
         plot_over_seeds(runs, args.out / "over_seeds.png")
@@ -219,13 +246,13 @@ def main() -> None:
     bound = sum((results[(s, "sync")]["rollout_s"] + results[(s, "sync")]["train_s"] + results[(s, "sync")]["sync_s"])
                 / max(results[(s, "sync")]["rollout_s"], results[(s, "sync")]["train_s"] + results[(s, "sync")]["sync_s"])
                 for s in runs) / len(runs)
-    line = {f"{m.replace('-', '_')}_speedup": sum(results[(s, m)]["samples_per_s"] / results[(s, "sync")]["samples_per_s"]
-                                                  for s in runs) / len(runs) for m in modes if m != "sync"}
+    # Every mode's key, null for a mode not run: the line's keys never depend on --modes.
+    line = {f"{m.replace('-', '_')}_speedup": None if m not in modes else
+            sum(results[(s, m)]["samples_per_s"] / results[(s, "sync")]["samples_per_s"] for s in runs) / len(runs)
+            for m in MODES if m != "sync"}
     line.update({"overlap_bound": bound, "max_staleness_seen": max(r["staleness_max"] for r in results.values())})
-    if "async" in modes:
-        line["tokens_regenerated"] = mean("async", "tokens_regenerated")
-    if "async-restart" in modes:
-        line["tokens_regenerated_restart"] = mean("async-restart", "tokens_regenerated")
+    line["tokens_regenerated"] = mean("async", "tokens_regenerated") if "async" in modes else None
+    line["tokens_regenerated_restart"] = mean("async-restart", "tokens_regenerated") if "async-restart" in modes else None
     line["reward_last_steps"] = {m: mean(m, "reward_last_steps") for m in modes}
     line["reward_in_time"] = {m: mean(m, "reward_in_time") for m in modes}
     line["reward_held_out"] = {m: mean(m, "reward_held_out") for m in modes}

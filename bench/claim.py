@@ -4,6 +4,10 @@ engine (configs/long_cpu.yaml).
 
     python bench/claim.py --out DIR [--seeds 3] [--arms a,b,...] [--threshold 0.35] [key=value ...]
 
+`--smoke`: arms gspo-engine and gspo-recompute, one seed, 2 steps of a small batch (the suite's
+check that the bench runs). `rollout.urls=[URL]` runs every arm against a running server (started
+with --enable-return-routed-experts) instead of its own.
+
 Each arm x seed is one real training run (`python -m gspo_mcore.train`, its own SGLang server)
 under DIR/runs/ARM/seed-S; a finished run is not run again, so an interrupted grid continues.
 Every arm asks the engine for its routed experts (capture only; it changes no numerics), so
@@ -62,6 +66,7 @@ ARMS = {
     "gspo-async": ("GSPO, asynchronous (rollout.mode async, max_staleness 1, decoupled loss)", ["rollout.mode=async"]),
 }
 DEFAULT_ARMS = list(ARMS)[:9]
+SMOKE = ["train.steps=2", "train.rollout_batch_size=2", "train.group_size=4", "rollout.max_new_tokens=16"]
 
 
 def run_arm(out: Path, arm: str, seed: int, extra: list[str], steps: int) -> Path:
@@ -188,8 +193,11 @@ def main() -> int:
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
                         help=f"comma-separated, of {', '.join(ARMS)} (default: the first nine)")
     parser.add_argument("--threshold", type=float, default=0.35, help="reward for 'steps to threshold'")
+    parser.add_argument("--smoke", action="store_true", help="2 arms, 1 seed, 2 steps of a small batch")
     parser.add_argument("overrides", nargs="*", help="key=value for every arm (e.g. train.steps=20)")
     args = parser.parse_args()
+    if args.smoke:
+        args.seeds, args.arms, args.overrides = 1, "gspo-engine,gspo-recompute", [*SMOKE, *args.overrides]
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

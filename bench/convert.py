@@ -5,7 +5,9 @@ Makes a synthetic Qwen3-30B-A3B-structured checkpoint (128 experts, top-8, head_
 safetensors files, (b) hf-to-mcore, (c) mcore-to-hf, each in a fresh process after `sync`.
 Prints GB/s, the ratios b/a and c/a, and peak RSS of b and c; the last line is JSON.
 
-    python bench/convert.py [--work-dir DIR] [--layers N]
+    python bench/convert.py [--work-dir DIR] [--layers N] [--smoke]
+
+`--smoke`: one layer of a 256-wide model (megabytes): the suite's check that the bench runs.
 """
 
 from __future__ import annotations
@@ -51,12 +53,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", help="where to write (default: a temporary directory, removed after)")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="one layer of a 256-wide model")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-convert-"))
     try:
         hf = work / "hf"
         config = {**QWEN3_30B_A3B, "hidden_size": 1024, "moe_intermediate_size": 384, "intermediate_size": 3072,
                   "num_hidden_layers": args.layers}
+        if args.smoke:
+            config.update(hidden_size=256, moe_intermediate_size=32, intermediate_size=256, num_hidden_layers=1,
+                          vocab_size=4096)
         print(f"writing a synthetic checkpoint to {hf} ...", flush=True)
         write_synthetic_checkpoint(hf, config)
         gb = _size_gb(hf)

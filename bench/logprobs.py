@@ -6,7 +6,9 @@ Each variant runs in a fresh process; peak memory is the peak RSS during the mea
 the output layer gives them).
 The last line is JSON: {"peak_mem_ratio": project/naive, "time_ratio": project/naive}.
 
-    python bench/logprobs.py [--tokens 4096] [--vocab 151936]
+    python bench/logprobs.py [--tokens 4096] [--vocab 151936] [--smoke]
+
+`--smoke`: 256 tokens x 4096 vocabulary (the suite's check that the bench runs).
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--smoke", action="store_true", help="256 tokens x 4096 vocabulary")
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.vocab = 256, 4096
     logits_mb = args.tokens * args.vocab * 2 / 2**20
     naive_s, naive_mb, naive_sum, naive_h = run("naive", args.tokens, args.vocab)
     ours_s, ours_mb, ours_sum, ours_h = run("project", args.tokens, args.vocab)

@@ -25,7 +25,9 @@ constant offset (the mean log s_i of the first half of the sequences, "the first
 subtracted from the second half's log s_i, and the band that would hold 90% of sequences.
 
     python -m gspo_mcore.long_task outputs/long_task
-    OMP_NUM_THREADS=1 python bench/mismatch_sources.py [--config configs/long_cpu.yaml] [--sequences 32]
+    OMP_NUM_THREADS=1 python bench/mismatch_sources.py [--config configs/long_cpu.yaml] [--sequences 32] [--smoke]
+
+`--smoke`: 4 sequences of 16 tokens (the suite's check that the bench runs).
 
 The last line is JSON: one object per comparison.
 """
@@ -164,8 +166,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "long_cpu.yaml"))
     parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="4 sequences of 16 tokens")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sequences, args.overrides = 4, ["rollout.max_new_tokens=16", *args.overrides]
     config_path = Path(args.config).resolve()
     os.chdir(REPO)  # the config's paths are relative to the repository
     config = load_config(config_path, args.overrides)

@@ -1,7 +1,10 @@
 """Step time with the engine's log-probs vs `train.recompute_old_logprobs`, on the same batches.
 
-    python bench/step.py [--config configs/long_cpu.yaml] [--steps 6] [key=value ...]
+    python bench/step.py [--config configs/long_cpu.yaml] [--steps 6] [--smoke] [key=value ...]
     torchrun --nproc_per_node N bench/step.py ...
+
+`--smoke`: one measured step of a small batch (every phase still timed), for the suite's check
+that the bench runs; `rollout.urls=[URL]` uses a running server instead of starting one.
 
 One run of the real trainer (`Trainer`: its server, its learner, its weight push). Each step
 generates one rollout batch and trains on it twice: once as the default does (pi_old = the
@@ -24,23 +27,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# --smoke: a small batch of short responses, one server, no evaluation.
+SMOKE = ["train.rollout_batch_size=2", "train.group_size=4", "rollout.max_new_tokens=16", "rollout.num_servers=1",
+         "eval.datasets=[]", "train.num_minibatches=2"]
 
 
 def main() -> None:
     import torch.distributed as dist
 
     from gspo_mcore.config import load_config
-    from gspo_mcore.train import Trainer, broadcast
+    from gspo_mcore.train import Trainer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "long_cpu.yaml"))
     parser.add_argument("--steps", type=int, default=6, help="measured steps (after one warm-up step)")
+    parser.add_argument("--smoke", action="store_true", help="one measured step of a small batch")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     import os
 
     os.chdir(REPO)  # the configs' paths are relative to the repository
-    config = load_config(args.config, [*args.overrides, "train.recompute_old_logprobs=false",
+    steps, small = (1, SMOKE) if args.smoke else (args.steps, [])
+    config = load_config(args.config, [*small, *args.overrides, "train.recompute_old_logprobs=false",
                                        "weight_sync.check_every=0", "train.save_every=0"])
     if Path(args.config).resolve() == (REPO / "configs" / "long_cpu.yaml").resolve():
         from gspo_mcore.long_task import make_long_task
@@ -50,8 +58,8 @@ def main() -> None:
         trainer = Trainer(config, Path(out))
         rows = []
         with trainer.stack:
-            for step in range(args.steps + 1):
-                rows.append(measure(trainer, step, broadcast))
+            for step in range(steps + 1):
+                rows.append(measure(trainer, step))
         rows = rows[1:]
     if dist.get_rank() == 0:
         report(rows)
@@ -59,11 +67,14 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def measure(trainer, step: int, broadcast) -> dict:
+def measure(trainer, step: int) -> dict:
     """One batch, both arms; seconds per phase."""
+    from gspo_mcore.parallel import broadcast_from_host
+
     learner, times = trainer.learner, {}
     began = time.perf_counter()
-    rollouts, advantages, _ = broadcast(trainer.source.collect(step, trainer.version) if trainer.source else None)
+    rollouts, advantages, _ = broadcast_from_host(trainer.source.collect(step, trainer.version)
+                                                  if trainer.source else None)
     times["rollout"] = time.perf_counter() - began
     arms = ["engine", "recompute"] if step % 2 == 0 else ["recompute", "engine"]
     for arm in arms:

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean docker shellcheck
 
-SGLANG_CPU := gspo_mcore/rollout/sglang_cpu
+SGLANG_CPU := gspo_mcore/engines/sglang/sglang_cpu
 
 $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	# A real SGLang server on CPU for rollouts (see $(SGLANG_CPU)/__init__.py): pinned, no deps.
 	$(PY) -m pip install --quiet --no-deps -r $(SGLANG_CPU)/requirements.txt
-	$(PY) -m gspo_mcore.rollout.sglang_cpu.patch_torchvision
+	$(PY) -m gspo_mcore.engines.sglang.sglang_cpu.patch_torchvision
 	touch $(STAMP)
 
 install: $(STAMP)

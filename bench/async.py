@@ -52,7 +52,7 @@ from gspo_mcore.long_task import make_long_task  # noqa: E402
 from gspo_mcore.netaddr import free_port  # noqa: E402
 from gspo_mcore.plot import plot_runs  # noqa: E402
 from gspo_mcore.processes import ManagedServer  # noqa: E402
-from gspo_mcore.rollout.server import server_for_config  # noqa: E402
+from gspo_mcore.engines.sglang.server import server_for_config  # noqa: E402
 
 CONFIG = REPO / "configs" / "long_cpu.yaml"
 # run name -> its overrides

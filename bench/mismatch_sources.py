@@ -56,10 +56,9 @@ def engine_rollouts(config, dtype: str, prompts: list[list[int]], vocab_size: in
     import dataclasses
 
     from gspo_mcore.netaddr import free_port
-    from gspo_mcore.rollout.client import SGLangClient
-    from gspo_mcore.rollout.engine_control import EngineControl
+    from gspo_mcore.engines.sglang.engine import SGLangEngine
     from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.server import server_for_config
+    from gspo_mcore.engines.sglang.server import server_for_config
 
     port = free_port()
     config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine_dtype=dtype))
@@ -67,8 +66,8 @@ def engine_rollouts(config, dtype: str, prompts: list[list[int]], vocab_size: in
     url = f"http://127.0.0.1:{port}"
     with ManagedServer(cmd, url, log_dir / f"sglang_{dtype}.log", env=env):
         params = {"max_new_tokens": config.rollout.max_new_tokens, "temperature": config.rollout.temperature}
-        rollouts = SGLangClient([url], vocab_size).generate(prompts, params)
-        prefill = EngineControl([url]).prompt_logprobs(url, [r.prompt_ids + r.response_ids for r in rollouts])
+        rollouts = SGLangEngine([url]).client(vocab_size).generate(prompts, params)
+        prefill = SGLangEngine([url]).prompt_logprobs(url, [r.prompt_ids + r.response_ids for r in rollouts])
     return rollouts, [p[len(r.prompt_ids) - 1:] for r, p in zip(rollouts, prefill)]
 
 

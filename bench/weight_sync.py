@@ -60,12 +60,12 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
     from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_weights
     from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
-    from gspo_mcore.rollout.engine_control import EngineControl
+    from gspo_mcore.engines.sglang.engine import SGLangEngine
     from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.server import sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.engines.sglang.server import sglang_command
+    from gspo_mcore.engines.sglang.sglang_cpu import server_env
     from gspo_mcore.checkpointing import save_hf_checkpoint
-    from gspo_mcore.weight_sync import DistributedWeightSync, bucketed, push_from_disk
+    from gspo_mcore.weight_sync import DistributedWeightSync, bucketed
 
     work = Path(tempfile.mkdtemp(prefix=f"bench-sync-{size}-"))
     hf_dir = make_tiny_checkpoint(work / "model", seed=0, dtype=torch.bfloat16, **SIZES[size])
@@ -78,7 +78,7 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     url = f"http://127.0.0.1:{port}"
     timings: dict[str, list[float]] = {"distributed": [], "disk": [], "copy": []}
     with ManagedServer(sglang_command(str(hf_dir), port), url, work / "sglang.log", env=server_env()):
-        control = EngineControl([url])
+        control = SGLangEngine([url])
         sync = DistributedWeightSync(model, arch, "local", control, backend="gloo", master_address="127.0.0.1",
                                      bucket_bytes=bucket_bytes, dtype=torch.bfloat16)
         for i in range(repeats):
@@ -88,7 +88,7 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
         for i in range(repeats):
             start = time.perf_counter()
             out = save_hf_checkpoint(model, arch, "local", work / "sync", hf_dir)
-            push_from_disk(control, out, f"disk-{i}")
+            control.load_from_disk(out, f"disk-{i}")
             timings["disk"].append(time.perf_counter() - start)
     # The copy baseline: the same bucket sizes, bf16 bytes, to a bare gloo receiver.
     sizes = [sum(t.numel() for _, t in bucket) * 2 for bucket in

@@ -41,7 +41,7 @@ import torch
 from transformers.utils import get_json_schema
 
 from gspo_mcore import toy_task
-from gspo_mcore.rollout.functions import environment_ids
+from gspo_mcore.rollout.engine_handle import environment_ids
 
 TABLES = 64
 KEYS = 8
@@ -54,7 +54,7 @@ WARM_THREADS = 1
 SPECIALS = ("<pad>", "<eos>", "<unk>", "system:", "user:", "assistant:", "tools", "(", ")", "look", "up", "in")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 JSON_WORDS = ("{", "}", ":", ",", '"name"', '"arguments"', '"lookup"', '"table"', '"key"', "lookup", "table", "key")
-# Qwen3's tool format (gspo_mcore.rollout.tools.QWEN3_TOOL_TEMPLATE) word by word: the tools in
+# Qwen3's tool format (gspo_mcore.tools.runner.QWEN3_TOOL_TEMPLATE) word by word: the tools in
 # a system turn (name and argument names: the vocabulary has no room for the JSON schema's prose),
 # every turn ended by <eos> (Qwen3's <|im_end|>), an assistant turn as written, consecutive tool
 # results in one user turn, each in <tool_response>.

@@ -166,8 +166,10 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
+    engine: Literal["sglang"] = "sglang"
+    """The inference engine (gspo_mcore/engines/<name>/): its servers, launch and weight transfer."""
     urls: list[str] = field(default_factory=list)
-    """Running SGLang servers. Empty: the run starts `num_servers` itself (the CPU default, tests)."""
+    """Running engine servers. Empty: the run starts `num_servers` itself (the CPU default, tests)."""
     num_servers: int = 1
     mode: Literal["sync", "one_step_off", "async"] = "sync"
     """sync: generate a batch, train on it, push, repeat. one_step_off: batch k+1 is generated

@@ -1,4 +1,4 @@
-"""`gspo-eval`: a model on the config's `eval` datasets, through SGLang.
+"""`gspo-eval`: a model on the config's `eval` datasets, through the config's engine.
 
     gspo-eval --config FILE --model DIR [--urls URL,...] [key=value ...]
     python -m gspo_mcore.evaluate ...
@@ -7,7 +7,7 @@ DIR is a Hugging Face directory (config.json + safetensors), or a run's OUTPUT_D
 exported hf/, else its latest checkpoint converted (checkpoint_convert mcore-to-hf, with
 model.hf_dir's config.json and tokenizer). Without --urls the command starts `rollout.num_servers` servers for DIR
 itself (logs in a temporary directory) and stops them; with --urls, running servers load DIR's
-weights first (/update_weights_from_disk: a file system both see). The same chat template,
+weights first (Engine.load_from_disk: a file system both see). The same chat template,
 reward workers and figures as the evaluation during training (gspo_mcore.evaluation). Prints a
 markdown table, then one JSON line of every figure.
 """
@@ -28,11 +28,8 @@ from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.errors import InputError, run_cli
 from gspo_mcore.evaluation import Evaluator
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.rollout.client import SGLangClient
-from gspo_mcore.rollout.engine_control import EngineControl
-from gspo_mcore.rollout.http import api_key_from_env
-from gspo_mcore.rollout.server import start_servers
-from gspo_mcore.weight_sync.disk import push_from_disk
+from gspo_mcore import engines
+from gspo_mcore.http import api_key_from_env
 
 
 def model_dir(path: Path, scratch: Path | None = None, hf_config_dir: str | None = None) -> Path:
@@ -74,7 +71,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="gspo-eval", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--model", required=True, type=Path, help="a Hugging Face directory or a run's OUTPUT_DIR")
-    parser.add_argument("--urls", default="", help="running SGLang servers, comma-separated (default: start them)")
+    parser.add_argument("--urls", default="", help="running engine servers, comma-separated (default: start them)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     with ExitStack() as stack:
@@ -89,11 +86,11 @@ def main(argv=None) -> int:
         stack.callback(evaluator.close)
         key = api_key_from_env()
         if args.urls:
-            urls = [u for u in args.urls.split(",") if u]
-            push_from_disk(EngineControl(urls, api_key=key), hf_dir, "eval")
+            engine = engines.connect(config, [u for u in args.urls.split(",") if u], key)
+            engine.load_from_disk(hf_dir, "eval")
         else:
-            urls = start_servers(config, scratch / "logs", stack, api_key=key)
-        client = SGLangClient(urls, load_hf_config(hf_dir / "config.json").vocab_size, api_key=key)
+            engine = engines.connect(config, engines.start_servers(config, scratch / "logs", stack, api_key=key), key)
+        client = engine.client(load_hf_config(hf_dir / "config.json").vocab_size)
         metrics = evaluator.run(client)
     print(table(metrics, [d.name for d in config.eval.datasets]))
     print(json.dumps({"model": str(hf_dir), **metrics}), flush=True)

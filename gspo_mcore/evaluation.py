@@ -17,7 +17,8 @@ from gspo_mcore.config import Config
 from gspo_mcore.data import PromptDataset, chat_prompt_ids
 from gspo_mcore.errors import InputError
 from gspo_mcore.rewards.runner import RewardRunner
-from gspo_mcore.rollout.functions import EngineHandle, Task, load_rollout_function, run_functions
+from gspo_mcore.rollout.engine_handle import EngineHandle, Task
+from gspo_mcore.rollout.functions import load_rollout_function, run_functions
 
 CORRECT = 1.0 - 1e-6  # a reward this high counts as a correct answer for pass@k
 
@@ -60,7 +61,7 @@ class Evaluator:
         self.function = load_rollout_function(config.rollout.function)
         self.tools = None
         if self.function is not None and config.rollout.tools:
-            from gspo_mcore.rollout.tools import ToolRunner
+            from gspo_mcore.tools.runner import ToolRunner
 
             self.tools = ToolRunner(config.rollout.tools, workers=config.rollout.tool_workers,
                                     timeout_s=config.rollout.tool_timeout_s)

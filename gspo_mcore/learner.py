@@ -25,7 +25,7 @@ from gspo_mcore.optimizer import lr_scheduler, optimizer_step, setup_training
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches, spread_over_response)
 from gspo_mcore.parallel import device
-from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.samples import Rollout
 from gspo_mcore.seeds import step_seed
 
 def _gather_dp(values: list) -> list:

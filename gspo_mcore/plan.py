@@ -6,7 +6,7 @@
 Layout checks (each failure is one line naming the field): world size divisible by
 TP x PP and by EP x ETP x PP, EP divides the experts, TP divides the attention heads and KV
 heads (TP <= KV heads), the vocabulary splits over TP without padding, PP divides the layers,
-every minibatch feeds every data-parallel rank, SGLang's GPUs fit beside the trainer's.
+every minibatch feeds every data-parallel rank, the engine's GPUs fit beside the trainer's.
 
 Memory per trainer GPU (GiB) in each phase of a step, against the GPU less the trainer's CUDA
 context and NCCL buffers (a phase over it is refused, naming the phase; the margin printed is
@@ -19,7 +19,7 @@ what the largest phase leaves):
   prompt + rollout.max_new_tokens tokens, beside the engine;
 - rollout: the static state beside the engine (train.py empties the trainer's cache after the
   push and the check, so no cached blocks stay).
-Also SGLang's KV capacity on its own GPUs, the host memory of an offloaded optimizer, the disk
+Also the engine's KV capacity on its own GPUs, the host memory of an offloaded optimizer, the disk
 a checkpoint and the Hugging Face export take, and the FLOPs of one step. A refused plan still
 prints its breakdown.
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo_mcore.config import Config, ConfigError, load_config
+from gspo_mcore.engines import EngineMemory, engine_class
 from gspo_mcore.errors import run_cli
 from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
@@ -50,9 +51,6 @@ H100_GB = 79.6
 # Held by the trainer process beyond what torch allocates: its CUDA context and NCCL's
 # communicator buffers. A stated allowance, not a measurement.
 TRAINER_CONTEXT_GB = 2.0
-# A colocated SGLang process keeps, beyond its weights and KV cache: the CUDA context, CUDA
-# graphs and its forward's activations. A stated allowance, not a measurement.
-SGLANG_MARGIN_GB = 4.0
 PHASES = ("training", "weight push", "sync check", "rollout")
 # What lowers each phase's memory, for the refusal message.
 PHASE_ADVICE = {
@@ -192,8 +190,13 @@ def trainer_state_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> d
     return out
 
 
+def engine_memory(config: Config, arch: Qwen3MoeArch) -> EngineMemory:
+    """What one GPU of the config's engine holds for this model (the engine's own model)."""
+    return engine_class(config.rollout.engine).memory(arch, config.rollout.engine_tp, param_counts(arch)["total"])
+
+
 def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int = 512) -> dict[str, float]:
-    """GiB per trainer GPU (the busiest: first pipeline stage) and per SGLang GPU."""
+    """GiB per trainer GPU (the busiest: first pipeline stage) and per engine GPU."""
     state = trainer_state_bytes(config, arch, layout)
     host = state.pop("host_optimizer", None)
     tokens, tp = config.train.max_tokens_per_microbatch, config.distributed.tensor_parallel
@@ -205,21 +208,20 @@ def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_t
     out["trainer_check_forward_gb"] = check_forward_bytes(config, arch, prompt_tokens) / GB
     if host is not None:
         out["host_optimizer_gb_per_gpu"] = host / GB
-    etp = config.rollout.engine_tp
-    out["sglang_weights_gb"] = param_counts(arch)["total"] * 2 / etp / GB
-    kv_per_token = 2 * arch.num_layers * max(1, arch.num_key_value_heads // etp) * arch.head_dim * 2
-    out["sglang_kv_bytes_per_token"] = kv_per_token
+    engine = engine_memory(config, arch)
+    out["engine_weights_gb"], out["engine_margin_gb"] = engine.weights_gb, engine.margin_gb
+    out["engine_kv_bytes_per_token"] = engine.kv_bytes_per_token
     if config.weight_sync.colocate:  # what the engine holds on a GPU the trainer shares
-        out["sglang_kv_cache_gb"] = config.rollout.max_total_tokens * kv_per_token / GB
-        out["sglang_resident_gb"] = out["sglang_weights_gb"] + out["sglang_kv_cache_gb"] + SGLANG_MARGIN_GB
+        out["engine_kv_cache_gb"] = config.rollout.max_total_tokens * engine.kv_bytes_per_token / GB
+        out["engine_resident_gb"] = engine.weights_gb + out["engine_kv_cache_gb"] + engine.margin_gb
     return out
 
 
 def phase_totals(config: Config, memory: dict[str, float]) -> dict[str, float]:
     """GiB per trainer GPU in each phase of a step (the trainer's CUDA context not included);
     a colocated engine's share is in every phase (only its allowance while released)."""
-    static, engine = memory["trainer_static_gb"], memory.get("sglang_resident_gb", 0.0)
-    released = SGLANG_MARGIN_GB if config.weight_sync.colocate else 0.0
+    static, engine = memory["trainer_static_gb"], memory.get("engine_resident_gb", 0.0)
+    released = memory["engine_margin_gb"] if config.weight_sync.colocate else 0.0
     bucket = config.weight_sync.bucket_mb / 1024 * 2  # the flat bucket and its engine-dtype copy
     phases = {"training": memory["trainer_total_gb"] + released, "weight push": static + bucket + engine,
               "sync check": static + memory["trainer_check_forward_gb"] + engine, "rollout": static + engine}
@@ -232,8 +234,8 @@ def check_fits(config: Config, result: dict) -> None:
     """Refuse the first phase over the GPU's usable memory, naming it and what lowers it."""
     for phase, total in result["phases_gb"].items():
         if total > result["usable_gb"]:
-            who = ("weight_sync.colocate: during the {} phase the trainer and SGLang (weights, KV cache for "
-                   f"rollout.max_total_tokens {config.rollout.max_total_tokens}, {SGLANG_MARGIN_GB:g} GiB allowance) need"
+            who = ("weight_sync.colocate: during the {} phase the trainer and the engine (weights, KV cache for "
+                   f"rollout.max_total_tokens {config.rollout.max_total_tokens}, {result['engine_margin_gb']:g} GiB allowance) need"
                    if config.weight_sync.colocate else "during the {} phase the trainer needs").format(phase)
             raise MemoryRefused(
                 f"{who} an estimated {total:.1f} GiB per GPU > {result['usable_gb']:.1f} GiB "
@@ -291,11 +293,11 @@ def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu
     usable = gpu_memory_gb - TRAINER_CONTEXT_GB
     tightest = max(phases, key=phases.get)
     if layout.rollout_gpus:
-        free = gpu_memory_gb * 0.85 - memory["sglang_weights_gb"]
+        free = gpu_memory_gb * engine_memory(config, arch).usable_fraction - memory["engine_weights_gb"]
         if free <= 0:
-            raise ConfigError(f"rollout.engine_tp {config.rollout.engine_tp}: SGLang's weights alone "
-                              f"({memory['sglang_weights_gb']:.1f} GiB) do not fit a {gpu_memory_gb:g} GiB GPU")
-        memory["sglang_kv_cache_tokens"] = int(free * GB / memory["sglang_kv_bytes_per_token"])
+            raise ConfigError(f"rollout.engine_tp {config.rollout.engine_tp}: {config.rollout.engine}'s weights alone "
+                              f"({memory['engine_weights_gb']:.1f} GiB) do not fit a {gpu_memory_gb:g} GiB GPU")
+        memory["engine_kv_cache_tokens"] = int(free * GB / memory["engine_kv_bytes_per_token"])
     counts = param_counts(arch)
     result = {"gpus": layout.total_gpus, "trainer_gpus": layout.trainer_gpus, "rollout_gpus": layout.rollout_gpus,
               "data_parallel": layout.dp, "expert_data_parallel": layout.expert_dp,
@@ -313,7 +315,8 @@ def report(config: Config, result: dict, out) -> None:
     w(f"{r['gpus']} GPUs: {r['trainer_gpus']} trainer (TP {d.tensor_parallel} x PP {d.pipeline_parallel}"
       f" x DP {r['data_parallel']}; experts EP {d.expert_parallel} x ETP {d.expert_tensor_parallel} x "
       f"expert-DP {r['expert_data_parallel']}), "
-      + ("SGLang on the same GPUs (colocated)" if config.weight_sync.colocate else f"{r['rollout_gpus']} SGLang"))
+      + (f"{config.rollout.engine} on the same GPUs (colocated)" if config.weight_sync.colocate
+         else f"{r['rollout_gpus']} {config.rollout.engine}"))
     w(f"model: {r['params_total_b']:.1f}B parameters, {r['params_active_b']:.2f}B active per token")
     w("per trainer GPU while training (GiB): " + ", ".join(
         f"{k} {r[f'trainer_{k}_gb']:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "logits"))
@@ -321,16 +324,16 @@ def report(config: Config, result: dict, out) -> None:
     if "host_optimizer_gb_per_gpu" in r:
         w(f"host memory: {r['host_optimizer_gb_per_gpu']:.1f} GiB per trainer GPU (offloaded Adam + fp32 gradient "
           f"copies)")
-    if "sglang_resident_gb" in r:
-        w(f"SGLang beside it (GiB): weights {r['sglang_weights_gb']:.1f}, KV cache {r['sglang_kv_cache_gb']:.1f} "
-          f"(rollout.max_total_tokens {config.rollout.max_total_tokens}), allowance {SGLANG_MARGIN_GB:g}")
+    if "engine_resident_gb" in r:
+        w(f"{config.rollout.engine} beside it (GiB): weights {r['engine_weights_gb']:.1f}, KV cache {r['engine_kv_cache_gb']:.1f} "
+          f"(rollout.max_total_tokens {config.rollout.max_total_tokens}), allowance {r['engine_margin_gb']:g}")
     w(f"per GPU by phase (GiB of {r['usable_gb']:.1f} usable: {r['gpu_memory_gb']:g} less {TRAINER_CONTEXT_GB:g} for "
       "the trainer's CUDA context and NCCL buffers): "
       + ", ".join(f"{phase} {total:.1f}" for phase, total in r["phases_gb"].items()))
     w(f"margin: {r['margin_gb']:.1f} GiB per GPU at the {r['tightest_phase']} phase"
       + (" (REFUSED)" if r["margin_gb"] < 0 else ""))
     if r["rollout_gpus"]:
-        w(f"per SGLang GPU: weights {r['sglang_weights_gb']:.1f} GiB, KV cache for ~{r['sglang_kv_cache_tokens']:,} tokens")
+        w(f"per {config.rollout.engine} GPU: weights {r['engine_weights_gb']:.1f} GiB, KV cache for ~{r['engine_kv_cache_tokens']:,} tokens")
     t = config.train
     w(f"disk warning: each checkpoint ~{r['checkpoint_gb']:,.0f} GB (weights + fp32 master weights + 2 Adam "
       f"moments), written {f'every {t.save_every} steps and ' if t.save_every else ''}at the end, up to "

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from gspo_mcore.errors import InputError
-from gspo_mcore.rollout.http import HTTPRequestError, get_json
+from gspo_mcore.http import HTTPRequestError, get_json
 
 REDACTED = b"<redacted>"
 

@@ -82,7 +82,7 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
 def make_model(model_dir: Path, seed: int, words: list[str] | None = None, chat_template: str = CHAT_TEMPLATE) -> None:
     """A model directory: a random all-MoE tiny model and a word-level tokenizer (the toy's, or
     another task's `words` and `chat_template`)."""
-    # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see rollout.server).
+    # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see gspo_mcore.engines.sglang.server).
     make_tiny_checkpoint(model_dir, seed=seed, dtype=torch.float32, mlp_only_layers=[],
                          eos_token_id=1, pad_token_id=0, bos_token_id=None)
     make_tokenizer(model_dir, words, chat_template)

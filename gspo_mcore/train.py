@@ -34,7 +34,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from gspo_mcore import plan, run_config, weight_sync
+from gspo_mcore import engines, plan, run_config, weight_sync
 from gspo_mcore.checkpointing import Checkpointer, latest_checkpoint
 from gspo_mcore.config import Config, config_yaml, load_config
 from gspo_mcore.errors import EngineError, InputError, run_cli
@@ -46,9 +46,7 @@ from gspo_mcore.metrics import Progress, RunLog
 from gspo_mcore.parallel import broadcast_from_host, host_group
 from gspo_mcore.torchrun import omp_threads
 from gspo_mcore.toy_task import check_task_written
-from gspo_mcore.rollout.engine_control import EngineControl
-from gspo_mcore.rollout.http import api_key_from_env
-from gspo_mcore.rollout.server import start_servers
+from gspo_mcore.http import api_key_from_env
 from gspo_mcore.preemption import Preempted, StopRequest
 from gspo_mcore.rollout.producer import make_producer
 from gspo_mcore.rollout.source import RolloutSource
@@ -130,15 +128,15 @@ class Trainer:
             # The servers' API key (a run's own servers get one made for it) on every rank:
             # weight-sync owners on any rank call the servers.
             urls, key = broadcast_from_host(self._servers() if self.rank == 0 else None)
-            self.control = EngineControl(urls, timeout_s=config.rollout.request_timeout_s, api_key=key)
+            self.engine = engines.connect(config, urls, key)
             if self.source is not None:
-                self._connect(urls, key)
+                self._connect()
             self.start_step = 0
             if resume:
                 self.start_step, rollout_state = self.checkpoints.load()
                 if self.source is not None:
                     self.source.load_state_dict(rollout_state)
-            self.sync = weight_sync.build(config, self.learner.model, self.learner.arch, self.control, self.output_dir)
+            self.sync = weight_sync.build(config, self.learner.model, self.learner.arch, self.engine, self.output_dir)
             self.stack.callback(self.sync.close)
             # Whatever the engine holds (model.hf_dir at start-up, a previous run's weights on a
             # long-lived server, older weights on a resume), it now gets the trainer's.
@@ -149,7 +147,7 @@ class Trainer:
             self.sync.push(self.version)
             # After the first push: asynchronous producers start generating with these weights.
             self.asynchronous = config.rollout.mode != "sync"
-            self.producer = make_producer(self.source, self.start_step, self.control) if self.source is not None else None
+            self.producer = make_producer(self.source, self.start_step, self.engine) if self.source is not None else None
             if self.producer is not None:
                 self.stack.callback(self.producer.close)
             # Created only now: bad input found above (prompts, reward, servers) leaves no directory.
@@ -164,13 +162,14 @@ class Trainer:
             self.stack.close()
             raise
 
-    def _connect(self, urls: list[str], key: str | None) -> None:
+    def _connect(self) -> None:
         """Rank 0's rollout client, as many requests in flight as the servers run at once (their
         own limits, whoever started them)."""
         config, arch = self.config, self.learner.arch
         routing_shape = (arch.num_layers, arch.num_experts_per_tok) if config.rollout.return_routed_experts else None
-        concurrency = sum(self.control.max_running_requests(url, config.rollout.max_running_requests) for url in urls)
-        self.source.connect(urls, arch.vocab_size, routing_shape, api_key=key, max_concurrency=concurrency)
+        concurrency = sum(self.engine.max_running_requests(url, config.rollout.max_running_requests)
+                          for url in self.engine.urls)
+        self.source.connect(self.engine, arch.vocab_size, routing_shape, max_concurrency=concurrency)
         self.stop.on_abandon = self.source.client.close  # a signal mid-rollout aborts the requests in flight
 
     def _open_log(self, resume: bool) -> RunLog:
@@ -190,7 +189,7 @@ class Trainer:
         if self.config.rollout.urls:
             return list(self.config.rollout.urls), api_key_from_env()
         key = api_key_from_env() or secrets.token_hex(16)
-        return start_servers(self.config, self.output_dir / "logs", self.stack, api_key=key), key
+        return engines.start_servers(self.config, self.output_dir / "logs", self.stack, api_key=key), key
 
     def step(self, step: int) -> dict:
         """One rollout batch -> updates -> push (-> sync check). Metrics on every rank."""
@@ -205,7 +204,7 @@ class Trainer:
             rollouts, advantages, metrics = batch
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate and self.rank == 0:
-                self.control.release_memory()
+                self.engine.release_memory()
             self.learner.scheduler.step(1)  # this step's learning rate (optimizer.lr_warmup_steps, lr_decay)
             metrics.update(dict.fromkeys(UPDATE))  # null unless this step trains
             if rollouts:
@@ -270,7 +269,7 @@ class Trainer:
             release_cached_memory()  # the training peak must not stay reserved beside the engine
             dist.barrier()
             if self.rank == 0:
-                self.control.resume_memory()
+                self.engine.resume_memory()
         self.version = f"step-{step + 1}"
         paused = time.perf_counter()
         if self.producer is not None:
@@ -289,7 +288,7 @@ class Trainer:
         if not (every and (step + 1) % every == 0 and self.probes):
             return figures
         tokens, scored_from = zip(*self.probes)
-        figures.update(weight_sync.check_sync(self.learner.model, self.control, list(tokens),
+        figures.update(weight_sync.check_sync(self.learner.model, self.engine, list(tokens),
                                               config.sync_check_tolerance, list(scored_from)))
         release_cached_memory()  # the check forward's logits
         return figures

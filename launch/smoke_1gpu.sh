@@ -118,7 +118,7 @@ plan, rows = json.loads(sys.argv[1]), [json.loads(line) for line in open(sys.arg
 peaks = [r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not None]
 # The trainer's own peak as planned: training, the push (bucket) or the check's forward,
 # without SGLang's share (another process).
-engine = plan.get("sglang_resident_gb", 0.0)
+engine = plan.get("engine_resident_gb", 0.0)
 planned = max(plan["trainer_total_gb"], *(plan["phases_gb"][p] - engine for p in ("weight push", "sync check")))
 ok = bool(peaks) and max(peaks) <= planned
 measured = f"{max(peaks):.1f} GiB" if peaks else "not in metrics.jsonl"

@@ -49,7 +49,7 @@ if ((GSPO_EXTERNAL_SERVERS == 0)); then
         first=$((i * GSPO_ENGINE_TP))
         port=$((base_port + i))
         CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
-            gspo_start "$out/logs/sglang_$i.log" "$py" -m gspo_mcore.rollout.serve --config "$config" \
+            gspo_start "$out/logs/sglang_$i.log" "$py" -m gspo_mcore.engines.serve --config "$config" \
             --port "$port" "$@"
         urls+=("http://127.0.0.1:$port")
     done

@@ -60,8 +60,8 @@ def server(toy, tmp_path_factory):
     initial weights first, so a previous run's weights do not leak in."""
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.server import sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.engines.sglang.server import sglang_command
+    from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
     port = free_port()
     cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,

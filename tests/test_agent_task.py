@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from gspo_mcore import agent_task
 from gspo_mcore.agent_task import lookup, lookup_reward, make_agent_task, tool_call
-from gspo_mcore.rollout.tools import ToolCall, load_tools, parse_tool_calls
+from gspo_mcore.tools.runner import ToolCall, load_tools, parse_tool_calls
 from test_trajectories import ScriptedModel
 
 TOOLS = ["gspo_mcore.agent_task:lookup"]
@@ -56,9 +56,9 @@ def test_reward_is_one_when_the_last_turns_first_word_is_the_value(response, exp
 
 
 def test_the_tool_loop_splices_the_result_as_the_template_renders_the_whole_conversation(tokenizer):
-    from gspo_mcore.rollout.functions import EngineHandle, Task
+    from gspo_mcore.rollout.engine_handle import EngineHandle, Task
     from gspo_mcore.rollout.tool_loop import tool_loop
-    from gspo_mcore.rollout.tools import ToolRunner
+    from gspo_mcore.tools.runner import ToolRunner
 
     value = lookup("t_12", "k_3")
     model = ScriptedModel(tokenizer, [tool_call("t_12", "k_3"), value])

@@ -12,11 +12,10 @@ import torch
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 from gspo_mcore.netaddr import free_port
 from gspo_mcore.processes import ManagedServer
-from gspo_mcore.rollout.client import SGLangClient
-from gspo_mcore.rollout.engine_control import EngineControl
-from gspo_mcore.rollout.server import sglang_command
-from gspo_mcore.rollout.sglang_cpu import server_env
-from gspo_mcore.weight_sync import push_from_disk
+from gspo_mcore.engines.sglang.client import SGLangClient
+from gspo_mcore.engines.sglang.engine import SGLangEngine
+from gspo_mcore.engines.sglang.server import sglang_command
+from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("async_engine")]
 
@@ -57,8 +56,8 @@ def _generate_across_a_push(engine, client: SGLangClient, keep_tokens: bool):
     """Three long responses; once the server decodes them (the prefill made their first token
     under version 0), pause, push version 1, continue."""
     url, log, old, new = engine
-    control = EngineControl([url])
-    push_from_disk(control, old, "step-0")
+    control = SGLangEngine([url])
+    control.load_from_disk(old, "step-0")
     prompts = [[1, 5, 9, 33], [7, 7, 100], [200, 3, 4, 5, 6, 7]]
     result = {}
     worker = threading.Thread(target=lambda: result.update(rollouts=client.generate(
@@ -70,9 +69,9 @@ def _generate_across_a_push(engine, client: SGLangClient, keep_tokens: bool):
         time.sleep(0.05)  # update once the server is decoding the batch
     if not keep_tokens:
         client.interrupt()
-    control.pause_generation(keep_tokens=keep_tokens)
-    push_from_disk(control, new, "step-1")
-    control.continue_generation()
+    control.pause(keep_tokens=keep_tokens)
+    control.load_from_disk(new, "step-1")
+    control.resume()
     client.end_interrupt()
     worker.join(timeout=300)
     return result["rollouts"]

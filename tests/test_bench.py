@@ -41,8 +41,8 @@ def long_task_server(long_task, tmp_path_factory):
     bench that trains pushes its own weights first."""
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.server import sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.engines.sglang.server import sglang_command
+    from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
     port = free_port()
     cmd = sglang_command(str(long_task / "model"), port, max_running_requests=64, extra_args=("--enable-return-routed-experts",))
@@ -137,7 +137,7 @@ def test_documented_bench_commands_match_their_help():
     requires (its --help is the reference)."""
     commands = _documented_commands()
     assert {name for name, _ in commands} >= {"step", "async", "claim", "convert", "logprobs", "weight_sync",
-                                             "mismatch_sources"}
+                                             "mismatch_sources", "client"}
     helps = {}
     for name, args in commands:
         if name not in helps:
@@ -151,3 +151,11 @@ def test_documented_bench_commands_match_their_help():
         used = {a.split("=")[0] for a in args if a.startswith("--")}
         assert used <= options, f"bench/{name}.py {' '.join(args)}: {sorted(used - options)} not in its --help"
         assert required <= used, f"bench/{name}.py {' '.join(args)}: misses the required {sorted(required - used)}"
+
+
+@smoke_run
+def test_client_bench():
+    """A stand-in engine in its own process; the real client ingesting from it."""
+    line = smoke("client.py")
+    assert {"ingest_tokens_per_s", "trainer_slowdown", "achieved_tokens_per_s_under_load"} <= set(line)
+    assert line["ingest_tokens_per_s"] > 0 and line["achieved_tokens_per_s_under_load"] > 0

@@ -69,7 +69,7 @@ class _ScriptedEngine:
         self.tokenizer, self.urls, self.max_concurrency, self.calls = tokenizer, ["a", "b"], 4, []
 
     def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):
-        from gspo_mcore.rollout.response import Rollout
+        from gspo_mcore.samples import Rollout
 
         self.calls.append((name, server, weight_version))
         category = re.search(r"name an? (\w+)", self.tokenizer.decode(prompt_ids)).group(1)
@@ -81,7 +81,7 @@ class _ScriptedEngine:
 
 async def answer_once(task, engine):
     """A user's function: one turn, its text scored."""
-    from gspo_mcore.rollout.trajectory import Trajectory
+    from gspo_mcore.trajectory import Trajectory
 
     prompt = engine.chat_ids(task.messages)
     trajectory = Trajectory(prompt)

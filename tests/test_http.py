@@ -13,10 +13,10 @@ import pytest
 from conftest import REPO
 from gspo_mcore.errors import InputError
 from gspo_mcore.netaddr import free_port
-from gspo_mcore.rollout.client import RetryableError, SGLangClient
+from gspo_mcore.engines.sglang.client import RetryableError, SGLangClient
 from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.rollout.engine_control import EngineControl
-from gspo_mcore.rollout.http import ConnectionFailure, HTTPStatusError, get_json, post_json
+from gspo_mcore.engines.sglang.engine import SGLangEngine
+from gspo_mcore.http import ConnectionFailure, HTTPStatusError, get_json, post_json
 from gspo_mcore.errors import RolloutError
 
 LONG = "m" * 1000
@@ -88,25 +88,25 @@ def test_json_post_and_get(url):
 
 
 def test_the_run_api_key_goes_with_every_request(url, monkeypatch):
-    from gspo_mcore.rollout.client import SGLangClient
-    from gspo_mcore.rollout.http import API_KEY_ENV
+    from gspo_mcore.engines.sglang.client import SGLangClient
+    from gspo_mcore.http import API_KEY_ENV
 
     monkeypatch.setenv(API_KEY_ENV, "from-the-environment")  # read once by entry points, never here
     assert get_json(f"{url}/auth", 5) == {"authorization": None}
     assert get_json(f"{url}/auth", 5, api_key="k3y") == {"authorization": "Bearer k3y"}
     assert post_json(f"{url}/auth", {}, 5, api_key="k3y") == {"authorization": "Bearer k3y"}
-    assert EngineControl([url], api_key="k3y").call(url, "/auth") == {"authorization": "Bearer k3y"}
+    assert SGLangEngine([url], api_key="k3y").call(url, "/auth") == {"authorization": "Bearer k3y"}
     assert SGLangClient([url], 256, api_key="k3y")._post(f"{url}/auth", {}) == {"authorization": "Bearer k3y"}
 
 
 def test_a_server_for_other_hosts_needs_an_api_key(monkeypatch):
-    """`python -m gspo_mcore.rollout.serve` binds 127.0.0.1 by default; 0.0.0.0 without a key
+    """`python -m gspo_mcore.engines.serve` binds 127.0.0.1 by default; 0.0.0.0 without a key
     is refused (anyone reaching /update_weights_* could load weights into it)."""
     import pytest as _pytest
 
     from gspo_mcore.errors import InputError
-    from gspo_mcore.rollout.http import API_KEY_ENV
-    from gspo_mcore.rollout.serve import main
+    from gspo_mcore.http import API_KEY_ENV
+    from gspo_mcore.engines.serve import main
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with _pytest.raises(InputError, match=f"--host 0.0.0.0: a server other hosts can reach needs an API key in {API_KEY_ENV}"):
@@ -159,7 +159,7 @@ def test_generate_client_errors(url):
 
 
 def test_engine_control_errors(url):
-    control = EngineControl([url], timeout_s=5)
+    control = SGLangEngine([url], timeout_s=5)
     assert control.call(url, "/flush_cache") == {}
     assert control.tp_size(url) == 2
     with pytest.raises(WeightSyncError, match=f"^server {url}/refused: HTTP 400: outside a weight-update session$"):
@@ -174,7 +174,7 @@ def test_engine_control_errors(url):
 
 
 def test_serve_help_shows_the_host_default():
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.rollout.serve", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.engines.serve", "--help"], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
     assert proc.returncode == 0 and "default: 127.0.0.1" in " ".join(proc.stdout.split())
 
@@ -205,7 +205,7 @@ def _eventually(path, timeout_s: float = 10.0) -> str:
 
 def test_the_rollout_client_keeps_as_many_requests_in_flight_as_the_servers_run(url):
     """Concurrency from the servers' own limits (a fixed 64 left 256-request servers mostly idle)."""
-    control = EngineControl([url])
+    control = SGLangEngine([url])
     assert control.tp_size(url) == 2 and control.max_running_requests(url, 64) == 48
 
 

@@ -89,12 +89,12 @@ def test_the_phases_add_what_is_resident_in_each():
     arch = load_hf_config(HF_30B)
     cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml")
     result = plan(cfg, arch, 1, 8, H100_GB, 512)
-    kv_gb = cfg.rollout.max_total_tokens * result["sglang_kv_bytes_per_token"] / GIB
-    engine = result["sglang_weights_gb"] + kv_gb + 4.0
+    kv_gb = cfg.rollout.max_total_tokens * result["engine_kv_bytes_per_token"] / GIB
+    engine = result["engine_weights_gb"] + kv_gb + 4.0
     static = sum(result[f"trainer_{k}_gb"] for k in ("weights", "gradients", "optimizer"))
     probe = 512 + cfg.rollout.max_new_tokens
     logits = (arch.vocab_size * probe * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4) / GIB
-    assert result["sglang_resident_gb"] == pytest.approx(engine) and result["trainer_static_gb"] == pytest.approx(static)
+    assert result["engine_resident_gb"] == pytest.approx(engine) and result["trainer_static_gb"] == pytest.approx(static)
     assert result["phases_gb"] == pytest.approx({
         "training": result["trainer_total_gb"] + 4.0, "weight push": static + 2 * cfg.weight_sync.bucket_mb / 1024 + engine,
         "sync check": static + result["trainer_check_forward_gb"] + engine, "rollout": static + engine})
@@ -168,13 +168,13 @@ def test_a_gpu_smaller_than_the_context_is_one_line():
         _plan(gpu_gb=2.0)
 
 
-def test_split_mode_reports_sglang_kv_capacity():
+def test_split_mode_reports_the_engines_kv_capacity():
     result = _plan("qwen3_30b_a3b_gspo_2node.yaml", [
         "weight_sync.colocate=false", "weight_sync.method=distributed", "rollout.num_servers=2", "rollout.engine_tp=4",
         "distributed.expert_parallel=4"], nodes=2)
     assert (result["trainer_gpus"], result["rollout_gpus"]) == (8, 8)
-    assert result["sglang_kv_cache_tokens"] > 100_000
-    assert "sglang_resident_gb" not in result and result["phases_gb"]["rollout"] == result["trainer_static_gb"]
+    assert result["engine_kv_cache_tokens"] > 100_000
+    assert "engine_resident_gb" not in result and result["phases_gb"]["rollout"] == result["trainer_static_gb"]
 
 
 @pytest.mark.slow  # the CLI in subprocesses

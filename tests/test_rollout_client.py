@@ -11,10 +11,11 @@ import pytest
 from conftest import REPO
 from gspo_mcore.errors import InputError
 from gspo_mcore.netaddr import free_port
-from gspo_mcore.rollout.client import SGLangClient, check_sampling_params
+from gspo_mcore.engines.base import check_sampling_params
+from gspo_mcore.engines.sglang.client import SGLangClient
 from gspo_mcore.errors import RolloutError
 from gspo_mcore.processes import ManagedServer
-from gspo_mcore.rollout.server import sglang_command
+from gspo_mcore.engines.sglang.server import sglang_command
 
 PARAMS = {"max_new_tokens": 4, "temperature": 1.0}
 PROMPTS = [[i, i + 1, 3] for i in range(12)]
@@ -116,7 +117,7 @@ def test_sglang_command(tmp_path):
     assert cmd[cmd.index("--max-total-tokens") + 1] == "8192" and "torch_native" in cmd
     # Stop strings are matched on text: a server the run starts for them loads the tokenizer.
     from gspo_mcore.config import load_config
-    from gspo_mcore.rollout.server import server_for_config
+    from gspo_mcore.engines.sglang.server import server_for_config
 
     config = load_config(None, [f"model.hf_dir={all_moe}", "rollout.stop=['</answer>']", "data.tokenizer_dir=/tok"])
     cmd, _ = server_for_config(config, 30000)

@@ -11,7 +11,7 @@ import torch
 from conftest import REPO
 from gspo_mcore.packing import collate
 from gspo_mcore.errors import RolloutError
-from gspo_mcore.rollout.response import parse_generate_response
+from gspo_mcore.engines.sglang.response import parse_generate_response
 
 FIXTURE = json.loads((REPO / "tests" / "fixtures" / "sglang_0.5.23_generate.json").read_text())
 VOCAB = 256

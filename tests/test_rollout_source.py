@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gspo_mcore.config import load_config
-from gspo_mcore.rollout.client import BusyClock
-from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.engines.sglang.client import BusyClock
+from gspo_mcore.samples import Rollout
 from gspo_mcore.toy_task import make_prompts, make_tokenizer
 from gspo_mcore.rollout.source import RolloutSource
 
@@ -163,10 +163,10 @@ class RecordingControl:
     def __init__(self):
         self.calls = []
 
-    def pause_generation(self, keep_tokens=True):
+    def pause(self, keep_tokens=True):
         self.calls.append(("pause", keep_tokens))
 
-    def continue_generation(self):
+    def resume(self):
         self.calls.append(("continue",))
 
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from gspo_mcore.models.qwen3_moe import routing as routing_module
 from gspo_mcore.packing import input_aligned_routing
-from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.samples import Rollout
 
 
 class FixedRouter(nn.Module):

@@ -8,10 +8,10 @@ import torch
 
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 from gspo_mcore.netaddr import free_port
-from gspo_mcore.rollout.client import SGLangClient
+from gspo_mcore.engines.sglang.client import SGLangClient
 from gspo_mcore.processes import ManagedServer
-from gspo_mcore.rollout.server import sglang_command
-from gspo_mcore.rollout.sglang_cpu import server_env
+from gspo_mcore.engines.sglang.server import sglang_command
+from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
 # Slow: starts torchrun and SGLang servers; one xdist group, so the module's server starts once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_server")]
@@ -83,8 +83,8 @@ def test_weight_sync_from_disk_twice(sglang_server, tmp_path):
     """Trainer weights (EP=2 under torchrun) written with save_hf_checkpoint and loaded by the
     server: afterwards its log-probs are those of the new weights, tagged with the new version."""
     from conftest import run_jobs
-    from gspo_mcore.rollout.engine_control import EngineControl
-    from gspo_mcore.weight_sync import push_from_disk
+    from gspo_mcore.engines.sglang.engine import SGLangEngine
+
 
     server, _ = sglang_server
     sources = {step: make_tiny_checkpoint(tmp_path / f"trainer-{step}", seed=seed, dtype=torch.bfloat16,
@@ -93,7 +93,7 @@ def test_weight_sync_from_disk_twice(sglang_server, tmp_path):
     run_jobs([{"kind": "save_hf", "hf_dir": str(source), "out_dir": str(tmp_path / f"sync-{step}"),
                "overrides": ["distributed.expert_parallel=2"]} for step, source in sources.items()], 2, tmp_path)
     for step, source in sources.items():
-        push_from_disk(EngineControl([server.url]), tmp_path / f"sync-{step}" / "hf", weight_version=f"step-{step}")
+        SGLangEngine([server.url]).load_from_disk(tmp_path / f"sync-{step}" / "hf", weight_version=f"step-{step}")
         assert_close_logprobs(_engine_vs_forward(server.url, source, f"step-{step}"))
 
 
@@ -205,10 +205,10 @@ def test_real_server_killed_mid_batch_and_restarted_then_gone(tmp_path):
 def test_colocated_release_and_resume_then_generate(sglang_server):
     """The colocated cycle (release memory while training, resume before the push) leaves
     a server that generates (on CPU release/resume are no-ops, the calls are real)."""
-    from gspo_mcore.rollout.engine_control import EngineControl
+    from gspo_mcore.engines.sglang.engine import SGLangEngine
 
     server, _ = sglang_server
-    control = EngineControl([server.url])
+    control = SGLangEngine([server.url])
     control.release_memory()
     control.resume_memory()
     (rollout,) = SGLangClient([server.url], 256).generate([[4, 5, 6]], {"max_new_tokens": 4})

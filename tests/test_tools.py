@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gspo_mcore.errors import InputError
-from gspo_mcore.rollout.tools import (QWEN3_TOOL_TEMPLATE, ToolCall, ToolCallError, ToolResult, ToolRunner,
+from gspo_mcore.tools.runner import (QWEN3_TOOL_TEMPLATE, ToolCall, ToolCallError, ToolResult, ToolRunner,
                                       ToolStats, load_tools, parse_tool_calls, tool_messages)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,7 +196,7 @@ def test_a_worker_that_cannot_start_is_one_line():
 
 ORPHAN_MAIN = """
 import threading
-from gspo_mcore.rollout.tools import ToolCall, ToolRunner
+from gspo_mcore.tools.runner import ToolCall, ToolRunner
 
 def hang(tool):
     worker = ToolRunner([f"tests.tool_fixtures:{tool}"], workers=1, timeout_s=600)._take()

@@ -28,8 +28,8 @@ def servers(toy, tmp_path_factory):
 
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.server import sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.engines.sglang.server import sglang_command
+    from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
     logs = tmp_path_factory.mktemp("async_servers")
     with ExitStack() as stack:

@@ -24,8 +24,8 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     measured on the first (loss.band_from_mismatch), which a bf16 engine puts far above 4e-4."""
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.server import sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.engines.sglang.server import sglang_command
+    from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
     port = free_port()
     cmd = sglang_command(str(toy / "model"), port, dtype="bfloat16", max_running_requests=128,
@@ -55,8 +55,8 @@ def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
 
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.server import sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.engines.sglang.server import sglang_command
+    from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

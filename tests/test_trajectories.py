@@ -11,8 +11,8 @@ import torch
 
 from gspo_mcore.errors import RolloutError
 from gspo_mcore.packing import collate
-from gspo_mcore.rollout.response import Rollout
-from gspo_mcore.rollout.trajectory import Segment, Trajectory, to_rollout
+from gspo_mcore.samples import Rollout
+from gspo_mcore.trajectory import Segment, Trajectory, to_rollout
 
 
 def _trajectory() -> Trajectory:
@@ -90,7 +90,7 @@ def test_environment_tokens_get_exactly_zero_gradient_and_do_not_count_in_the_le
 def test_environment_ids_splice_a_turn_as_the_chat_template_renders_it(tmp_path):
     from transformers import AutoTokenizer
 
-    from gspo_mcore.rollout.functions import environment_ids
+    from gspo_mcore.rollout.engine_handle import environment_ids
     from gspo_mcore.toy_task import make_tokenizer
 
     make_tokenizer(tmp_path)
@@ -131,10 +131,11 @@ def test_each_model_token_of_three_turns_has_the_trainers_log_prob_and_routing(t
 
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
-    from gspo_mcore.rollout.client import SGLangClient
-    from gspo_mcore.rollout.functions import EngineHandle, Task, run_functions
-    from gspo_mcore.rollout.server import sglang_command
-    from gspo_mcore.rollout.sglang_cpu import server_env
+    from gspo_mcore.engines.sglang.client import SGLangClient
+    from gspo_mcore.rollout.engine_handle import EngineHandle, Task
+    from gspo_mcore.rollout.functions import run_functions
+    from gspo_mcore.engines.sglang.server import sglang_command
+    from gspo_mcore.engines.sglang.sglang_cpu import server_env
     from gspo_mcore.toy_task import make_toy_task
 
     model_dir = make_toy_task(tmp_path / "toy", seed=0) / "model"
@@ -170,7 +171,8 @@ def test_each_model_token_of_three_turns_has_the_trainers_log_prob_and_routing(t
 
 
 def test_run_functions_keeps_each_tasks_trajectories_together():
-    from gspo_mcore.rollout.functions import Task, run_functions
+    from gspo_mcore.rollout.engine_handle import Task
+    from gspo_mcore.rollout.functions import run_functions
 
     async def echo(task, engine):
         await asyncio.sleep(0.01 * (3 - engine))  # finishing out of order
@@ -185,7 +187,8 @@ def test_run_functions_keeps_as_many_engine_calls_in_flight_as_asked():
     min(32, cores + 4) threads, held 6 here and broke the barrier)."""
     import threading
 
-    from gspo_mcore.rollout.functions import Task, run_functions
+    from gspo_mcore.rollout.engine_handle import Task
+    from gspo_mcore.rollout.functions import run_functions
 
     barrier = threading.Barrier(16)
 
@@ -202,7 +205,7 @@ def _byte_tokenizer(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from gspo_mcore.rollout.tools import QWEN3_TOOL_TEMPLATE
+    from gspo_mcore.tools.runner import QWEN3_TOOL_TEMPLATE
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, [], fuse_unk=False))
@@ -233,9 +236,9 @@ class ScriptedModel:
 def test_the_tool_loop_calls_tools_and_splices_their_results_in_as_the_template_renders_them(tmp_path):
     from types import SimpleNamespace
 
-    from gspo_mcore.rollout.functions import EngineHandle, Task
+    from gspo_mcore.rollout.engine_handle import EngineHandle, Task
     from gspo_mcore.rollout.tool_loop import tool_loop
-    from gspo_mcore.rollout.tools import ToolRunner
+    from gspo_mcore.tools.runner import ToolRunner
 
     tokenizer = _byte_tokenizer(tmp_path)
     call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "rome"}}\n</tool_call>'
@@ -266,9 +269,9 @@ def test_the_tool_loop_calls_tools_and_splices_their_results_in_as_the_template_
 def test_the_tool_loop_stops_at_the_trajectory_budget(tmp_path):
     from types import SimpleNamespace
 
-    from gspo_mcore.rollout.functions import EngineHandle, Task
+    from gspo_mcore.rollout.engine_handle import EngineHandle, Task
     from gspo_mcore.rollout.tool_loop import tool_loop
-    from gspo_mcore.rollout.tools import ToolRunner
+    from gspo_mcore.tools.runner import ToolRunner
 
     tokenizer = _byte_tokenizer(tmp_path)
     call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "paris"}}\n</tool_call>'

@@ -4,6 +4,7 @@ is told to read it."""
 
 import torch
 
+from gspo_mcore.engines.sglang.engine import SGLangEngine
 from gspo_mcore.weight_sync import distributed, tensor
 
 
@@ -29,8 +30,9 @@ def test_distributed_sync_settles_the_bucket_before_posting_it(monkeypatch):
     monkeypatch.setattr(distributed, "settle", record.settle)
     monkeypatch.setattr(distributed.dist, "broadcast", record.broadcast)
     sync = object.__new__(distributed.DistributedWeightSync)
-    sync.dtype, sync.groups = torch.float32, [("g0", None), ("g1", None)]
-    sync.control = type("Control", (), {"urls": ["http://a", "http://b"], "call": staticmethod(record.call)})()
+    sync.dtype, sync.groups = torch.float32, [("http://a", "g0", None), ("http://b", "g1", None)]
+    sync.engine = SGLangEngine(["http://a", "http://b"])
+    monkeypatch.setattr(sync.engine, "call", record.call)
     sync._send([("w", torch.ones(3)), ("v", torch.zeros(2))])
     # The posts run on a thread beside their broadcasts: only "settled first" is ordered.
     assert record.calls[0] == "settle" and sorted(record.calls[1:]) == [
@@ -43,7 +45,7 @@ def test_tensor_sync_settles_the_broadcast_before_servers_map_the_memory(monkeyp
     monkeypatch.setattr(tensor.dist, "broadcast", record.broadcast)
     monkeypatch.setattr(tensor.dist, "get_rank", lambda: 0)
     sync = object.__new__(tensor.TensorWeightSync)
-    sync.dtype = torch.float32
+    sync.dtype, sync.engine = torch.float32, SGLangEngine(["http://a"])
     sync._load_everywhere = lambda flat, metadata: record.calls.append("post /update_weights_from_tensor")
     sync._share(0, [("w", (3,))], [("w", torch.ones(3))])
     assert record.calls == ["broadcast", "settle", "post /update_weights_from_tensor"]

@@ -107,4 +107,4 @@ def heavy_modules() -> list:
     """Which of the trainer's heavy packages the tool's process has imported."""
     import sys
 
-    return [name for name in ("torch", "transformers", "megatron", "gspo_mcore.rollout.tools") if name in sys.modules]
+    return [name for name in ("torch", "transformers", "megatron", "gspo_mcore.tools.runner") if name in sys.modules]

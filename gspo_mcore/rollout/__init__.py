@@ -1,1 +1,2 @@
-"""Rollouts from SGLang: parsing and validating its responses, and batching them for training."""
+"""Prompts into training batches: the producer (sync, one-step-off, async), the rollout source
+(generation rounds, rewards, advantages, dynamic sampling), rollout functions and the tool loop."""

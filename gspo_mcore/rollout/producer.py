@@ -9,7 +9,7 @@
   length; nothing is discarded for being stale (which would favour short responses).
 
 In both asynchronous modes the trainer pauses the servers around each push (requests keep their
-tokens, gspo_mcore.rollout.engine_control.pause_generation), so a response spans versions and
+tokens, gspo_mcore.engines.Engine.pause), so a response spans versions and
 every token carries its own (Rollout.token_versions).
 """
 
@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.samples import Rollout
 from gspo_mcore.rollout.source import RolloutSource, round_metrics
 from gspo_mcore.seeds import step_seed
 
@@ -39,7 +39,7 @@ def staleness_metrics(rollouts: list[Rollout], version: int) -> dict:
 
 class EngineMeter:
     """The engines' figures between two batches: `engine_idle_fraction` (1 - the servers' mean
-    busy time / wall time, gspo_mcore.rollout.client.BusyClock) and `tokens_regenerated` (tokens
+    busy time / wall time, the client's BusyClock) and `tokens_regenerated` (tokens
     generated and thrown away because a push aborted their request: 0 with rollout.partial)."""
 
     def __init__(self, client):
@@ -55,8 +55,8 @@ class EngineMeter:
 
 
 class SyncProducer:
-    def __init__(self, source: RolloutSource, control=None):
-        self.source, self.control = source, control
+    def __init__(self, source: RolloutSource, engine=None):
+        self.source, self.engine = source, engine
         self.meter = EngineMeter(source.client)
         self.unfinished: dict | None = None  # the data position before a batch a signal abandoned
 
@@ -90,10 +90,10 @@ class Overlapping:
         if not partial:
             self.source.client.interrupt()  # before the abort, so every aborted request sees it
         self.source.client.clock.set_paused(True)
-        self.control.pause_generation(keep_tokens=partial)
+        self.engine.pause(keep_tokens=partial)
 
     def resume(self, version: int) -> None:
-        self.control.continue_generation()
+        self.engine.resume()
         if not self.source.config.rollout.partial:
             self.source.client.end_interrupt()
         self.source.client.clock.set_paused(False)
@@ -107,8 +107,8 @@ class OneStepOffProducer(Overlapping, SyncProducer):
     """Batch k+1 is generated while batch k trains: its tokens come from version k (before the
     push that ends step k) or k + 1, and it trains at version k + 1."""
 
-    def __init__(self, source: RolloutSource, max_staleness: int, control):
-        super().__init__(source, control)
+    def __init__(self, source: RolloutSource, max_staleness: int, engine):
+        super().__init__(source, engine)
         self.max_staleness = max_staleness
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-step-off")
         self.next: tuple[int, Future, dict] | None = None  # (step, batch, sampler state before it)
@@ -142,8 +142,8 @@ class AsyncProducer(Overlapping):
     """Groups in flight continuously (see the module's docstring). `pause()` / `resume(v)`
     around each push; `get_batch(step)` returns the oldest `rollout_batch_size` groups with signal."""
 
-    def __init__(self, source: RolloutSource, max_staleness: int, version: int, control):
-        self.source, self.max_staleness, self.control = source, max_staleness, control
+    def __init__(self, source: RolloutSource, max_staleness: int, version: int, engine):
+        self.source, self.max_staleness, self.engine = source, max_staleness, engine
         self.meter = EngineMeter(source.client)
         self.batch_groups = source.config.train.rollout_batch_size
         self.version = self.start_version = version
@@ -243,11 +243,11 @@ def _kept(future: Future) -> bool:
     return not future.cancelled() and future.exception() is None and future.result()[2]["groups_kept"] > 0
 
 
-def make_producer(source: RolloutSource, version: int, control):
-    """`control` (gspo_mcore.rollout.engine_control.EngineControl): pauses the servers around pushes."""
+def make_producer(source: RolloutSource, version: int, engine):
+    """`engine` (gspo_mcore.engines.Engine): pauses the servers around pushes."""
     rollout = source.config.rollout
     if rollout.mode == "one_step_off":
-        return OneStepOffProducer(source, rollout.max_staleness, control)
+        return OneStepOffProducer(source, rollout.max_staleness, engine)
     if rollout.mode == "async":
-        return AsyncProducer(source, rollout.max_staleness, version, control)
-    return SyncProducer(source, control)
+        return AsyncProducer(source, rollout.max_staleness, version, engine)
+    return SyncProducer(source, engine)

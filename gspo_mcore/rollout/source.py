@@ -20,10 +20,10 @@ from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
 from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
 from gspo_mcore.rewards.runner import RewardRunner
-from gspo_mcore.rollout.client import SGLangClient
-from gspo_mcore.rollout.functions import EngineHandle, Task, load_rollout_function, run_functions
-from gspo_mcore.rollout.response import Rollout
-from gspo_mcore.rollout.trajectory import to_rollout
+from gspo_mcore.rollout.engine_handle import EngineHandle, Task
+from gspo_mcore.rollout.functions import load_rollout_function, run_functions
+from gspo_mcore.samples import Rollout
+from gspo_mcore.trajectory import to_rollout
 from gspo_mcore.seeds import step_seed
 
 
@@ -48,7 +48,7 @@ class RolloutSource:
         self.function = load_rollout_function(config.rollout.function)
         self.tools = None
         if config.rollout.tools:
-            from gspo_mcore.rollout.tools import ToolRunner
+            from gspo_mcore.tools.runner import ToolRunner
 
             self.tools = ToolRunner(config.rollout.tools, workers=config.rollout.tool_workers,
                                     timeout_s=config.rollout.tool_timeout_s)
@@ -69,13 +69,14 @@ class RolloutSource:
         params = {"max_new_tokens": rollout.max_new_tokens, "temperature": rollout.temperature}
         return {**params, "stop": list(rollout.stop)} if rollout.stop else params
 
-    def connect(self, urls: list[str], vocab_size: int, routing_shape: tuple[int, int] | None = None,
-                api_key: str | None = None, max_concurrency: int = 64) -> None:
-        """`routing_shape` (MoE layers, top-k): ask for the routed experts too. `max_concurrency`:
-        requests in flight over all servers (their max_running_requests, summed)."""
-        self.client = SGLangClient(urls, vocab_size, request_timeout_s=self.config.rollout.request_timeout_s,
-                                   max_attempts=self.config.rollout.max_attempts, routing_shape=routing_shape,
-                                   api_key=api_key, max_concurrency=max_concurrency)
+    def connect(self, engine, vocab_size: int, routing_shape: tuple[int, int] | None = None,
+                max_concurrency: int = 64) -> None:
+        """`engine` (gspo_mcore.engines.Engine): the servers. `routing_shape` (MoE layers, top-k):
+        ask for the routed experts too. `max_concurrency`: requests in flight over all servers
+        (their max_running_requests, summed)."""
+        self.client = engine.client(vocab_size, request_timeout_s=self.config.rollout.request_timeout_s,
+                                    max_attempts=self.config.rollout.max_attempts, routing_shape=routing_shape,
+                                    max_concurrency=max_concurrency)
 
     def collect(self, step: int, weight_version: str | None = None,
                 oldest_version: int | None = None) -> tuple[list[Rollout], list[float], dict]:

@@ -1,7 +1,7 @@
 """The built-in tool loop (`rollout.function: tool_loop`): the model may call the functions of
 `rollout.tools` in Qwen3's format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
 their JSON schemas given to the chat template as `tools=`); each call runs in a tool worker
-(gspo_mcore.rollout.tools) and its result, rendered by the chat template as a `tool` message,
+(gspo_mcore.tools.runner) and its result, rendered by the chat template as a `tool` message,
 is spliced in as environment tokens. Up to `rollout.max_turns` model turns, at most
 `rollout.max_trajectory_tokens` after the prompt (then the trajectory ends "length"). A tool
 that fails or a malformed call becomes an error message the model reads, never a crash.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gspo_mcore.rollout.functions import EngineHandle, Task
-from gspo_mcore.rollout.tools import parse_tool_calls, tool_messages
-from gspo_mcore.rollout.trajectory import Trajectory
+from gspo_mcore.rollout.engine_handle import EngineHandle, Task
+from gspo_mcore.tools.runner import parse_tool_calls, tool_messages
+from gspo_mcore.trajectory import Trajectory
 
 
 async def tool_loop(task: Task, engine: EngineHandle) -> Trajectory:

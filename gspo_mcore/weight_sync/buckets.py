@@ -1,4 +1,4 @@
-"""Weights in transit: bounded buckets, SGLang's flattened layout, its update session."""
+"""Weights in transit: bounded buckets, the engine's update session around a push."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.rollout.engine_control import EngineControl
 
 
 def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
@@ -28,23 +27,18 @@ def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
         yield bucket
 
 
-def flatten(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """SGLang's "flattened_bucket" layout: the tensors' bytes, concatenated in order."""
-    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
-
-
 @contextmanager
-def update_session(control: EngineControl, weight_version: str):
-    """SGLang's weight-update session around a push by all trainer ranks (collective): rank 0
+def update_session(engine, weight_version: str):
+    """The engine's weight-update session around a push by all trainer ranks (collective): rank 0
     opens it once every rank is ready and closes it, tagging `weight_version`, once every rank
     has sent."""
     if dist.get_rank() == 0:
-        control.begin_update()
+        engine.begin_update()
     dist.barrier()
     yield
     dist.barrier()
     if dist.get_rank() == 0:
-        control.end_update(weight_version)
+        engine.end_update(weight_version)
     dist.barrier()
 
 

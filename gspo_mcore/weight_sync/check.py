@@ -7,10 +7,9 @@ import torch.distributed as dist
 
 from gspo_mcore.errors import WeightSyncError
 from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, sequence_logprobs
-from gspo_mcore.rollout.engine_control import EngineControl
 
 
-def check_sync(model, control: EngineControl, probes: list[list[int]], median_tolerance: float,
+def check_sync(model, engine, probes: list[list[int]], median_tolerance: float,
                scored_from: list[int] | None = None) -> dict:
     """Every server's log-probs of `probes` (one prefill each) against the trainer's forward of
     the same tokens, from token `scored_from[i]` of probe i on (a rollout's response: its own
@@ -29,9 +28,9 @@ def check_sync(model, control: EngineControl, probes: list[list[int]], median_to
 
         ours = scored(ours)
         per_server = []
-        for url in control.urls:
-            engine = scored(control.prompt_logprobs(url, probes))
-            d = (ours - engine).abs()
+        for url in engine.urls:
+            theirs = scored(engine.prompt_logprobs(url, probes))
+            d = (ours - theirs).abs()
             per_server.append((url, {"sync_check_median": d.median().item(), "sync_check_max": d.max().item(),
                                      "sync_check_within_0.1": (d < 0.1).float().mean().item()}))
         found = [max(per_server, key=lambda item: item[1]["sync_check_median"])]

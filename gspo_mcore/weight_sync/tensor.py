@@ -14,8 +14,7 @@ from gspo_mcore.errors import WeightSyncError
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owns
 from gspo_mcore.netaddr import local_addresses
 from gspo_mcore.parallel import device
-from gspo_mcore.rollout.engine_control import EngineControl
-from gspo_mcore.weight_sync.buckets import bucketed, flatten, settle, update_session
+from gspo_mcore.weight_sync.buckets import bucketed, settle, update_session
 
 
 def _host_addresses(host: str) -> set[str]:
@@ -67,7 +66,7 @@ class TensorWeightSync:
     """Push into colocated servers through memory they can map: the i-th server (URL order) of
     a host runs its TP rank k on that host's GPU i * tp + k (as the colocated launch places
     them) and reads each bucket from the copy of the trainer rank with that LOCAL_RANK on that
-    host (`/update_weights_from_tensor`, SGLang's flattened bucket; CUDA IPC on GPUs, shared
+    host (`Engine.shared_payload` / `load_shared`; CUDA IPC on GPUs, shared
     memory files on CPU). NCCL cannot do this: a communicator refuses two ranks on one GPU.
     Every trainer rank needs every bucket, so each is first broadcast from its owner. Each round every rank takes one bucket of its
     full export stream (`export_hf_weights`) and keeps what it owns: the ranks of a TP group
@@ -75,58 +74,37 @@ class TensorWeightSync:
     tensor and the TP gathers inside stay in step (expert-TP 1: experts need no gather).
     Construction and `push` are collective over all trainer ranks."""
 
-    def __init__(self, model, arch, spec: str, control: EngineControl, *, bucket_bytes: int, dtype: torch.dtype):
-        if device().type == "cuda":
-            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-            # CUDA IPC handles name the device by UUID: the servers number their GPUs differently.
-            monkey_patch_torch_reductions()
-        else:
-            # Rebuildable by path in any process (the default passes file descriptors only
-            # to processes of the same multiprocessing family).
-            torch.multiprocessing.set_sharing_strategy("file_system")
-        self.model, self.arch, self.spec, self.control = model, arch, spec, control
+    def __init__(self, model, arch, spec: str, engine, *, bucket_bytes: int, dtype: torch.dtype):
+        engine.prepare_sharing(on_gpu=device().type == "cuda")
+        self.model, self.arch, self.spec, self.engine = model, arch, spec, engine
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
-        readers = colocated_readers(control.urls, [control.tp_size(url) for url in control.urls], where_ranks_run())
+        readers = colocated_readers(engine.urls, [engine.tp_size(url) for url in engine.urls], where_ranks_run())
         # (url, the trainer ranks its TP ranks read from) for the servers this rank posts to.
-        self.posts = [(url, ranks) for url, ranks in zip(control.urls, readers) if ranks[0] == dist.get_rank()]
+        self.posts = [(url, ranks) for url, ranks in zip(engine.urls, readers) if ranks[0] == dist.get_rank()]
 
-    def _load_everywhere(self, flat: torch.Tensor, metadata: list) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer  # heavy (SGLang): this method only
-
-        payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
+    def _load_everywhere(self, flat: torch.Tensor, layout: list[tuple[str, tuple[int, ...]]]) -> None:
         payloads = [None] * dist.get_world_size()
-        dist.all_gather_object(payloads, payload)
+        dist.all_gather_object(payloads, self.engine.shared_payload(flat, layout, self.dtype))
         for url, ranks in self.posts:
-            self.control.call(url, "/update_weights_from_tensor", {
-                "serialized_named_tensors": [payloads[r] for r in ranks], "load_format": "flattened_bucket",
-                "flush_cache": False})
+            self.engine.load_shared(url, [payloads[r] for r in ranks])
         dist.barrier()  # every server has loaded it: the buffers may go
 
     def _share(self, src: int, layout: list[tuple[str, tuple[int, ...]]], bucket: list) -> int:
         """Rank `src`'s bucket (names and shapes `layout`; the tensors `bucket` on `src`) on every
         rank, then loaded by every server. Returns the bytes this rank contributed."""
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata  # heavy (SGLang)
-
-
-        metadata, start = [], 0
-        for name, shape in layout:
-            size = math.prod(shape) * self.dtype.itemsize
-            metadata.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=self.dtype,
-                                                    start_idx=start, end_idx=start + size, numel=size))
-            start += size
+        size = sum(math.prod(shape) for _, shape in layout) * self.dtype.itemsize
         mine = dist.get_rank() == src
-        flat = flatten(bucket) if mine else torch.empty(start, dtype=torch.uint8, device=device())
+        flat = self.engine.pack_bucket(bucket) if mine else torch.empty(size, dtype=torch.uint8, device=device())
         dist.broadcast(flat, src=src)
         settle(flat)  # the servers read this memory directly (CUDA IPC): the broadcast must have landed
-        self._load_everywhere(flat, metadata)
-        return start if mine else 0
+        self._load_everywhere(flat, layout)
+        return size if mine else 0
 
     def push(self, weight_version: str) -> int:
         """Send every weight; afterwards the servers generate with them, tagged `weight_version`.
         Returns the bytes this rank owned."""
         sent, exhausted = 0, False
-        with update_session(self.control, weight_version):
+        with update_session(self.engine, weight_version):
             stream = bucketed(export_hf_weights(self.model, self.arch, self.spec), self.bucket_bytes, self.dtype)
             while True:
                 taken = next(stream, None)

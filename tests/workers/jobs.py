@@ -25,7 +25,7 @@ from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
 from gspo_mcore.optimizer import optimizer_step, setup_training
-from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.samples import Rollout
 from gspo_mcore.checkpointing import save_hf_checkpoint
 from gspo_mcore.weight_sync import bucketed
 

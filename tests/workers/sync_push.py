@@ -14,7 +14,7 @@ from gspo_mcore.config import load_config
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
 from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.rollout.engine_control import EngineControl
+from gspo_mcore.engines.sglang.engine import SGLangEngine
 from gspo_mcore.weight_sync import DistributedWeightSync, TensorWeightSync, check_sync
 
 PROBES = [[1, 5, 9, 33, 7, 2, 90, 14], [200, 3, 4, 5, 6, 7, 8], [42, 42, 17, 250, 31]]
@@ -23,7 +23,7 @@ PROBES = [[1, 5, 9, 33, 7, 2, 90, 14], [200, 3, 4, 5, 6, 7, 8], [42, 42, 17, 250
 def main(method: str, urls: str, first: str, second: str, overrides: list[str]) -> None:
     config = load_config(None, [f"model.hf_dir={first}", *overrides])
     arch, model = model_from_config(config)
-    control = EngineControl(urls.split(","))
+    control = SGLangEngine(urls.split(","))
     # 64 KiB buckets: many buckets per push, and tensors larger than a bucket.
     if method == "distributed":
         sync = DistributedWeightSync(model, arch, config.model.spec, control, backend="gloo", master_address="127.0.0.1",

@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from gspo_mcore.logprobs import token_logprobs
 from gspo_mcore.packing import microbatch_tensors
 from gspo_mcore.parallel import to_device
-from gspo_mcore.rollout.response import Rollout
+from gspo_mcore.samples import Rollout
 
 
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,14 @@
-"""The SGLang server a run config describes: its command line and environment, and the servers a
-run starts itself (supervised by gspo_mcore.processes; `python -m gspo_mcore.rollout.serve` is
-the launch scripts' way to start one)."""
+"""The SGLang server a run config describes: its command line and environment (servers a run
+starts itself: gspo_mcore.engines.start_servers; the launch scripts': python -m gspo_mcore.engines.serve)."""
 
 from __future__ import annotations
 
 import sys
-import time
-from contextlib import ExitStack
-from pathlib import Path
 
 from gspo_mcore.errors import InputError
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.netaddr import free_port
-from gspo_mcore.processes import ManagedServer, child_env
-from gspo_mcore.rollout.sglang_cpu import server_env
+from gspo_mcore.processes import child_env
+from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
 
 def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", device: str = "cpu",
@@ -42,7 +37,7 @@ def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", devic
 def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str | None = None) -> tuple[list[str], dict]:
     """The SGLang command and environment a run config describes (section `rollout`, the
     model, the device): one definition for servers a run starts and the launch scripts'.
-    `api_key`: every request must then carry it (gspo_mcore.rollout.http)."""
+    `api_key`: every request must then carry it (gspo_mcore.http)."""
     r = config.rollout
     device = config.distributed.device
     extra = ("--enable-return-routed-experts",) if r.return_routed_experts else ()
@@ -57,24 +52,3 @@ def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str |
     if device == "cpu":
         env = server_env(env)
     return cmd, env
-
-
-def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None = None) -> list[str]:
-    """The CPU default / tests: `rollout.num_servers` SGLang servers for model.hf_dir that the
-    run owns, on 127.0.0.1 (behind `api_key`), stopped when `stack` closes. They start at once
-    (each loads the model and warms up on its own); returns their URLs once all are healthy."""
-    servers, count = [], config.rollout.num_servers
-    for index in range(count):
-        port = free_port()
-        cmd, env = server_for_config(config, port, api_key=api_key)
-        server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_dir / f"sglang_{index}.log", env=env,
-                               secrets=(api_key,))
-        stack.callback(server.stop)
-        servers.append(server.launch())
-    print(f"starting {count} SGLang server(s) for {config.model.hf_dir} (logs: {log_dir}/sglang_*.log; "
-          "30-60 s on CPU)", flush=True)
-    began = time.monotonic()
-    for server in servers:
-        server.ready()
-    print(f"{count} server(s) ready after {time.monotonic() - began:.0f} s", flush=True)
-    return [server.url for server in servers]

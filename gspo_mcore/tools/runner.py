@@ -10,7 +10,7 @@ One model turn -> `parse_tool_calls` (Qwen3's `<tool_call>{"name": ..., "argumen
 a tool does raises here: a malformed call, a tool that raises, hangs, returns something that is
 not text or too much of it, becomes an error message for the model and a count in `ToolStats`.
 
-Workers (gspo_mcore/rollout/tool_worker.py) import only the tools' modules and run without the
+Workers (gspo_mcore/tools/worker.py) import only the tools' modules and run without the
 environment variables named like secrets (`SECRET_MARKERS`: the SGLang API key, HF/W&B tokens,
 cloud credentials). That keeps keys out of the model's reach through a tool that echoes its
 environment; it is not a sandbox (a tool still reads files and the network as the trainer can)."""
@@ -36,7 +36,7 @@ from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
 from gspo_mcore.processes import child_env, die_with_parent, in_main_thread, kill_worker, read_json_reply
 from gspo_mcore.rewards.runner import STARTUP_TIMEOUT_S
-from gspo_mcore.rollout.tool_worker import clip
+from gspo_mcore.tools.worker import clip
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # A worker's environment drops every variable whose name contains one of these (any case).
@@ -186,7 +186,7 @@ class _ToolWorker:
         # The repository and our sys.path, so the worker imports what we could (as reward workers).
         path = os.pathsep.join([str(Path.cwd()), *filter(None, sys.path)])
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gspo_mcore.rollout.tool_worker", str(max_output_chars), *tools.names],
+            [sys.executable, "-m", "gspo_mcore.tools.worker", str(max_output_chars), *tools.names],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
             env={**tool_env(), "PYTHONPATH": path},
             # Tied to the starting thread by the kernel; the worker also watches for its parent.

@@ -1,4 +1,4 @@
-"""A tool worker: `python -m gspo_mcore.rollout.tool_worker MAX_OUTPUT_CHARS NAME...`.
+"""A tool worker: `python -m gspo_mcore.tools.worker MAX_OUTPUT_CHARS NAME...`.
 
 Imports only the tools (`module:function`; not the trainer, torch or transformers), says
 `ready`, then answers one JSON line per request on a private pipe:

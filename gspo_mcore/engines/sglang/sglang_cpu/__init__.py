@@ -4,7 +4,7 @@ What it takes (measured; shared/notes/sglang-on-cpu.md):
 - `requirements.txt` beside this file, installed with `pip install --no-deps` after torch
   2.13.0 (CPU): SGLang's own requirements would replace torch with a CUDA 2.14.1 build.
 - torchvision 0.28.0 (in that list) is a CUDA build whose C ops do not load with the CPU
-  torch; `python -m gspo_mcore.rollout.sglang_cpu.patch_torchvision` makes it import its
+  torch; `python -m gspo_mcore.engines.sglang.sglang_cpu.patch_torchvision` makes it import its
   op registrations only when the ops exist (idempotent).
 - There is no CPU `sgl_kernel` wheel: `shim/sgl_kernel` is a stand-in put on the server's
   PYTHONPATH only; its names resolve lazily and raise if ever called.

@@ -12,25 +12,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from gspo_mcore.engines.base import check_sampling_params
 from gspo_mcore.errors import InputError, RolloutError
-from gspo_mcore.rollout.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, post_json
-from gspo_mcore.rollout.response import Rollout, parse_generate_response
+from gspo_mcore.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, post_json
+from gspo_mcore.engines.sglang.response import parse_generate_response
+from gspo_mcore.samples import Rollout
 
 
 class RetryableError(Exception):
     pass
-
-
-def check_sampling_params(params: dict) -> None:
-    """The engine's log-probs are of softmax(logits / temperature) before any truncation;
-    with top-p/top-k/min-p the sampled distribution differs and the ratio would be wrong."""
-    if params.get("top_p", 1.0) < 1.0 or params.get("top_k", -1) not in (-1, 0) or params.get("min_p", 0.0) > 0:
-        raise InputError(
-            "sampling: top_p / top_k / min_p are not supported (the importance ratio needs the "
-            "log-probs of the distribution actually sampled); use temperature only"
-        )
-    if params.get("temperature", 1.0) <= 0:
-        raise InputError("sampling: temperature must be > 0 (greedy decoding has no log-probs to train on)")
 
 
 class BusyClock:

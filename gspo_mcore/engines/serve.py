@@ -1,6 +1,6 @@
-"""`python -m gspo_mcore.rollout.serve --config FILE --port P [--host H] [key=value ...]`: the SGLang
-server a run config describes (the launch scripts' way to start one), its output on ours with
-the API key redacted (SGLang logs its arguments). SIGTERM / SIGINT stop it and its workers."""
+"""`python -m gspo_mcore.engines.serve --config FILE --port P [--host H] [key=value ...]`: the engine
+server a run config describes (rollout.engine) (the launch scripts' way to start one), its output on ours with
+the API key redacted (engines log their arguments). SIGTERM / SIGINT stop it and its workers."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import sys
 from gspo_mcore.config import load_config
 from gspo_mcore.errors import InputError, run_cli
 from gspo_mcore.processes import start_redacted
-from gspo_mcore.rollout.http import API_KEY_ENV, api_key_from_env
-from gspo_mcore.rollout.server import server_for_config
+from gspo_mcore.http import API_KEY_ENV, api_key_from_env
+from gspo_mcore.engines import engine_class
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gspo_mcore.rollout.serve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gspo_mcore.engines.serve", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1",
@@ -30,11 +30,12 @@ def main(argv=None) -> int:
     if args.host not in LOOPBACK and not key:
         raise InputError(f"--host {args.host}: a server other hosts can reach needs an API key in {API_KEY_ENV} "
                          "(anyone reaching it could load weights into it)")
-    cmd, env = server_for_config(load_config(args.config, args.overrides), args.port, args.host, api_key=key)
-    # In our process group: the launch scripts' teardown signals the group, SGLang included.
+    config = load_config(args.config, args.overrides)
+    cmd, env = engine_class(config.rollout.engine).launch_command(config, args.port, args.host, api_key=key)
+    # In our process group: the launch scripts' teardown signals the group, the engine included.
     server = start_redacted(cmd, sys.stdout.buffer, (key,), env)
 
-    def stop(signum, frame):  # SGLang's launcher takes its workers down on SIGTERM
+    def stop(signum, frame):  # the engine's launcher takes its workers down on SIGTERM
         server.terminate()
 
     signal.signal(signal.SIGTERM, stop)

@@ -1,0 +1,54 @@
+"""Inference engines behind one interface (`Engine`, gspo_mcore/engines/base.py), one package each,
+chosen by `rollout.engine`. Adding one: a package here with a class implementing `Engine`, its
+name in `ENGINES` and in `RolloutConfig.engine`'s choices (README, "Adding an engine")."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from gspo_mcore.engines.base import Engine, EngineMemory, check_sampling_params
+from gspo_mcore.netaddr import free_port
+from gspo_mcore.processes import ManagedServer
+
+# rollout.engine -> the class implementing it (imported when asked for: an engine's package may
+# import that engine's own heavy modules).
+ENGINES = {"sglang": "gspo_mcore.engines.sglang.engine:SGLangEngine"}
+
+
+def engine_class(name: str) -> type[Engine]:
+    module, _, attribute = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def connect(config, urls: list[str], api_key: str | None = None) -> Engine:
+    """The run's servers (`urls`) as its engine speaks to them."""
+    return engine_class(config.rollout.engine)(urls, timeout_s=config.rollout.request_timeout_s, api_key=api_key)
+
+
+def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None = None) -> list[str]:
+    """The CPU default / tests: `rollout.num_servers` servers of the config's engine for
+    model.hf_dir that the run owns, on 127.0.0.1 (behind `api_key`), stopped when `stack` closes.
+    They start at once (each loads the model and warms up on its own); returns their URLs once
+    all are healthy."""
+    kind = engine_class(config.rollout.engine)
+    servers, count = [], config.rollout.num_servers
+    for index in range(count):
+        port = free_port()
+        cmd, env = kind.launch_command(config, port, api_key=api_key)
+        server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_dir / f"{kind.name}_{index}.log", env=env,
+                               secrets=(api_key,))
+        stack.callback(server.stop)
+        servers.append(server.launch())
+    print(f"starting {count} {kind.name} server(s) for {config.model.hf_dir} (logs: {log_dir}/{kind.name}_*.log; "
+          "45-140 s on CPU)", flush=True)
+    began = time.monotonic()
+    for server in servers:
+        server.ready()
+    print(f"{count} server(s) ready after {time.monotonic() - began:.0f} s", flush=True)
+    return [server.url for server in servers]
+
+
+__all__ = ["Engine", "EngineMemory", "ENGINES", "check_sampling_params", "connect", "engine_class", "start_servers"]

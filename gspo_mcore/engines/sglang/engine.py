@@ -1,0 +1,231 @@
+"""SGLang 0.5.23 behind the `Engine` interface: its control endpoints (weight updates, versions,
+cache, memory, pause), its launch command, its memory model and its weight-transfer layout (the
+"flattened_bucket": a bucket's tensors' bytes concatenated in order)."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from gspo_mcore.engines.base import Engine, EngineMemory
+from gspo_mcore.engines.sglang.client import SGLangClient
+from gspo_mcore.engines.sglang.server import server_for_config
+from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.http import HTTPRequestError, request_json
+from gspo_mcore.netaddr import address_towards, listening_store
+
+GB = 2**30
+
+
+class SGLangEngine(Engine):
+    name = "sglang"
+    # A request paused in "retract" mode is prefilled again under the new weights when it continues
+    # (Req.reset_for_retract drops its routed experts; srt/managers/schedule_batch.py).
+    reprefills_continued_requests = True
+    # Beside the weights and the KV cache (CUDA graphs, activations, allocator slack).
+    MARGIN_GB = 4.0
+    # --mem-fraction-static's default share of a GPU for weights and KV cache, less a little.
+    USABLE_FRACTION = 0.85
+
+    @classmethod
+    def launch_command(cls, config, port: int, host: str = "127.0.0.1",
+                       api_key: str | None = None) -> tuple[list[str], dict]:
+        return server_for_config(config, port, host, api_key)
+
+    @classmethod
+    def memory(cls, arch, engine_tp: int, total_params: int) -> EngineMemory:
+        """bf16 weights split over its TP ranks; K and V of every layer, KV heads split over TP."""
+        kv_per_token = 2 * arch.num_layers * max(1, arch.num_key_value_heads // engine_tp) * arch.head_dim * 2
+        return EngineMemory(weights_gb=total_params * 2 / engine_tp / GB,
+                            kv_bytes_per_token=kv_per_token, margin_gb=cls.MARGIN_GB,
+                            usable_fraction=cls.USABLE_FRACTION)
+
+    # ---------------------------------------------------------------- HTTP
+    def call(self, url: str, path: str, body: dict | None = None) -> dict:
+        """POST `body` as JSON to url+path; the answer as a dict ({} for a plain-text 200)."""
+        answer = self._request(url, path, body, "POST")
+        if isinstance(answer, str):
+            return {}  # /flush_cache answers with text
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise WeightSyncError(f"server {url}{path}: {answer.get('message', answer)}")
+        return answer if isinstance(answer, dict) else {"result": answer}
+
+    def on_all(self, path: str, body: dict | None = None) -> list[dict]:
+        """The same call on every server at once (a weight-update step must reach all of them)."""
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            return list(pool.map(lambda url: self.call(url, path, body), self.urls))
+
+    def _request(self, url: str, path: str, body: dict | None, method: str) -> object:
+        try:
+            return request_json(f"{url}{path}", body, self.timeout_s, method=method, api_key=self.api_key)
+        except HTTPRequestError as err:  # "HTTP 400: <SGLang's message>", "URLError: <reason>", ...
+            raise WeightSyncError(f"server {url}{path}: {err}") from None
+
+    # ---------------------------------------------------------------- the servers
+    def server_info(self, url: str) -> dict:
+        """The server's /get_server_info: its launch arguments and scheduler state."""
+        answer = self._request(url, "/get_server_info", None, "GET")  # GET only in SGLang
+        if not isinstance(answer, dict):
+            raise WeightSyncError(f"server {url}/get_server_info: not a server description: {str(answer)[:200]!r}")
+        return answer
+
+    def healthy(self, url: str) -> bool:
+        try:
+            self._request(url, "/health", None, "GET")  # 200 with an empty body
+            return True
+        except WeightSyncError:
+            return False
+
+    def tp_size(self, url: str) -> int:
+        info = self.server_info(url)
+        try:
+            return int(info.get("tp_size", 1))
+        except (TypeError, ValueError):
+            raise WeightSyncError(f"server {url}/get_server_info: no tp_size in {str(info)[:200]!r}") from None
+
+    def max_running_requests(self, url: str, default: int) -> int:
+        """Its --max-running-requests, else the scheduler's effective limit (SGLang 0.5.23 reports
+        it in internal_states[i].effective_max_running_requests_per_dp), else `default`."""
+        info = self.server_info(url)
+        states = info.get("internal_states") or [{}]
+        for value in (info.get("max_running_requests"), states[0].get("effective_max_running_requests_per_dp")):
+            if isinstance(value, int) and value > 0:
+                return value
+        return default
+
+    # ---------------------------------------------------------------- generation
+    def client(self, vocab_size: int, *, request_timeout_s: float = 600.0, max_attempts: int = 5,
+               max_concurrency: int = 64, routing_shape: tuple[int, int] | None = None) -> SGLangClient:
+        return SGLangClient(self.urls, vocab_size, request_timeout_s=request_timeout_s, max_attempts=max_attempts,
+                            max_concurrency=max_concurrency, routing_shape=routing_shape, api_key=self.api_key)
+
+    def prompt_logprobs(self, url: str, sequences: list[list[int]]) -> list[list[float]]:
+        out = []
+        for seq in sequences:  # one at a time: batching with others may change MoE routing
+            answer = self.call(url, "/generate", {
+                "input_ids": seq, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                "return_logprob": True, "logprob_start_len": 0,
+            })
+            entries = answer.get("meta_info", {}).get("input_token_logprobs") or []
+            values = [e[0] for e in entries[1:]]  # the first token has no log-prob
+            if len(values) != len(seq) - 1 or any(v is None for v in values):
+                raise WeightSyncError(f"server {url}/generate: no prompt log-probs for the probe sequence")
+            out.append([float(v) for v in values])
+        return out
+
+    def pause(self, keep_tokens: bool = True) -> None:
+        """`keep_tokens` (rollout.partial): running requests are retracted, keeping their generated
+        tokens and log-probs (SGLang 0.5.23's `retract` mode: Scheduler.retract_all /
+        Req.reset_for_retract keep output_ids and the logprob lists), their /generate calls stay
+        open. Otherwise they are aborted (mode `abort`: TokenizerManager.pause_generation aborts
+        all and waits until none runs) and the client starts them over. Either way weight loads
+        then need no wait."""
+        self.on_all("/pause_generation", {"mode": "retract" if keep_tokens else "abort"})
+
+    def resume(self) -> None:
+        """Retracted requests are prefilled again (prompt + the tokens so far, under the new
+        weights; the earlier tokens keep their log-probs) and continue."""
+        self.on_all("/continue_generation", {"torch_empty_cache": False})
+
+    # ---------------------------------------------------------------- colocated memory
+    def release_memory(self) -> None:
+        self.on_all("/release_memory_occupation")
+
+    def resume_memory(self) -> None:
+        self.on_all("/resume_memory_occupation")
+
+    # ---------------------------------------------------------------- weight updates
+    # The session: SGLang 0.5.23 refuses weight loads outside it (HTTP 400).
+    def begin_update(self) -> None:
+        self.on_all("/begin_weight_update")
+
+    def end_update(self, weight_version: str) -> None:
+        self.on_all("/end_weight_update")
+        # Only between rollouts: never abort requests (there are none when the trainer syncs).
+        self.on_all("/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
+        self.on_all("/flush_cache")  # KV/prefix cache entries of the old weights
+
+    def load_from_disk(self, hf_dir, weight_version: str) -> None:
+        """The load flushes the server's cache and tags what it generates from now on."""
+        self.on_all("/update_weights_from_disk", {"model_path": str(hf_dir), "weight_version": weight_version})
+
+    def open_weight_group(self, url: str, name: str, master_address: str, backend: str, timeout_s: float):
+        """SGLang's `init_custom_process_group` on our side, `/init_weights_update_group` on the
+        server's (its TP workers are ranks 1..tp). Our own store, not a tcp:// init_method: under
+        torchrun that would connect to the elastic agent's store instead of hosting one
+        (TORCHELASTIC_USE_AGENT_STORE); it listens on that one address only."""
+        from sglang.srt.utils import init_custom_process_group  # heavy (SGLang): this method only
+
+        world_size = 1 + self.tp_size(url)
+        if master_address == "auto":  # multi-node: the address this rank reaches the server from
+            master_address = address_towards(urlparse(url).hostname)
+        store = listening_store(master_address, world_size, timedelta(seconds=timeout_s))
+        body = {"master_address": master_address, "master_port": store.port, "rank_offset": 1,
+                "world_size": world_size, "group_name": name, "backend": backend}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            answer = pool.submit(self.call, url, "/init_weights_update_group", body)
+            # The servers wrap the store in a PrefixStore named after the group; so do we.
+            group = init_custom_process_group(backend=backend, store=dist.PrefixStore(name, store),
+                                              world_size=world_size, rank=0, group_name=name,
+                                              timeout=timedelta(seconds=timeout_s))
+            answer.result()
+        group._gspo_store = store  # the group needs its store alive
+        return group
+
+    def close_weight_group(self, url: str, name: str, group) -> None:
+        try:
+            self.call(url, "/destroy_weights_update_group", {"group_name": name})
+        except WeightSyncError:
+            pass
+        dist.destroy_process_group(group)
+
+    def send_bucket(self, groups: list[tuple[str, str, object]], bucket: list[tuple[str, torch.Tensor]],
+                    flat: torch.Tensor) -> None:
+        """Per server, in a fixed order: post `/update_weights_from_distributed` and at once
+        broadcast the flat bucket, so a server only ever waits for a sender already broadcasting
+        to it (owners pushing concurrently cannot deadlock, whatever order servers see requests)."""
+        body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket], "flush_cache": False, "load_format": "flattened_bucket"}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for url, name, group in groups:
+                answer = pool.submit(self.call, url, "/update_weights_from_distributed", {**body, "group_name": name})
+                dist.broadcast(flat, group_src=0, group=group)
+                answer.result()
+
+    def pack_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """SGLang's "flattened_bucket" layout: the tensors' bytes, concatenated in order."""
+        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+
+    def prepare_sharing(self, on_gpu: bool) -> None:
+        if on_gpu:
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            # CUDA IPC handles name the device by UUID: the servers number their GPUs differently.
+            monkey_patch_torch_reductions()
+        else:
+            # Rebuildable by path in any process (the default passes file descriptors only to
+            # processes of the same multiprocessing family).
+            torch.multiprocessing.set_sharing_strategy("file_system")
+
+    def shared_payload(self, flat: torch.Tensor, layout: list[tuple[str, tuple[int, ...]]],
+                       dtype: torch.dtype) -> str:
+        from sglang.srt.utils import MultiprocessingSerializer  # heavy (SGLang): the colocated method only
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        metadata, start = [], 0
+        for name, shape in layout:
+            size = math.prod(shape) * dtype.itemsize
+            metadata.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=dtype,
+                                                    start_idx=start, end_idx=start + size, numel=size))
+            start += size
+        return MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
+
+    def load_shared(self, url: str, payloads: list[str]) -> None:
+        self.call(url, "/update_weights_from_tensor", {"serialized_named_tensors": payloads,
+                                                       "load_format": "flattened_bucket", "flush_cache": False})
+

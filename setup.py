@@ -24,7 +24,7 @@ setup(
     description="Megatron-Core backend for GSPO reinforcement learning of Qwen3-MoE models",
     python_requires=">=3.11",
     packages=find_packages(include=["gspo_mcore", "gspo_mcore.*", "checkpoint_convert", "checkpoint_convert.*"]),
-    entry_points={"console_scripts": ["gspo-train = gspo_mcore.train:cli", "gspo-eval = gspo_mcore.evaluate:cli"]},
+    entry_points={"console_scripts": ["gspo-train = gspo_mcore.cli:train_cli", "gspo-eval = gspo_mcore.evaluate:cli"]},
     package_data={"gspo_mcore": ["data/samples/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={

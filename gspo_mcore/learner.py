@@ -100,7 +100,8 @@ class Learner:
     # ------------------------------------------------------------ the update
 
     def update(self, rollouts: list[Rollout], advantages: list[float], step: int,
-               old_logprobs: list[list[float]] | None = None, stale: list[list[float]] | None = None) -> dict:
+               old_logprobs: list[list[float]] | None = None, stale: list[list[float]] | None = None,
+               routed_by_older: list[bool] | None = None) -> dict:
         """`num_minibatches` optimizer steps (x ppo_epochs) on one rollout batch; the update's
         figures (metric_schema rows with `update`), the loss's combined exactly over microbatches
         and ranks, on every rank. {} when the batch is too small for the data-parallel ranks.
@@ -108,7 +109,9 @@ class Learner:
         `stale` (asynchronous modes, with `old_logprobs` = pi_prox, or None: pi_prox from the first
         minibatch's own forward, loss.proximal first_minibatch): 1 for each response token an
         older weight version generated: decoupled GSPO (loss.behavior_weight), ratios against
-        pi_prox, the band sized from the mismatch on the current version's tokens as in sync."""
+        pi_prox, the band sized from the mismatch on the current version's tokens as in sync.
+        `routed_by_older` (a batch's fact, gspo_mcore.samples.Batch): per rollout, whether older
+        weights routed it in the engine (its routing compared apart)."""
         cfg = self.config.train
         num_minibatches = min(cfg.num_minibatches, len(rollouts) // parallel_state.get_data_parallel_world_size())
         if num_minibatches == 0:
@@ -118,13 +121,8 @@ class Learner:
             extra["ref_logprobs"] = self.token_logprobs_of(self.reference, rollouts)
         if old_logprobs is not None:
             extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
-        routed_by_older = None
         if stale is not None:
             extra["stale"] = stale
-            # SGLang re-prefills a retracted request (Req.reset_for_retract drops its routed
-            # experts), so a response's routing is all of its last token's version (an
-            # environment's tokens carry the version of the model token before them).
-            routed_by_older = [bool(tokens) and tokens[-1] > 0 for tokens in stale]
         generator = torch.Generator().manual_seed(step_seed(cfg.seed, step))
         order = torch.randperm(len(rollouts), generator=generator).tolist()  # host: an order of Python lists
         self.routers.reset()

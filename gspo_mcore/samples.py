@@ -49,3 +49,32 @@ def version_number(version: str) -> int | None:
     """The trainer step of a weight version the trainer tagged (`step-N`); None for others."""
     prefix, _, number = version.partition("-")
     return int(number) if prefix == "step" and number.isdigit() else None
+
+
+@dataclass
+class Batch:
+    """One step's training data, with the facts the learner needs about it (so nothing downstream
+    of the producer asks which `rollout.mode` made it or how the engine behaves)."""
+    rollouts: list[Rollout]
+    advantages: list[float]  # one per rollout
+    metrics: dict  # the rollout figures (metric_schema rows)
+    # Generated beside training (the asynchronous modes): the batch may span weight versions, the
+    # trainer's wait and the engine's pause are figures of the step.
+    overlapped: bool = False
+    # Per rollout and response token: 1.0 where weights older than the ones being updated generated
+    # it. None: every token came from those weights (a synchronous batch).
+    stale: list[list[float]] | None = None
+    # Per rollout: whether older weights than these routed it in the engine (None: none did).
+    routed_by_older: list[bool] | None = None
+
+    @classmethod
+    def spanning(cls, rollouts: list[Rollout], advantages: list[float], metrics: dict, version: int,
+                 reprefilled: bool) -> "Batch":
+        """A batch generated beside training, updated at weight version `version`. `reprefilled`
+        (Engine.reprefills_continued_requests): a response continued after a push was prefilled
+        again under the new weights, so its routing is all of its last token's version's (an
+        environment's tokens carry the version of the model token before them); otherwise a
+        response any older token of which was routed by older weights counts as theirs."""
+        stale = [[float(v < version) for v in r.token_versions] or [0.0] * len(r.response_ids) for r in rollouts]
+        older = [bool(tokens) and (tokens[-1] > 0 if reprefilled else any(tokens)) for tokens in stale]
+        return cls(rollouts, advantages, metrics, overlapped=True, stale=stale, routed_by_older=older)

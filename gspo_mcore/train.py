@@ -1,6 +1,6 @@
 """The GSPO trainer: rollout -> reward -> GSPO update on Megatron -> weight sync, per step.
 
-    gspo-train --config FILE [--output-dir DIR] [--resume] [key=value ...]
+    gspo-train --config FILE [--output-dir DIR] [--resume] [key=value ...]   (gspo_mcore.cli)
     python -m gspo_mcore.train ...   (plain python for one process, or under torchrun)
 
 Each step (`Trainer.step`):
@@ -18,57 +18,35 @@ Each step (`Trainer.step`):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import secrets
-import shutil
 import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from gspo_mcore import engines, plan, run_config, weight_sync
-from gspo_mcore.checkpointing import Checkpointer, latest_checkpoint
-from gspo_mcore.config import Config, config_yaml, load_config
-from gspo_mcore.errors import EngineError, InputError, run_cli
+from gspo_mcore.checkpointing import Checkpointer
+from gspo_mcore.config import Config
+from gspo_mcore.errors import EngineError, InputError
 from gspo_mcore.evaluation import Evaluator
-from gspo_mcore.files import atomic_output
+from gspo_mcore.http import api_key_from_env
 from gspo_mcore.learner import Learner
+from gspo_mcore.memory import peak_memory_gb, release_cached_memory, reset_peak
 from gspo_mcore.metric_schema import ASYNC_METRICS, UPDATE
 from gspo_mcore.metrics import Progress, RunLog
-from gspo_mcore.parallel import broadcast_from_host, host_group
-from gspo_mcore.torchrun import omp_threads
-from gspo_mcore.toy_task import check_task_written
-from gspo_mcore.http import api_key_from_env
+from gspo_mcore.parallel import broadcast_from_host
 from gspo_mcore.preemption import Preempted, StopRequest
 from gspo_mcore.rollout.producer import make_producer
 from gspo_mcore.rollout.source import RolloutSource
-
-
-def release_cached_memory() -> None:
-    """Give the CUDA caching allocator's free blocks back (a colocated engine and the next phase
-    need them); nothing on CPU."""
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def peak_memory_gb() -> float:
-    """This step's peak over the trainer ranks: CUDA memory allocated (reset each step), or the
-    process's resident memory on CPU. Collective (host group)."""
-    if torch.cuda.is_available():
-        mine = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        mine = psutil.Process().memory_info().rss / 2**30
-    peak = torch.tensor([mine], dtype=torch.float64)  # host: reduced over the gloo host group
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=host_group())
-    return peak.item()
+from gspo_mcore.run_dir import clear_run
+from gspo_mcore.sample_log import write_samples
+from gspo_mcore.samples import Batch
 
 
 @contextmanager
@@ -76,28 +54,6 @@ def timed(metrics: dict, key: str):
     began = time.perf_counter()
     yield
     metrics[key] = time.perf_counter() - began
-
-
-# What a run writes into OUTPUT_DIR (--overwrite removes them); the first two mark a run.
-RUN_MARKERS = ("checkpoints", "metrics.jsonl")
-RUN_FILES = (*RUN_MARKERS, "tensorboard", "hf", "logs", "plots", "weights_sync", "wandb", "wandb_run_id")
-
-
-def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """A new run never writes into another run's directory unless told to."""
-    if resume and overwrite:
-        raise InputError("--resume and --overwrite: choose one")
-    if not resume and not overwrite and any((Path(output_dir) / name).exists() for name in RUN_MARKERS):
-        raise InputError(f"{output_dir}: holds a run already: --resume continues it, --overwrite replaces it")
-
-
-def clear_run(output_dir: Path) -> None:
-    for name in RUN_FILES:
-        path = Path(output_dir) / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
 
 
 class Trainer:
@@ -146,7 +102,6 @@ class Trainer:
                       f"by {config.weight_sync.method}", flush=True)
             self.sync.push(self.version)
             # After the first push: asynchronous producers start generating with these weights.
-            self.asynchronous = config.rollout.mode != "sync"
             self.producer = make_producer(self.source, self.start_step, self.engine) if self.source is not None else None
             if self.producer is not None:
                 self.stack.callback(self.producer.close)
@@ -194,24 +149,23 @@ class Trainer:
     def step(self, step: int) -> dict:
         """One rollout batch -> updates -> push (-> sync check). Metrics on every rank."""
         config, timings = self.config, {}
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak()
         with timed(timings, "time_rollout_s"):
             # The other ranks wait on the host (gspo_mcore.parallel.host_group), not in an NCCL kernel.
             batch = broadcast_from_host(self._rollout(step) if self.producer else None)
             if batch is None:  # rank 0 abandoned the rollout for a signal (gspo_mcore.preemption)
                 raise Preempted()
-            rollouts, advantages, metrics = batch
+            metrics = dict(batch.metrics)
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate and self.rank == 0:
                 self.engine.release_memory()
             self.learner.scheduler.step(1)  # this step's learning rate (optimizer.lr_warmup_steps, lr_decay)
             metrics.update(dict.fromkeys(UPDATE))  # null unless this step trains
-            if rollouts:
-                metrics.update(self._update(rollouts, advantages, step))
+            if batch.rollouts:
+                metrics.update(self._update(batch, step))
         with timed(timings, "time_sync_s"):
-            metrics.update(self._push_and_check(step, rollouts))
-        self.last_rollouts = rollouts
+            metrics.update(self._push_and_check(step, batch))
+        self.last_rollouts = rollouts = batch.rollouts
         total = sum(timings.values())
         tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
         waited = metrics.pop("trainer_wait_s")
@@ -219,7 +173,7 @@ class Trainer:
                 "trained_tokens_per_s": tokens / total, "generated_tokens_per_s": metrics["tokens_generated"] / total,
                 "samples": len(rollouts), "samples_per_s": len(rollouts) / total,
                 "peak_memory_gb": peak_memory_gb(),
-                **({"trainer_wait_s": waited, "trainer_idle_fraction": waited / total} if self.asynchronous else {})}
+                **({"trainer_wait_s": waited, "trainer_idle_fraction": waited / total} if batch.overlapped else {})}
 
     def _evaluate(self) -> dict:
         """Rank 0: the eval datasets on the engine, which holds the weights just pushed."""
@@ -251,18 +205,16 @@ class Trainer:
         finally:
             self.stop.phase = "step"
 
-    def _update(self, rollouts: list, advantages: list[float], step: int) -> dict:
-        """The learner's update. Asynchronous modes: decoupled GSPO, pi_prox (this step's weights)
-        from a forward of the batch (loss.proximal), each token marked stale when an older
-        version made it."""
-        if self.config.rollout.mode == "sync":
-            old = self.learner.recompute_old_logprobs(rollouts) if self.config.train.recompute_old_logprobs else None
-            return self.learner.update(rollouts, advantages, step, old)
-        stale = [[float(v < step) for v in r.token_versions] or [0.0] * len(r.response_ids) for r in rollouts]
-        prox = self.learner.recompute_old_logprobs(rollouts) if self.config.loss.proximal == "recompute" else None
-        return self.learner.update(rollouts, advantages, step, prox, stale)
+    def _update(self, batch: Batch, step: int) -> dict:
+        """The learner's update. A batch that spans weight versions (its `stale` marks): decoupled
+        GSPO, pi_prox (this step's weights) from a forward of the batch (loss.proximal); else pi_old
+        is the engine's log-probs (or recomputed: train.recompute_old_logprobs)."""
+        recompute = (self.config.train.recompute_old_logprobs if batch.stale is None
+                     else self.config.loss.proximal == "recompute")
+        old = self.learner.recompute_old_logprobs(batch.rollouts) if recompute else None
+        return self.learner.update(batch.rollouts, batch.advantages, step, old, batch.stale, batch.routed_by_older)
 
-    def _push_and_check(self, step: int, rollouts: list) -> dict:
+    def _push_and_check(self, step: int, batch: Batch) -> dict:
         """The new weights to the engine, tagged step-N (and, every `check_every` steps, the proof)."""
         config = self.config
         if config.weight_sync.colocate:
@@ -282,9 +234,9 @@ class Trainer:
         pause_s = time.perf_counter() - paused
         release_cached_memory()  # the push's buckets: the rollout phase holds static state only
         # Probes: sequences of the latest batch that had any (the same on every rank).
-        self.probes = [(r.prompt_ids + r.response_ids, len(r.prompt_ids)) for r in rollouts[:4]] or self.probes
+        self.probes = [(r.prompt_ids + r.response_ids, len(r.prompt_ids)) for r in batch.rollouts[:4]] or self.probes
         every = config.weight_sync.check_every
-        figures = {"engine_pause_s": pause_s if self.asynchronous else None}
+        figures = {"engine_pause_s": pause_s if batch.overlapped else None}
         if not (every and (step + 1) % every == 0 and self.probes):
             return figures
         tokens, scored_from = zip(*self.probes)
@@ -372,78 +324,7 @@ class Trainer:
                 f"trainer's training phase: {estimate:.1f} GiB (python -m gspo_mcore.plan)")
 
 
-def write_samples(path: Path, tokenizer, rollouts: list, eval_samples: list[dict]) -> None:
-    """Training responses (prompt, response, reward) and evaluation ones, a JSON object per line."""
-    rows = [{"prompt": tokenizer.decode(r.prompt_ids, skip_special_tokens=True),
-             "response": tokenizer.decode(r.response_ids, skip_special_tokens=True), "reward": r.reward}
-            for r in rollouts] + eval_samples
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(path) as tmp:
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="gspo-train", description="GSPO training of a Qwen3-MoE on Megatron-Core")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--output-dir", default=None, help="default: runs/<config name>")
-    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's last checkpoint")
-    parser.add_argument("--overwrite", action="store_true", help="replace the run OUTPUT_DIR holds")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as YAML (base merged, overrides applied) and exit")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    return parser.parse_intermixed_args(argv)
-
-
-def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
-    """What a run would otherwise find wrong only after building the model and starting servers
-    (minutes on a 30B checkpoint): the checkpoint to resume; on rank 0, which reads the data and
-    scores, the dataset file and the reward and rollout function names (imported, signatures
-    checked). The same errors their users raise later."""
-    if resume:
-        latest_checkpoint(output_dir)
-    if int(os.environ.get("RANK", 0)) != 0:
-        return
-    from gspo_mcore.data.dataset import require_file
-    from gspo_mcore.rewards import load_reward_fn, reward_arguments
-    from gspo_mcore.rollout.functions import load_rollout_function
-
-    require_file(config.data.path)
-    reward = config.reward
-    reward_arguments(load_reward_fn(reward.name), reward.name, reward.url)
-    load_rollout_function(config.rollout.function)
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    config = load_config(args.config, args.overrides)
-    if args.print_config:  # nothing starts: loadable as is with --config
-        print(config_yaml(config), end="", flush=True)
-        return
-    check_task_written(config)
-    output_dir = Path(args.output_dir or Path("runs") / Path(args.config).stem)
-    if "OMP_NUM_THREADS" not in os.environ:
-        # CPU runs share the cores with the SGLang server; GPU ranks (CPU-offloaded Adam) take the node's
-        # cores over its ranks. torch is imported already: set its pool too, not only the variable.
-        threads = 1 if config.distributed.device == "cpu" else omp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
-    if config.distributed.device == "cuda" and config.weight_sync.method == "distributed":
-        # SGLang runs with NCCL_CUMEM_ENABLE=0; members of one communicator that disagree on it
-        # fail with "invalid argument". NCCL reads it once per process: set it before any group.
-        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-    check_output_dir(output_dir, args.resume, args.overwrite)
-    applied = run_config.check_resume(config, output_dir) if args.resume else None
-    check_inputs(config, output_dir, args.resume)
-    if applied and int(os.environ.get("RANK", 0)) == 0:
-        print(applied, flush=True)
-    Trainer(config, output_dir, args.resume, args.overwrite).run()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def cli() -> None:
-    sys.exit(run_cli(main))
-
-
 if __name__ == "__main__":
-    cli()
+    from gspo_mcore.cli import train_cli  # the command line lives there; `python -m gspo_mcore.train` stays its way in
+
+    train_cli()

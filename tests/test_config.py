@@ -135,7 +135,7 @@ def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, cap
     import signal
 
     from conftest import REPO
-    from gspo_mcore.train import main
+    from gspo_mcore.cli import main
 
     overrides = ["train.steps=3", "data.chat_template_kwargs.enable_thinking=false"]
     handler = signal.getsignal(signal.SIGTERM)  # main installs the trainer's own

@@ -160,6 +160,8 @@ def test_max_sampling_rounds_must_be_positive():
 
 
 class RecordingControl:
+    reprefills_continued_requests = True
+
     def __init__(self):
         self.calls = []
 
@@ -181,7 +183,8 @@ def _producer_run(task, mode, steps=4, batch=3, staleness=1):
     outstanding, rows = [], []
     try:
         for step in range(steps):
-            rollouts, advantages, metrics = producer.get_batch(step)
+            got = producer.get_batch(step)
+            rollouts, advantages, metrics = got.rollouts, got.advantages, got.metrics
             if mode == "async":
                 with producer.changed:  # the pacing rule's count against its bound at this version
                     outstanding.append((producer._outstanding(), (staleness + step + 1) * batch))

@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from gspo_mcore.samples import Rollout
+from gspo_mcore.samples import Batch, Rollout
 from gspo_mcore.rollout.source import RolloutSource, round_metrics
 from gspo_mcore.seeds import step_seed
 
@@ -60,11 +60,11 @@ class SyncProducer:
         self.meter = EngineMeter(source.client)
         self.unfinished: dict | None = None  # the data position before a batch a signal abandoned
 
-    def get_batch(self, step: int) -> tuple[list[Rollout], list[float], dict]:
+    def get_batch(self, step: int) -> Batch:
         self.unfinished = self.source.state_dict()
         rollouts, advantages, metrics = self.source.collect(step, weight_version=f"step-{step}")
         self.unfinished = None
-        return rollouts, advantages, {**metrics, "trainer_wait_s": 0.0, **self.meter.figures()}
+        return Batch(rollouts, advantages, {**metrics, "trainer_wait_s": 0.0, **self.meter.figures()})
 
     def pause(self) -> None:
         """Before a push: nothing in flight here (the batch is complete), nothing to pause."""
@@ -102,6 +102,9 @@ class Overlapping:
     def set_version(self, version: int) -> None:
         pass
 
+    def _batch(self, rollouts: list[Rollout], advantages: list[float], metrics: dict, version: int) -> Batch:
+        return Batch.spanning(rollouts, advantages, metrics, version, self.engine.reprefills_continued_requests)
+
 
 class OneStepOffProducer(Overlapping, SyncProducer):
     """Batch k+1 is generated while batch k trains: its tokens come from version k (before the
@@ -118,15 +121,15 @@ class OneStepOffProducer(Overlapping, SyncProducer):
         oldest = max(0, step - self.max_staleness)
         self.next = (step, self.pool.submit(self.source.collect, step, None, oldest), state)
 
-    def get_batch(self, step: int) -> tuple[list[Rollout], list[float], dict]:
+    def get_batch(self, step: int) -> Batch:
         if self.next is None or self.next[0] != step:
             self._start(step)
         began = time.monotonic()
         rollouts, advantages, metrics = self.next[1].result()
         waited = time.monotonic() - began
         self._start(step + 1)
-        return rollouts, advantages, {**metrics, **staleness_metrics(rollouts, step), "trainer_wait_s": waited,
-                                      **self.meter.figures()}
+        return self._batch(rollouts, advantages, {**metrics, **staleness_metrics(rollouts, step),
+                                                  "trainer_wait_s": waited, **self.meter.figures()}, step)
 
     def state_dict(self) -> dict:
         """The data position before the batch in flight: a resume generates it again (the responses
@@ -196,7 +199,7 @@ class AsyncProducer(Overlapping):
             self.version = version
             self.changed.notify_all()
 
-    def get_batch(self, step: int) -> tuple[list[Rollout], list[float], dict]:
+    def get_batch(self, step: int) -> Batch:
         """The next `rollout_batch_size` groups with signal in admission order (waiting for the
         oldest ones to finish); the figures of every group finished on the way."""
         began, rollouts, advantages, rounds, kept = time.monotonic(), [], [], [], 0
@@ -220,7 +223,7 @@ class AsyncProducer(Overlapping):
         worst = metrics["staleness_max"]
         if worst is not None and worst > self.max_staleness:  # the pacing rule's promise: a bug if broken
             raise AssertionError(f"staleness {worst} exceeds rollout.max_staleness {self.max_staleness}")
-        return rollouts, advantages, metrics
+        return self._batch(rollouts, advantages, metrics, step)
 
     def state_dict(self) -> dict:
         """The data position before the oldest group not yet taken: a resume admits those groups

@@ -1,0 +1,95 @@
+"""`gspo-train`: the trainer's command line (`python -m gspo_mcore.train` is the same command).
+
+    gspo-train --config FILE [--output-dir DIR] [--resume] [--overwrite] [--print-config] [key=value ...]
+
+What a run would otherwise find wrong only after building the model and starting servers is
+checked first (the output directory, the resume point, the dataset, the reward and rollout
+function names); the process environment is set for the device (`set_process_env`); then
+gspo_mcore.train's `Trainer` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gspo_mcore import run_config
+from gspo_mcore.checkpointing import latest_checkpoint
+from gspo_mcore.config import Config, config_yaml, load_config
+from gspo_mcore.data.dataset import require_file
+from gspo_mcore.errors import run_cli
+from gspo_mcore.rewards import load_reward_fn, reward_arguments
+from gspo_mcore.rollout.functions import load_rollout_function
+from gspo_mcore.run_dir import check_output_dir, default_output_dir
+from gspo_mcore.torchrun import omp_threads
+from gspo_mcore.toy_task import check_task_written
+from gspo_mcore.train import Trainer
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="gspo-train", description="GSPO training of a Qwen3-MoE on Megatron-Core")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--output-dir", default=None, help="default: runs/<config name>")
+    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's last checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run OUTPUT_DIR holds")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML (base merged, overrides applied) and exit")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    return parser.parse_intermixed_args(argv)
+
+
+def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
+    """What a run would otherwise find wrong only after building the model and starting servers
+    (minutes on a 30B checkpoint): the checkpoint to resume; on rank 0, which reads the data and
+    scores, the dataset file and the reward and rollout function names (imported, signatures
+    checked). The same errors their users raise later."""
+    if resume:
+        latest_checkpoint(output_dir)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    require_file(config.data.path)
+    reward = config.reward
+    reward_arguments(load_reward_fn(reward.name), reward.name, reward.url)
+    load_rollout_function(config.rollout.function)
+
+
+def set_process_env(config: Config) -> None:
+    """OpenMP threads and NCCL's settings for this process, unless the caller set them."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        # CPU runs share the cores with the engine's server; GPU ranks (CPU-offloaded Adam) take the node's
+        # cores over its ranks. torch is imported already: set its pool too, not only the variable.
+        threads = 1 if config.distributed.device == "cpu" else omp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    if config.distributed.device == "cuda" and config.weight_sync.method == "distributed":
+        # SGLang runs with NCCL_CUMEM_ENABLE=0; members of one communicator that disagree on it
+        # fail with "invalid argument". NCCL reads it once per process: set it before any group.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    if args.print_config:  # nothing starts: loadable as is with --config
+        print(config_yaml(config), end="", flush=True)
+        return
+    check_task_written(config)
+    output_dir = Path(args.output_dir or default_output_dir(args.config))
+    set_process_env(config)
+    check_output_dir(output_dir, args.resume, args.overwrite)
+    applied = run_config.check_resume(config, output_dir) if args.resume else None
+    check_inputs(config, output_dir, args.resume)
+    if applied and int(os.environ.get("RANK", 0)) == 0:
+        print(applied, flush=True)
+    Trainer(config, output_dir, args.resume, args.overwrite).run()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_cli() -> None:
+    sys.exit(run_cli(main))

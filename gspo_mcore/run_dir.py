@@ -1,0 +1,33 @@
+"""A run's output directory: what marks one, what a new run may write into, what --overwrite removes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gspo_mcore.errors import InputError
+
+# What a run writes into OUTPUT_DIR (--overwrite removes them); the first two mark a run.
+RUN_MARKERS = ("checkpoints", "metrics.jsonl")
+RUN_FILES = (*RUN_MARKERS, "tensorboard", "hf", "logs", "plots", "weights_sync", "wandb", "wandb_run_id")
+
+
+def default_output_dir(config_path: str) -> Path:
+    return Path("runs") / Path(config_path).stem
+
+
+def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    """A new run never writes into another run's directory unless told to."""
+    if resume and overwrite:
+        raise InputError("--resume and --overwrite: choose one")
+    if not resume and not overwrite and any((Path(output_dir) / name).exists() for name in RUN_MARKERS):
+        raise InputError(f"{output_dir}: holds a run already: --resume continues it, --overwrite replaces it")
+
+
+def clear_run(output_dir: Path) -> None:
+    for name in RUN_FILES:
+        path = Path(output_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

@@ -14,11 +14,10 @@ import math
 import time
 
 from gspo_mcore.config import Config
-from gspo_mcore.data import PromptDataset, chat_prompt_ids
+from gspo_mcore.data import PromptDataset
 from gspo_mcore.errors import InputError
 from gspo_mcore.rewards.runner import RewardRunner
-from gspo_mcore.rollout.engine_handle import EngineHandle, Task
-from gspo_mcore.rollout.functions import load_rollout_function, run_functions
+from gspo_mcore.rollout.generation import Generator
 
 CORRECT = 1.0 - 1e-6  # a reward this high counts as a correct answer for pass@k
 
@@ -49,7 +48,8 @@ class Evaluator:
     """The config's eval datasets, loaded (and their rewards started) once; `run(client)` per
     evaluation. Rank 0 only."""
 
-    def __init__(self, config: Config, tokenizer):
+    def __init__(self, config: Config, tokenizer, generator: Generator | None = None):
+        """`generator`: the training run's (its tool runner); None: one of its own (gspo-eval)."""
         self.config, self.tokenizer = config, tokenizer
         data, reward = config.data, config.reward
         self.datasets = []
@@ -58,13 +58,8 @@ class Evaluator:
             samples = [dataset[i] for i in range(min(len(dataset), d.max_prompts or len(dataset)))]
             runner = RewardRunner(d.reward or reward.name, reward.timeout_s, reward.workers)
             self.datasets.append((d, samples, runner))
-        self.function = load_rollout_function(config.rollout.function)
-        self.tools = None
-        if self.function is not None and config.rollout.tools:
-            from gspo_mcore.tools.runner import ToolRunner
-
-            self.tools = ToolRunner(config.rollout.tools, workers=config.rollout.tool_workers,
-                                    timeout_s=config.rollout.tool_timeout_s)
+        self.owns_generator = generator is None
+        self.generator = generator or Generator(config, tokenizer)
         self.last_samples: list[dict] = []  # a few of the last evaluation's responses, for OUTPUT_DIR/samples
 
     def run(self, client, version: str | None = None, keep_samples: int = 4) -> dict:
@@ -74,16 +69,14 @@ class Evaluator:
         for d, samples, runner in self.datasets:
             began = time.monotonic()
             params = {"max_new_tokens": d.max_new_tokens, "temperature": d.temperature}
-            if self.function is None:
-                prompts = [chat_prompt_ids(self.tokenizer, s.messages, self.config.data.chat_template_kwargs)
-                           for s in samples]
-                requests = [p for p in prompts for _ in range(d.samples)]
-                rollouts = client.generate(requests, params, weight_version=version,
-                                           seeds=list(range(len(requests))), evaluation=True)
-                texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
-                lengths, preset = [len(r.response_ids) for r in rollouts], [None] * len(rollouts)
-            else:
-                texts, lengths, preset = self._trajectories(client, d.name, samples, d.samples, params, version)
+            generated = self.generator.run(client, samples, d.samples, params, weight_version=version, evaluation=True,
+                                           name=f"eval {d.name}")
+            wrong = [size for size in generated.sizes if size != d.samples]
+            if wrong:  # pass@k needs k answers per prompt
+                raise InputError(f"rollout.function {self.config.rollout.function}: returned "
+                                 f"{wrong[0]} trajectories for {d.samples} calls on eval dataset {d.name}; "
+                                 "evaluation scores one per call")
+            texts, lengths, preset = generated.texts, generated.lengths, generated.preset
             repeated = [s for s in samples for _ in range(d.samples)]
             groups = [i for i in range(len(samples)) for _ in range(d.samples)]
             scores, _ = runner.score(texts, [s.answer for s in repeated], [s.reward_context() for s in repeated], groups)
@@ -96,29 +89,8 @@ class Evaluator:
                                   for i in range(min(keep_samples, len(texts)))]
         return metrics
 
-    def _trajectories(self, client, name: str, samples, repeats: int, params: dict, version: str | None):
-        """The rollout function `repeats` times per sample, as training calls it (one server per
-        trajectory, the run's tools): the texts to score, the tokens after each prompt (the
-        environment's included), the functions' own rewards."""
-        rollout, count = self.config.rollout, len(client.urls)
-
-        def handle_for(i: int, k: int) -> EngineHandle:
-            index = i * repeats + k
-            return EngineHandle(client, self.tokenizer, index % count, params, index * 1_000, rollout, version,
-                                name=f"eval {name} {index}", tools=self.tools,
-                                template_kwargs=self.config.data.chat_template_kwargs)
-
-        tasks = [Task(s.messages, s.answer, dict(s.metadata)) for s in samples]
-        groups = run_functions(self.function, tasks, repeats, handle_for, client.max_concurrency)
-        for group in groups:
-            if len(group) != repeats:  # pass@k needs k answers per prompt
-                raise InputError(f"rollout.function {rollout.function}: returned {len(group)} trajectories for "
-                                 f"{repeats} calls on eval dataset {name}; evaluation scores one per call")
-        flat = [t for group in groups for t in group]
-        return ([t.text for t in flat], [len(t.token_ids) for t in flat], [t.reward for t in flat])
-
     def close(self) -> None:
         for _, _, runner in self.datasets:
             runner.close()
-        if self.tools is not None:
-            self.tools.close()
+        if self.owns_generator:
+            self.generator.close()

@@ -78,7 +78,8 @@ class Trainer:
             self.source = RolloutSource(config) if self.rank == 0 else None
             if self.source is not None:
                 self.stack.callback(self.source.close)
-            self.evaluator = Evaluator(config, self.source.tokenizer) if self.source and config.eval.datasets else None
+            self.evaluator = (Evaluator(config, self.source.tokenizer, self.source.generator)
+                              if self.source and config.eval.datasets else None)
             if self.evaluator is not None:
                 self.stack.callback(self.evaluator.close)
             # The servers' API key (a run's own servers get one made for it) on every rank:

@@ -37,7 +37,7 @@ class ScriptedEngine:
     def end_interrupt(self):
         pass
 
-    def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None):
+    def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None, evaluation=False):
         version = self.version
         self.clock.started("scripted")
         time.sleep(self.delay_s)

@@ -20,10 +20,8 @@ from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
 from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
 from gspo_mcore.rewards.runner import RewardRunner
-from gspo_mcore.rollout.engine_handle import EngineHandle, Task
-from gspo_mcore.rollout.functions import load_rollout_function, run_functions
+from gspo_mcore.rollout.generation import Generator
 from gspo_mcore.samples import Rollout
-from gspo_mcore.trajectory import to_rollout
 from gspo_mcore.seeds import step_seed
 
 
@@ -45,13 +43,7 @@ class RolloutSource:
         self.rewards = RewardRunner(reward.name, reward.timeout_s, reward.workers, reward.batched, reward.url)
         self.group_filter = by_name(config.rollout.group_filter, adv.GROUP_FILTERS, "rollout.group_filter")
         self.running = adv.RunningMoments()
-        self.function = load_rollout_function(config.rollout.function)
-        self.tools = None
-        if config.rollout.tools:
-            from gspo_mcore.tools.runner import ToolRunner
-
-            self.tools = ToolRunner(config.rollout.tools, workers=config.rollout.tool_workers,
-                                    timeout_s=config.rollout.tool_timeout_s)
+        self.generator = Generator(config, self.tokenizer)  # the evaluation generates through it too
         self.client = None
         self.lock = threading.Lock()
 
@@ -106,19 +98,9 @@ class RolloutSource:
         cfg = self.config.train
         with self.lock:  # the sampler's position
             samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
-        params = self.sampling_params()
-        if self.function is None:
-            template_kwargs = self.config.data.chat_template_kwargs
-            prompts = [chat_prompt_ids(self.tokenizer, s.messages, template_kwargs) for s in samples]
-            requests = [p for p in prompts for _ in range(cfg.group_size)]
-            seeds = [seeds_base + i for i in range(len(requests))]
-            rollouts = self.client.generate(requests, params, weight_version=weight_version, seeds=seeds,
-                                            oldest_version=oldest_version)
-            texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
-            sizes, preset, turns = [cfg.group_size] * len(samples), [None] * len(rollouts), None
-        else:
-            rollouts, texts, sizes, preset, turns = self._trajectories(samples, params, seeds_base, weight_version,
-                                                                       oldest_version)
+        generated = self.generator.run(self.client, samples, cfg.group_size, self.sampling_params(), seeds_base,
+                                       weight_version=weight_version, oldest_version=oldest_version)
+        rollouts, texts, sizes, preset = generated.rollouts, generated.texts, generated.sizes, generated.preset
         answers = [s.answer for s, n in zip(samples, sizes) for _ in range(n)]
         group_ids = torch.arange(len(samples)).repeat_interleave(torch.tensor(sizes))
         reward = self.config.reward
@@ -139,30 +121,10 @@ class RolloutSource:
             "truncated": sum(r.truncated for r in rollouts), "groups_kept": len(kept_groups),
             "groups_total": len(samples), "requests": len(rollouts),
             "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
-            "trainable": sum(sum(r.mask) for r in rollouts), "turns": turns,
+            "trainable": sum(sum(r.mask) for r in rollouts), "turns": generated.infos,
         }
         kept = [dataclasses.replace(rollouts[i], reward=rewards[i].item()) for i in selected]
         return kept, [advantages[i].item() for i in selected], figures
-
-    def _trajectories(self, samples, params: dict, seeds_base: int, weight_version, oldest_version):
-        """The rollout function's trajectories for `samples` (group_size calls each): their
-        rollouts, the texts to score, each group's size, the functions' own rewards, their info."""
-        cfg, count = self.config, len(self.client.urls)
-        tasks = [Task(s.messages, s.answer, dict(s.metadata)) for s in samples]
-        repeats = cfg.train.group_size
-
-        def handle_for(i: int, k: int) -> EngineHandle:
-            index = i * repeats + k  # spread over the servers; each trajectory stays on its own
-            return EngineHandle(self.client, self.tokenizer, index % count, params, (seeds_base + index) * 1_000,
-                                cfg.rollout, weight_version, oldest_version, name=f"trajectory {index}",
-                                tools=self.tools, template_kwargs=cfg.data.chat_template_kwargs)
-
-        groups = run_functions(self.function, tasks, repeats, handle_for, self.client.max_concurrency)
-        flat = [t for group in groups for t in group]
-        rollouts = [to_rollout(t, f"{n}") for n, t in enumerate(flat)]
-        # turns: the model's, counted here (a user's function need not count them in its info)
-        infos = [{**t.info, "turns": sum(s.trainable for s in t.segments)} for t in flat]
-        return rollouts, [t.text for t in flat], [len(g) for g in groups], [t.reward for t in flat], infos
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "running": self.running.state_dict()}
@@ -173,8 +135,7 @@ class RolloutSource:
 
     def close(self) -> None:
         self.rewards.close()
-        if self.tools is not None:
-            self.tools.close()
+        self.generator.close()
 
 
 def round_metrics(rounds: list[dict]) -> dict:

@@ -45,6 +45,10 @@ class SGLangEngine(Engine):
                             kv_bytes_per_token=kv_per_token, margin_gb=cls.MARGIN_GB,
                             usable_fraction=cls.USABLE_FRACTION)
 
+    def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
+        super().__init__(urls, timeout_s, api_key)
+        self._stores: dict[str, object] = {}  # weight group name -> its TCPStore (kept alive with the group)
+
     # ---------------------------------------------------------------- HTTP
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
         """POST `body` as JSON to url+path; the answer as a dict ({} for a plain-text 200)."""
@@ -174,7 +178,7 @@ class SGLangEngine(Engine):
                                               world_size=world_size, rank=0, group_name=name,
                                               timeout=timedelta(seconds=timeout_s))
             answer.result()
-        group._gspo_store = store  # the group needs its store alive
+        self._stores[name] = store  # the group needs its store alive
         return group
 
     def close_weight_group(self, url: str, name: str, group) -> None:
@@ -183,6 +187,7 @@ class SGLangEngine(Engine):
         except WeightSyncError:
             pass
         dist.destroy_process_group(group)
+        self._stores.pop(name, None)
 
     def send_bucket(self, groups: list[tuple[str, str, object]], bucket: list[tuple[str, torch.Tensor]],
                     flat: torch.Tensor) -> None:

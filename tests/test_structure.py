@@ -36,3 +36,112 @@ def test_no_function_is_longer_than_a_screen(path):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert long == []
+
+
+# ------------------------------------------------------------------ the engine boundary
+ENGINE_PACKAGES = ("gspo_mcore/engines/sglang/",)
+# Every SGLang HTTP path the project calls: only its engine package may name one.
+SGLANG_ENDPOINTS = {"/generate", "/abort_request", "/get_server_info", "/pause_generation", "/continue_generation",
+                    "/begin_weight_update", "/end_weight_update", "/update_weight_version", "/flush_cache",
+                    "/update_weights_from_disk", "/update_weights_from_distributed", "/update_weights_from_tensor",
+                    "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
+                    "/resume_memory_occupation"}
+PACKAGE = [p for p in SOURCES if p.parts[len(REPO.parts)] == "gspo_mcore"]
+
+
+def _outside_engines(path) -> bool:
+    return not any(str(path.relative_to(REPO)).startswith(prefix) for prefix in ENGINE_PACKAGES)
+
+
+def test_nothing_outside_an_engine_package_imports_sglang_or_names_its_endpoints():
+    offenders = []
+    for path in filter(_outside_engines, PACKAGE):
+        tree = ast.parse(path.read_text())
+        if any(m.split(".")[0] == "sglang" for m in imported_modules(tree)):
+            offenders.append(f"{path.relative_to(REPO)}: imports sglang")
+        named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                 and any(node.value == e or node.value.endswith(e) for e in SGLANG_ENDPOINTS)}
+        offenders += [f"{path.relative_to(REPO)}: names {e}" for e in sorted(named)]
+    assert offenders == []
+
+
+def test_the_structure_test_sees_an_endpoint_named_outside():
+    """The check above finds what it looks for (a string it would miss is a test that cannot fail)."""
+    tree = ast.parse('answer = post(f"{url}/update_weights_from_disk", body)\nfrom sglang.srt import utils\n')
+    assert "sglang.srt" in imported_modules(tree)
+    constants = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    assert any(c.endswith("/update_weights_from_disk") for c in constants)
+
+
+def test_the_sample_types_and_models_belong_to_no_engine_and_no_rollout():
+    """Rollout and Trajectory are the trainer's data: engines produce them, models and the
+    learner consume them, and none of these reaches up into rollout/ or engines/."""
+    neutral = ["gspo_mcore/samples.py", "gspo_mcore/trajectory.py", "gspo_mcore/learner.py",
+               *[str(p.relative_to(REPO)) for p in (REPO / "gspo_mcore" / "models").rglob("*.py")]]
+    offenders = [f"{name}: {m}" for name in neutral for m in imported_modules(ast.parse((REPO / name).read_text()))
+                 if m.startswith(("gspo_mcore.rollout", "gspo_mcore.engines"))]
+    assert offenders == []
+
+
+def _module_name(path, root) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports_when_imported(tree: ast.AST, modules: set[str]) -> set[str]:
+    """The project modules a module imports, at any depth, except in its `if __name__ ==
+    "__main__":` block (that runs only when the module is the program, never on import)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"':
+            node.body = []  # the __main__ block
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return {m for m in found if m in modules}
+
+
+def import_cycles(sources, root=REPO) -> list[list[str]]:
+    """Strongly connected groups of more than one module in the import graph (Tarjan)."""
+    names = {_module_name(p, root): p for p in sources}
+    graph = {n: _imports_when_imported(ast.parse(p.read_text()), set(names)) - {n} for n, p in names.items()}
+    index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_gspo_mcore_has_no_import_cycle():
+    assert import_cycles(PACKAGE) == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path):
+    package = tmp_path / "gspo_mcore"
+    package.mkdir()
+    (package / "a.py").write_text("def f():\n    from gspo_mcore.b import g\n")
+    (package / "b.py").write_text("from gspo_mcore import a\n")
+    (package / "c.py").write_text("if __name__ == '__main__':\n    from gspo_mcore import a\n")
+    assert import_cycles(sorted(package.glob("*.py")), root=tmp_path) == [["gspo_mcore.a", "gspo_mcore.b"]]

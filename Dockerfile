@@ -10,8 +10,13 @@
 FROM lmsysorg/sglang:v0.5.23
 
 ARG TE_VERSION=2.10.0
+# The GPU architectures Transformer Engine compiles for: 90 (H100/H200) unless the build says
+# otherwise (docker build --build-arg NVTE_CUDA_ARCHS="90;100"); unset, TE compiles six, which
+# multiplies the build's time.
+ARG NVTE_CUDA_ARCHS=90
 ENV PIP_NO_CACHE_DIR=1 \
     NVTE_FRAMEWORK=pytorch \
+    NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS} \
     MAX_JOBS=16
 
 RUN apt-get update && apt-get install -y --no-install-recommends curl git shellcheck \
@@ -34,7 +39,10 @@ RUN pip install --no-build-isolation "transformer-engine[core_cu13,pytorch]==${T
 # setup.py declares version ranges, so the image's torch (2.14.1) and SGLang's transformers and
 # numpy satisfy them and stay; megatron-core at the version tested (constraints.txt).
 COPY . /opt/gspo-mcore
+# Checked without importing Transformer Engine: a build has no GPU driver, and TE's import loads
+# libcuda (launch/smoke_1gpu.sh's first check imports it on a GPU).
 RUN pip install -e /opt/gspo-mcore megatron-core==0.16.1 \
     && python -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__" \
-    && python -c "import megatron.core, transformer_engine, sglang, gspo_mcore.train"
+    && python -c "import importlib.metadata as m; print('transformer-engine', m.version('transformer-engine'))" \
+    && python -c "import gspo_mcore.config, gspo_mcore.plan"
 WORKDIR /opt/gspo-mcore

@@ -15,7 +15,10 @@
 # 3/3 memory: a 2-layer synthetic model with Qwen3-30B-A3B's widths (128 experts, hidden 2048,
 #     vocabulary 151,936) at the 30B config's token budget, colocated as in 2/3: the attention
 #     backend Transformer Engine chose, and the trainer's peak memory (metrics.jsonl
-#     peak_memory_gb) beside the planner's estimate. Writes a ~27 GB checkpoint (removed after).
+#     peak_memory_gb) beside the planner's estimate: passes within the planner's stated
+#     tolerance (gspo_mcore.plan.ESTIMATE_TOLERANCE, 1.5x). No checkpoint is saved.
+# Disk: ~4 GB under WORK_DIR (3/3's synthetic model, ~3.7 GB; the toy model and runs' logs),
+#     all kept for reading the logs: remove WORK_DIR when done.
 # Environment: GSPO_PYTHON (python). Logs: WORK_DIR/*.log and each run's logs/.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -120,10 +123,13 @@ peaks = [r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not Non
 # without SGLang's share (another process).
 engine = plan.get("engine_resident_gb", 0.0)
 planned = max(plan["trainer_total_gb"], *(plan["phases_gb"][p] - engine for p in ("weight push", "sync check")))
-ok = bool(peaks) and max(peaks) <= planned
-measured = f"{max(peaks):.1f} GiB" if peaks else "not in metrics.jsonl"
+# The planner states its estimates hold within ESTIMATE_TOLERANCE of a measurement (gspo_mcore.plan).
+tolerance = plan["estimate_tolerance"]
+ok = bool(peaks) and max(peaks) <= planned * tolerance
+measured = f"{max(peaks):.1f} GiB ({max(peaks) / planned:.2f}x)" if peaks else "not in metrics.jsonl"
 print(f"{'PASS' if ok else 'FAIL'} 3/3 memory (2 layers at Qwen3-30B-A3B widths, 16k tokens): attention {sys.argv[3]}; "
-      f"trainer peak {measured} vs the planner's {planned:.1f} GiB (training {plan['trainer_total_gb']:.1f}: "
+      f"trainer peak {measured} vs the planner's {planned:.1f} GiB, tolerance {tolerance:g}x "
+      f"(training {plan['trainer_total_gb']:.1f}: "
       f"activations {plan['trainer_activations_gb']:.1f}, logits {plan['trainer_logits_gb']:.1f})")
 sys.exit(not ok)
 EOF

@@ -497,3 +497,22 @@ def test_docker_context_leaves_out_local_state_and_the_image_has_no_apex():
     assert {".venv", "outputs", "runs", ".git", "**/__pycache__", "**/*.egg-info", "**/.pytest_cache"} <= ignored
     assert "apex" not in "\n".join(line for line in (REPO / "Dockerfile").read_text().splitlines()
                                      if not line.lstrip().startswith("#"))
+
+
+def test_the_image_builds_for_h100_only_and_imports_no_transformer_engine_at_build_time():
+    """Unset, NVTE_CUDA_ARCHS compiles Transformer Engine for six architectures; TE's import
+    loads libcuda, which a docker build has no driver for."""
+    import re
+
+    docker = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG NVTE_CUDA_ARCHS=90$", docker, re.M) and "NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS}" in docker
+    runs = " ".join(line for line in docker.splitlines() if not line.lstrip().startswith("#"))
+    assert not re.search(r"import [^\"]*\btransformer_engine\b", runs)
+
+
+def test_the_smoke_memory_check_holds_the_planner_to_its_stated_tolerance():
+    from gspo_mcore.plan import ESTIMATE_TOLERANCE
+
+    script = (REPO / "launch" / "smoke_1gpu.sh").read_text()
+    assert 'max(peaks) <= planned * tolerance' in script and 'plan["estimate_tolerance"]' in script
+    assert "27 GB" not in script and ESTIMATE_TOLERANCE == 1.5

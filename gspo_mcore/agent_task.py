@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -183,6 +182,4 @@ def make_agent_task(out_dir, seed: int = 0, num_prompts: int = 1024) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m gspo_mcore.agent_task OUT_DIR")
-    print(make_agent_task(sys.argv[1]))
+    toy_task.writer_cli("gspo_mcore.agent_task", make_agent_task)

@@ -21,7 +21,6 @@ the same seed gives the same files.
 from __future__ import annotations
 
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -49,6 +48,4 @@ def make_long_task(out_dir, seed: int = 0, num_prompts: int = 1024, words: int =
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m gspo_mcore.long_task OUT_DIR")
-    print(make_long_task(sys.argv[1]))
+    toy_task.writer_cli("gspo_mcore.long_task", make_long_task)

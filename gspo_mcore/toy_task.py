@@ -15,6 +15,7 @@ OUT_DIR/prompts.jsonl; the same seed gives the same files.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -116,7 +117,14 @@ def check_task_written(config) -> None:
                              f"python -m {TASK_WRITERS[directory]} {directory}")
 
 
+def writer_cli(module: str, make, argv=None) -> None:
+    """`python -m MODULE OUT_DIR`: a task writer's command line (its module docstring's first line
+    is its help); prints the directory written."""
+    doc = (sys.modules[make.__module__].__doc__ or "").strip().splitlines()
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc[0] if doc else None)
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the task (model/, prompts.jsonl, eval.jsonl)")
+    print(make(parser.parse_args(argv).out_dir))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m gspo_mcore.toy_task OUT_DIR")
-    print(make_toy_task(sys.argv[1]))
+    writer_cli("gspo_mcore.toy_task", make_toy_task)

@@ -83,3 +83,19 @@ def test_bad_override_is_named(tiny_hf_dir):
 def test_layout_that_does_not_divide_is_named(tiny_hf_dir):
     # 4 layers cannot be split over 3 pipeline stages; checked before any process group work.
     assert_one_line_error(run_parity(tiny_hf_dir, "distributed.pipeline_parallel=3"), "num_hidden_layers 4", "pipeline_parallel")
+
+
+@pytest.mark.parametrize("module", ["toy_task", "long_task", "agent_task"])
+def test_a_task_writers_help_writes_nothing(module, tmp_path, monkeypatch, capsys):
+    """`python -m gspo_mcore.agent_task --help` wrote a model into a directory named --help."""
+    import importlib
+
+    from gspo_mcore.toy_task import writer_cli
+
+    monkeypatch.chdir(tmp_path)
+    task = importlib.import_module(f"gspo_mcore.{module}")
+    make = next(getattr(task, name) for name in dir(task) if name.startswith("make_") and name.endswith("_task"))
+    with pytest.raises(SystemExit) as exit_:
+        writer_cli(f"gspo_mcore.{module}", make, ["--help"])
+    assert exit_.value.code == 0 and "OUT_DIR" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

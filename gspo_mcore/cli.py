@@ -1,6 +1,10 @@
 """`gspo-train`: the trainer's command line (`python -m gspo_mcore.train` is the same command).
 
-    gspo-train --config FILE [--output-dir DIR] [--resume] [--overwrite] [--print-config] [key=value ...]
+    gspo-train --config FILE [--output-dir DIR] [--overwrite] [--print-config] [key=value ...]
+    gspo-train --output-dir DIR --resume [--config FILE] [key=value ...]
+
+A resume trains with the run's own OUTPUT_DIR/config.yaml (its first command's overrides
+included) and this command's overrides on top (gspo_mcore.run_config.resume_config).
 
 What a run would otherwise find wrong only after building the model and starting servers is
 checked first (the output directory, the resume point, the dataset, the reward and rollout
@@ -33,14 +37,20 @@ from gspo_mcore.train import Trainer
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="gspo-train", description="GSPO training of a Qwen3-MoE on Megatron-Core")
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", help="the run config (YAML); with --resume, optional: OUTPUT_DIR/config.yaml")
     parser.add_argument("--output-dir", default=None, help="default: runs/<config name>")
-    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR's last checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from OUTPUT_DIR's last checkpoint, with OUTPUT_DIR/config.yaml and these overrides")
     parser.add_argument("--overwrite", action="store_true", help="replace the run OUTPUT_DIR holds")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as YAML (base merged, overrides applied) and exit")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    return parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.config is None and not args.resume:
+        parser.error("--config is required (without --resume)")
+    if args.config is None and args.output_dir is None:
+        parser.error("--resume without --config needs --output-dir (the run to continue)")
+    return args
 
 
 def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
@@ -74,18 +84,22 @@ def set_process_env(config: Config) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    output_dir = Path(args.output_dir or default_output_dir(args.config))
+    if not args.print_config:
+        check_output_dir(output_dir, args.resume, args.overwrite)
+    if args.resume:
+        config, said = run_config.resume_config(output_dir, args.config, args.overrides)
+    else:
+        config, said = load_config(args.config, args.overrides), []
     if args.print_config:  # nothing starts: loadable as is with --config
         print(config_yaml(config), end="", flush=True)
         return
     check_task_written(config)
-    output_dir = Path(args.output_dir or default_output_dir(args.config))
     set_process_env(config)
-    check_output_dir(output_dir, args.resume, args.overwrite)
-    applied = run_config.check_resume(config, output_dir) if args.resume else None
     check_inputs(config, output_dir, args.resume)
-    if applied and int(os.environ.get("RANK", 0)) == 0:
-        print(applied, flush=True)
+    if int(os.environ.get("RANK", 0)) == 0:
+        for line in said:
+            print(line, flush=True)
     Trainer(config, output_dir, args.resume, args.overwrite).run()
     dist.barrier()
     dist.destroy_process_group()

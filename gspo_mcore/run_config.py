@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from gspo_mcore.config import Config, ConfigError, config_yaml, from_dict
+from gspo_mcore.config import Config, ConfigError, config_yaml, from_dict, load_config
 from gspo_mcore.files import atomic_output
 
 FILE = "config.yaml"
@@ -86,3 +86,30 @@ def check_resume(config: Config, output_dir: Path) -> str | None:
     if not changed:
         return None
     return "resume: applying " + ", ".join(f"{k} {saved.get(k)!r} -> {new[k]!r}" for k in changed)
+
+
+def resume_config(output_dir: Path, config_path: str | None, overrides: list[str]) -> tuple[Config, list[str]]:
+    """The config a `--resume` trains with: the run's own OUTPUT_DIR/config.yaml (the first run's
+    overrides included) with this command's overrides on top, checked by `check_resume`; and the
+    lines to print. `config_path` (optional): a field where that file disagrees with the run's
+    config keeps the run's value, said in one line (the run's config is the truth of the run: a
+    change is an override); without a saved config (a run from before config.yaml), that file is
+    the config, as before."""
+    saved = Path(output_dir) / FILE
+    if not saved.is_file():
+        if config_path is None:
+            raise ConfigError(f"--resume: {saved} not found: give --config (the run's config)")
+        config = load_config(config_path, overrides)
+        applied = check_resume(config, output_dir)
+        return config, [applied] if applied else []
+    config = load_config(saved, overrides)
+    applied = check_resume(config, output_dir)
+    lines = [applied] if applied else []
+    if config_path is not None:
+        theirs, ours = flat(load_config(config_path, overrides)), flat(config)
+        kept = [key for key in ours if theirs[key] != ours[key]]
+        if kept:
+            lines.append(f"resume: the run's {saved} is the config; kept over {config_path}: "
+                         + ", ".join(f"{k} {ours[k]!r} (not {theirs[k]!r})" for k in kept)
+                         + "; pass key=value to change one")
+    return config, lines

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from gspo_mcore.checkpointing import LATEST
 from gspo_mcore.errors import InputError
 
 # What a run writes into OUTPUT_DIR (--overwrite removes them); the first two mark a run.
@@ -21,7 +22,10 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise InputError("--resume and --overwrite: choose one")
     if not resume and not overwrite and any((Path(output_dir) / name).exists() for name in RUN_MARKERS):
-        raise InputError(f"{output_dir}: holds a run already: --resume continues it, --overwrite replaces it")
+        if (Path(output_dir) / "checkpoints" / LATEST).is_file():
+            raise InputError(f"{output_dir}: holds a run already: --resume continues it, --overwrite replaces it")
+        raise InputError(f"{output_dir}: holds a run that saved no checkpoint (nothing to resume): --overwrite "
+                         "replaces it, or choose another --output-dir")
 
 
 def clear_run(output_dir: Path) -> None:

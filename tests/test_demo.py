@@ -30,6 +30,6 @@ def test_a_second_demo_into_a_run_is_refused_and_deletes_nothing(tmp_path):
                           text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {run}: holds a run already") and "--overwrite" in last
+    assert last.startswith(f"error: {run}: holds a run that saved no checkpoint") and "--overwrite" in last
     assert (run / "metrics.jsonl").read_text() == json.dumps({"step": 1}) + "\n" and (run / "notes.txt").is_file()
     assert (tmp_path / "out" / "toy" / "prompts.jsonl").is_file()  # the task, written where asked

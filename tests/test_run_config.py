@@ -118,3 +118,52 @@ def test_a_run_starts_without_megatrons_apex_and_te_warnings():
     proc = subprocess.run([sys.executable, "-c", "import gspo_mcore.train"], capture_output=True, text=True, cwd=REPO,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert proc.returncode == 0 and "not installed" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_resume_keeps_the_first_runs_overrides_and_applies_its_own(tmp_path):
+    """A 12-step run with optimizer.lr=0.0005, resumed with train.steps=40: the run's lr stays
+    (it was dropped back to the file's 0.001), the step count changes; --config is optional."""
+    from gspo_mcore.run_config import resume_config
+
+    first = load_config("configs/tiny_cpu.yaml", ["optimizer.lr=0.0005", "train.steps=12"])
+    save(first, tmp_path)
+    config, said = resume_config(tmp_path, None, ["train.steps=40"])
+    assert config.optimizer.lr == 0.0005 and config.train.steps == 40
+    assert said == ["resume: applying train.steps 12 -> 40"]
+    config, said = resume_config(tmp_path, "configs/tiny_cpu.yaml", ["train.steps=40"])
+    assert config.optimizer.lr == 0.0005 and config.train.steps == 40
+    assert said[1].startswith(f"resume: the run's {tmp_path / 'config.yaml'} is the config; kept over "
+                              "configs/tiny_cpu.yaml: optimizer.lr 0.0005 (not 0.001)")
+
+
+def test_a_resume_without_a_saved_config_needs_the_config_file(tmp_path):
+    from gspo_mcore.run_config import resume_config
+
+    with pytest.raises(ConfigError, match=r"^--resume: .*config.yaml not found: give --config"):
+        resume_config(tmp_path, None, [])
+    config, said = resume_config(tmp_path, "configs/tiny_cpu.yaml", ["train.steps=3"])
+    assert config.train.steps == 3 and said == []
+
+
+def test_a_directory_without_a_checkpoint_is_not_a_run_to_resume(tmp_path):
+    from gspo_mcore.errors import InputError
+    from gspo_mcore.run_dir import check_output_dir
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(InputError, match="holds a run that saved no checkpoint .*--overwrite replaces it"):
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_000002")
+    with pytest.raises(InputError, match="holds a run already: --resume continues it"):
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+
+
+def test_resume_needs_no_config_file_on_the_command_line():
+    from gspo_mcore.cli import parse_args
+
+    args = parse_args(["--resume", "--output-dir", "runs/x", "optimizer.lr=0.001"])
+    assert args.config is None and args.overrides == ["optimizer.lr=0.001"]
+    with pytest.raises(SystemExit):
+        parse_args(["--output-dir", "runs/x"])  # a new run names its config
+    with pytest.raises(SystemExit):
+        parse_args(["--resume"])  # which run?

@@ -155,6 +155,10 @@ class RewardConfig:
     """A server the reward calls (a reward model served by SGLang), passed as its `url` argument."""
     timeout_s: float = 10.0
     """Per call (a response; a group when batched); a crash or timeout scores 0 and is counted."""
+    max_error_fraction: float = 0.5
+    """The share of a round's reward calls that may fail (raise, time out, return NaN) before the
+    run stops, quoting the first failure (every one is in OUTPUT_DIR/logs/reward_errors.log);
+    a round where every call failed always stops it."""
     workers: int = 2
     norm: RewardNorm = "none"
     """Reward normalisation before the group advantages: over the batch, per prompt group, or

@@ -78,6 +78,7 @@ class Trainer:
             self.source = RolloutSource(config) if self.rank == 0 else None
             if self.source is not None:
                 self.stack.callback(self.source.close)
+                self.source.error_log = self.output_dir / "logs" / "reward_errors.log"
             self.evaluator = (Evaluator(config, self.source.tokenizer, self.source.generator)
                               if self.source and config.eval.datasets else None)
             if self.evaluator is not None:

@@ -243,3 +243,39 @@ def test_async_pacing_does_not_depend_on_when_a_groups_callback_runs(task, monke
     rows, outstanding = _producer_run(task, "async", steps=5)
     assert all(m["staleness_max"] <= 1 for _, _, m in rows), [m["staleness_max"] for _, _, m in rows]
     assert all(count <= bound for count, bound in outstanding), outstanding
+
+
+def test_a_reward_that_always_raises_stops_the_run_quoting_it(task, tmp_path):
+    """It scored 0 on every call and the run looked like a run (exit 0, reward 0.000, the
+    exception's text nowhere)."""
+    from gspo_mcore.errors import InputError
+
+    source, _ = source_for(task, "reward.name=tests.reward_fixtures:always_raises", rollout_batch_size=2)
+    source.error_log = tmp_path / "logs" / "reward_errors.log"
+    try:
+        with pytest.raises(InputError, match=r"^reward tests.reward_fixtures:always_raises: 8 of 8 calls failed "
+                                             r"\(reward.max_error_fraction 0.5\); the first: response 0: RuntimeError: "
+                                             r"this reward never works; all in .*reward_errors.log$"):
+            source.collect(0)
+    finally:
+        source.close()
+    lines = source.error_log.read_text().splitlines()
+    assert len(lines) == 8 and all("RuntimeError: this reward never works" in line for line in lines)
+
+
+def test_reward_failures_under_the_bound_are_logged_and_the_round_goes_on(task, tmp_path):
+    from gspo_mcore.errors import InputError
+    from gspo_mcore.rewards.runner import RewardStats
+
+    source, _ = source_for(task, "reward.max_error_fraction=0.25")
+    source.error_log = tmp_path / "reward_errors.log"
+    try:
+        source._check_rewards(RewardStats(errors=1, timeouts=1, messages=["response 3: ValueError: x",
+                                                                         "response 5: timed out after 10 s"]), 8)
+        assert source.error_log.read_text().splitlines() == [
+            "reward gspo_mcore.toy_task:category_reward: response 3: ValueError: x",
+            "reward gspo_mcore.toy_task:category_reward: response 5: timed out after 10 s"]
+        with pytest.raises(InputError, match="3 of 8 calls failed .*the first: response 0: KeyError: 'k'"):
+            source._check_rewards(RewardStats(errors=3, messages=["response 0: KeyError: 'k'"] * 3), 8)
+    finally:
+        source.close()

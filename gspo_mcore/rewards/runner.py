@@ -14,7 +14,7 @@ import select
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gspo_mcore.errors import InputError
@@ -28,6 +28,9 @@ STARTUP_TIMEOUT_S = 300.0  # importing a heavy reward (a math checker, a tokeniz
 class RewardStats:
     errors: int = 0
     timeouts: int = 0
+    # What each failure said ("response i: <exception>"), in order: the run quotes the first
+    # and keeps them all in its logs.
+    messages: list[str] = field(default_factory=list)
 
 
 class _Worker:
@@ -140,10 +143,13 @@ class RewardRunner:
                         rewards[i] = value
                     continue
                 stats.errors += len(job)  # it raised, returned NaN, or its process died
+                said = reply.get("error", "failed") if isinstance(reply, dict) else "its worker process died"
+                stats.messages += [f"response {i}: {said}" for i in job]
                 if reply is None:
                     self._replace(worker)
             elif time.monotonic() >= worker.started + self.timeout_s:
                 stats.timeouts += len(job)
+                stats.messages += [f"response {i}: timed out after {self.timeout_s:g} s (reward.timeout_s)" for i in job]
                 self._replace(worker)
 
     def _replace(self, worker: _Worker) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -45,6 +46,7 @@ class RolloutSource:
         self.running = adv.RunningMoments()
         self.generator = Generator(config, self.tokenizer)  # the evaluation generates through it too
         self.client = None
+        self.error_log: Path | None = None  # where reward failures are kept (the trainer: OUTPUT_DIR/logs)
         self.lock = threading.Lock()
 
     def _check_template(self) -> None:
@@ -107,6 +109,7 @@ class RolloutSource:
         with self.lock:  # one reward runner; the running moments
             contexts = [s.reward_context() for s, n in zip(samples, sizes) for _ in range(n)]
             scores, stats = self.rewards.score(texts, answers, contexts, group_ids.tolist())
+            self._check_rewards(stats, len(texts))
             # A function's own score (an environment's) replaces the reward function's.
             rewards = torch.tensor([s if p is None else p for s, p in zip(scores, preset)], dtype=torch.float32)
             # reward.norm "batch" / "running": over this round's rewards / updated by each round.
@@ -125,6 +128,22 @@ class RolloutSource:
         }
         kept = [dataclasses.replace(rollouts[i], reward=rewards[i].item()) for i in selected]
         return kept, [advantages[i].item() for i in selected], figures
+
+    def _check_rewards(self, stats, calls: int) -> None:
+        """Failures are kept in `error_log`; too many stop the run as the user's error, quoting
+        the first (a reward that raises on every call scored 0 silently and looked like a run)."""
+        if not stats.messages:
+            return
+        reward = self.config.reward
+        if self.error_log is not None:
+            self.error_log.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.error_log, "a") as log:
+                log.writelines(f"reward {reward.name}: {message}\n" for message in stats.messages)
+        failed = stats.errors + stats.timeouts
+        if failed == calls or failed > reward.max_error_fraction * calls:
+            kept = f"; all in {self.error_log}" if self.error_log is not None else ""
+            raise InputError(f"reward {reward.name}: {failed} of {calls} calls failed (reward.max_error_fraction "
+                             f"{reward.max_error_fraction:g}); the first: {stats.messages[0]}{kept}")
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "running": self.running.state_dict()}

@@ -41,6 +41,7 @@ from gspo_mcore.errors import EngineError, InputError, run_cli
 from gspo_mcore.evaluation import Evaluator
 from gspo_mcore.files import atomic_output
 from gspo_mcore.learner import Learner
+from gspo_mcore.loss import load_loss_function
 from gspo_mcore.metric_schema import ASYNC_METRICS, UPDATE
 from gspo_mcore.metrics import Progress, RunLog
 from gspo_mcore.parallel import broadcast_from_host, host_group
@@ -396,11 +397,12 @@ def parse_args(argv=None):
 
 def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
     """What a run would otherwise find wrong only after building the model and starting servers
-    (minutes on a 30B checkpoint): the checkpoint to resume; on rank 0, which reads the data and
+    (minutes on a 30B checkpoint): the checkpoint to resume, the loss function; on rank 0, which reads the data and
     scores, the dataset file and the reward and rollout function names (imported, signatures
     checked). The same errors their users raise later."""
     if resume:
         latest_checkpoint(output_dir)
+    load_loss_function(config.loss.function)  # every rank computes the loss
     if int(os.environ.get("RANK", 0)) != 0:
         return
     from gspo_mcore.data.dataset import require_file

@@ -118,3 +118,14 @@ def test_a_run_starts_without_megatrons_apex_and_te_warnings():
     proc = subprocess.run([sys.executable, "-c", "import gspo_mcore.train"], capture_output=True, text=True, cwd=REPO,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert proc.returncode == 0 and "not installed" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_run_saved_with_loss_level_resumes_with_the_loss_function_it_named(tmp_path):
+    """config.yaml of a run from before loss.function: its loss.level reads as the function."""
+    config = load_config("configs/tiny_cpu_grpo.yaml")
+    text = save(config, tmp_path).read_text()
+    assert "  function: grpo\n" in text
+    (tmp_path / "config.yaml").write_text(text.replace("  function: grpo\n", "  level: token\n"))
+    assert check_resume(config, tmp_path) is None
+    with pytest.raises(ConfigError, match=r"^--resume: loss.function \('grpo' -> 'gspo'\) differ"):
+        check_resume(load_config("configs/tiny_cpu_grpo.yaml", ["loss.function=gspo"]), tmp_path)

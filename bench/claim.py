@@ -36,7 +36,7 @@ WIDE_BAND = ["loss.clip_low=0.003", "loss.clip_high=0.004"]  # 10x the paper's b
 # The paper's setup, the default before this grid: the configured band everywhere, pi_old the
 # engine's (or recomputed) from the first minibatch on.
 PAPER = ["loss.on_policy_first_minibatch=false", "loss.band_from_mismatch=null"]
-GRPO = ["loss.level=token", "loss.clip_low=0.2", "loss.clip_high=0.28"]
+GRPO = ["loss.function=grpo", "loss.clip_low=0.2", "loss.clip_high=0.28"]
 RECOMPUTE = ["train.recompute_old_logprobs=true"]
 
 # name -> (what it is, config overrides on top of configs/long_cpu.yaml). `gspo-engine` is the

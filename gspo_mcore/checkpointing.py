@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -92,52 +94,150 @@ def load_model_weights(model, path) -> None:
     model.load_state_dict({key: loaded[key] for key in sharded})
 
 
-class Checkpointer:
-    """A run's checkpoints: every stateful part of training in one place. Megatron distributed
-    checkpoints of the model, the optimizer and each rank's RNG states, with the step and the
-    rollout state (data sampler position, running reward moments), under
-    OUTPUT_DIR/checkpoints/step_NNNNNN. Written to a temporary directory and renamed; `latest`
-    is replaced atomically afterwards, so a kill during a save leaves the previous checkpoint
-    as the one a resume takes. Only the newest `keep` are kept (one 30B-A3B checkpoint with
-    Adam states is ~400 GB): older ones go once a newer one is complete and `latest` names it."""
+class Stateful(Protocol):
+    """A part of training that a checkpoint holds, registered by name (torchtitan's Stateful).
+    Its state is trainer_state.json's entry under its name, written by rank 0: JSON values (the
+    step, the data position, the schedule). A part that is not the same on every rank (tensors,
+    sharded) has `sharded_state_dict` instead (MegatronState)."""
 
-    def __init__(self, output_dir: Path, ddp, optimizer, keep: int = 0, scheduler=None):
-        self.output_dir = Path(output_dir)
-        self.root = self.output_dir / "checkpoints"
-        self.ddp, self.optimizer, self.keep, self.scheduler = ddp, optimizer, keep, scheduler
+    def state_dict(self) -> Any: ...
 
-    def export_hf(self, arch, spec: str, hf_config_dir) -> Path:
-        """The model's weights as a Hugging Face checkpoint in OUTPUT_DIR/hf (what SGLang,
-        transformers and `gspo-eval` load). Collective."""
-        return save_hf_checkpoint(self.ddp.module, arch, spec, self.output_dir / "hf", hf_config_dir)
+    def load_state_dict(self, state: Any) -> None:
+        """`state`: the checkpoint's entry, None when it has none (saved before the part existed)."""
 
-    def _sharded(self, loading: bool) -> dict:
-        ddp, optimizer = self.ddp, self.optimizer
-        model_sd = ddp.module.sharded_state_dict()
+
+@dataclass
+class TrainState:
+    """The trainer's own state: the steps completed (trainer_state.json's `step`)."""
+
+    step: int = 0
+
+    def state_dict(self) -> int:
+        return self.step
+
+    def load_state_dict(self, step: int) -> None:
+        self.step = step
+
+
+@dataclass
+class FunctionState:
+    """A Stateful of two functions: for a state saved from one object and loaded into another
+    (rank 0's rollout state: saved from the producer, which knows the batch in flight, loaded
+    into the rollout source before the producer starts)."""
+
+    state_dict: Callable[[], Any]
+    load_state_dict: Callable[[Any], None]
+
+
+class MegatronState:
+    """The model, the optimizer and each rank's RNG states: one Megatron distributed checkpoint
+    (torch_dist, collective). Its entries are the checkpoint's top-level keys `model`,
+    `optimizer`, `rng_state`, as Megatron-LM saves them."""
+
+    def __init__(self, ddp, optimizer):
+        self.ddp, self.optimizer = ddp, optimizer
+
+    def sharded_state_dict(self, is_loading: bool) -> dict:
+        # A run that trained nothing (every group without signal) has no optimizer state to
+        # describe: give it neutral ones (zero moments, step 0), leaving the weights as they are;
+        # a load overwrites the placeholders.
+        _init_optimizer_states(self.optimizer, neutral=not is_loading)
+        model_sd = self.ddp.module.sharded_state_dict()
         # dp_reshardable: Megatron-LM's default; megatron-core 0.16.1's own default
         # (fully_sharded_model_space) fails with "flattened_range is not supported".
         metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
         return {"model": model_sd,
-                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata),
+                "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata),
                 "rng_state": _rng_state()}
 
-    def save(self, step: int, rollout_state: dict | None) -> Path:
-        """Collective; `rollout_state` from rank 0's rollout source (None on other ranks)."""
+    def load_state_dict(self, loaded: dict) -> None:
+        self.ddp.module.load_state_dict(loaded["model"])
+        _set_rng_state(loaded["rng_state"])
+        with torch.no_grad():  # float32 main params are views of the model's leaf parameters
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(self.optimizer, loaded["optimizer"])
+
+
+class SchedulerState:
+    """The learning-rate schedule (Megatron's OptimizerParamScheduler); loaded after the optimizer
+    (registered after MegatronState): the schedule, the config's lr, sets the lr."""
+
+    def __init__(self, scheduler, optimizer, train_state: TrainState):
+        self.scheduler, self.optimizer, self.train_state = scheduler, optimizer, train_state
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        # The loaded param groups carry the saved run's bounds, which OptimizerParamScheduler.get_lr
+        # prefers to its own: the config's (the scheduler's) take their place.
+        for group in self.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = self.scheduler.max_lr, self.scheduler.min_lr
+        if state:
+            self.scheduler.load_state_dict(state)
+        else:  # a checkpoint from before schedules: one scheduler step per training step
+            self.scheduler.step(self.train_state.step)
+
+
+class Checkpointer:
+    """A run's checkpoints: whatever registers with it (`register(name, part)`), each part saved
+    and loaded through its own state_dict / load_state_dict (torchtitan's CheckpointManager and
+    its `states`). Sharded parts (MegatronState) go into one Megatron distributed checkpoint,
+    the others into trainer_state.json under their names, with the step (`train_state`, registered
+    as `step`), under OUTPUT_DIR/checkpoints/step_NNNNNN. Written to a temporary directory and
+    renamed; `latest` is replaced atomically afterwards, so a kill during a save leaves the
+    previous checkpoint as the one a resume takes. Only the newest `keep` are kept (one 30B-A3B
+    checkpoint with Adam states is ~400 GB): older ones go once a newer one is complete and
+    `latest` names it. Parts load in the order they registered, sharded ones first."""
+
+    def __init__(self, output_dir: Path, model, keep: int = 0):
+        self.output_dir = Path(output_dir)
+        self.root = self.output_dir / "checkpoints"
+        self.model, self.keep = model, keep  # model: the GPTModel the HF export writes
+        self.train_state = TrainState()
+        self.states: dict[str, Stateful] = {}
+        self.register("step", self.train_state)
+
+    def register(self, name: str, part) -> None:
+        """Save and load `part` under `name`. A part only some ranks hold (rank 0's rollout state)
+        registers on those: trainer_state.json is rank 0's."""
+        if name in self.states:
+            raise ValueError(f"checkpoint part {name!r}: registered twice")
+        self.states[name] = part
+
+    def _sharded(self) -> dict[str, object]:
+        return {name: part for name, part in self.states.items() if hasattr(part, "sharded_state_dict")}
+
+    def export_hf(self, arch, spec: str, hf_config_dir) -> Path:
+        """The model's weights as a Hugging Face checkpoint in OUTPUT_DIR/hf (what SGLang,
+        transformers and `gspo-eval` load). Collective."""
+        return save_hf_checkpoint(self.model, arch, spec, self.output_dir / "hf", hf_config_dir)
+
+    def _sharded_state_dicts(self, is_loading: bool) -> dict[str, dict]:
+        """Each sharded part's entries; together the checkpoint's top-level keys (none may repeat)."""
+        parts, keys = {}, set()
+        for name, part in self._sharded().items():
+            parts[name] = part.sharded_state_dict(is_loading=is_loading)
+            if keys & parts[name].keys():
+                raise ValueError(f"checkpoint part {name!r}: entries {sorted(keys & parts[name].keys())} "
+                                 "are another part's")
+            keys |= parts[name].keys()
+        return parts
+
+    def save(self, step: int) -> Path:
+        """Collective: every registered part at `step` completed steps."""
         from megatron.core import dist_checkpointing
 
         tie_writer_queue_to_us()
-
-        # A run that trained nothing (every group without signal) has no optimizer state to
-        # describe: give it neutral ones (zero moments, step 0), leaving the weights as they are.
-        _init_optimizer_states(self.optimizer, neutral=True)
-
+        self.train_state.step = step
         path = self.root / f"step_{step:06d}"
         with atomic_output_all_ranks(path) as tmp:
-            dist_checkpointing.save(self._sharded(loading=False), str(tmp))
-            if dist.get_rank() == 0:
-                schedule = self.scheduler.state_dict() if self.scheduler is not None else None
-                (tmp / "trainer_state.json").write_text(
-                    json.dumps({"step": step, "rollout": rollout_state, "lr_scheduler": schedule}))
+            sharded = self._sharded_state_dicts(is_loading=False)
+            if sharded:
+                dist_checkpointing.save({k: v for entries in sharded.values() for k, v in entries.items()}, str(tmp))
+            if dist.get_rank() == 0:  # last: the file marks a complete checkpoint
+                (tmp / "trainer_state.json").write_text(json.dumps(
+                    {name: part.state_dict() for name, part in self.states.items() if name not in sharded}))
         if dist.get_rank() == 0:
             with atomic_output(self.root / LATEST) as latest:
                 latest.write_text(path.name)
@@ -156,31 +256,22 @@ class Checkpointer:
     def latest(self) -> Path:
         return latest_checkpoint(self.output_dir)
 
-    def load(self) -> tuple[int, dict | None]:
-        """(step, rollout state) of the latest checkpoint, the model, optimizer and RNG restored. Collective."""
-        ddp, optimizer = self.ddp, self.optimizer
+    def load(self) -> int:
+        """Every registered part from the latest checkpoint; its step. Collective."""
         from megatron.core import dist_checkpointing
 
         path = self.latest()
-        _init_optimizer_states(optimizer)
-        sharded = self._sharded(loading=True)
-        loaded = dist_checkpointing.load(sharded, str(path))
-        ddp.module.load_state_dict(loaded["model"])
-        _set_rng_state(loaded["rng_state"])
-        with torch.no_grad():  # float32 main params are views of the model's leaf parameters
-            optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(optimizer, loaded["optimizer"])
+        sharded = self._sharded_state_dicts(is_loading=True)
+        if sharded:
+            loaded = dist_checkpointing.load({k: v for entries in sharded.values() for k, v in entries.items()},
+                                             str(path))
+            for name, entries in sharded.items():
+                self.states[name].load_state_dict({key: loaded[key] for key in entries})
         state = json.loads((path / "trainer_state.json").read_text())
-        if self.scheduler is not None:  # after the optimizer's: the schedule (the config's lr) sets the lr
-            # The loaded param groups carry the saved run's bounds, which OptimizerParamScheduler.get_lr
-            # prefers to its own: the config's (the scheduler's) take their place.
-            for group in self.optimizer.param_groups:
-                group["max_lr"], group["min_lr"] = self.scheduler.max_lr, self.scheduler.min_lr
-            if state.get("lr_scheduler"):
-                self.scheduler.load_state_dict(state["lr_scheduler"])
-            else:  # a checkpoint from before schedules: one scheduler step per training step
-                self.scheduler.step(state["step"])
-        return state["step"], state.get("rollout")
+        for name, part in self.states.items():
+            if name not in sharded:
+                part.load_state_dict(state.get(name))
+        return self.train_state.step
 
 
 def _rng_state():

@@ -27,6 +27,7 @@ from gspo_mcore.checkpointing import latest_checkpoint
 from gspo_mcore.config import Config, config_yaml, load_config
 from gspo_mcore.data.dataset import require_file
 from gspo_mcore.errors import run_cli
+from gspo_mcore.loss import load_loss_function
 from gspo_mcore.rewards import load_reward_fn, reward_arguments
 from gspo_mcore.rollout.functions import load_rollout_function
 from gspo_mcore.run_dir import check_output_dir, default_output_dir
@@ -55,11 +56,12 @@ def parse_args(argv=None):
 
 def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
     """What a run would otherwise find wrong only after building the model and starting servers
-    (minutes on a 30B checkpoint): the checkpoint to resume; on rank 0, which reads the data and
+    (minutes on a 30B checkpoint): the checkpoint to resume, the loss function; on rank 0, which reads the data and
     scores, the dataset file and the reward and rollout function names (imported, signatures
     checked). The same errors their users raise later."""
     if resume:
         latest_checkpoint(output_dir)
+    load_loss_function(config.loss.function)  # every rank computes the loss
     if int(os.environ.get("RANK", 0)) != 0:
         return
     require_file(config.data.path)

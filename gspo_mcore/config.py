@@ -13,7 +13,7 @@ import yaml
 
 from gspo_mcore.advantages import RewardNorm
 from gspo_mcore.errors import InputError
-from gspo_mcore.loss import Aggregation, KLEstimator, Level
+from gspo_mcore.loss import Aggregation, KLEstimator
 
 
 class ConfigError(InputError):
@@ -80,8 +80,11 @@ class OptimizerConfig:
 
 @dataclass
 class LossConfig:
-    level: Level = "sequence"
-    """sequence = GSPO; sequence_token = GSPO-token; token = GRPO/PPO (for comparison runs)."""
+    function: str = "gspo"
+    """The policy loss: `gspo` (sequence ratio, the paper's), `gspo_token` (GSPO-token), `grpo`
+    (token ratio, for comparison runs), or a function of yours, `module:function`, called as
+    `fn(inputs: gspo_mcore.loss.LossInputs, config: LossConfig) -> (loss, metrics)` like these.
+    KL, entropy bonus, behaviour weights and the mismatch figures are added around it."""
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     """The paper's GSPO clip range: ratios outside [1 - 3e-4, 1 + 4e-4] stop the gradient."""
@@ -493,6 +496,13 @@ def _convert(tp, value, where: str):
 
 
 # Fields that moved to the section that reads them: a config written for the old place gets told.
+# loss.level's values as loss.function's (what a run directory's config.yaml of an older version
+# holds: gspo_mcore.run_config reads it with them).
+LEVEL_FUNCTIONS = {"sequence": "gspo", "sequence_token": "gspo_token", "token": "grpo"}
+# Fields another replaced: a one-line error naming the new field.
+REPLACED = {
+    "loss.level": "loss.function (" + ", ".join(f"{old}: {new}" for old, new in LEVEL_FUNCTIONS.items()) + ")",
+}
 MOVED = {
     "loss.temperature": "rollout.temperature",
     "train.reward_norm": "reward.norm",
@@ -512,6 +522,8 @@ def from_dict(cls, data: dict, where: str = ""):
         key = f"{where + '.' if where else ''}{unknown[0]}"
         if key in MOVED:
             raise ConfigError(f"{key}: moved to {MOVED[key]}")
+        if key in REPLACED:
+            raise ConfigError(f"{key}: replaced by {REPLACED[key]}")
         raise ConfigError(f"{key}: unknown config field")
     kwargs = {
         key: _convert(hints[key], value, f"{where + '.' if where else ''}{key}") for key, value in data.items()
@@ -571,8 +583,9 @@ def config_yaml(config: Config) -> str:
     return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    data: dict = {} if path is None else _read_yaml(Path(path))
+def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> Config:
+    """The config of `path` (or of `data`, a config's sections as read from YAML) with `overrides`."""
+    data = {} if path is None and data is None else (data if data is not None else _read_yaml(Path(path)))
     for override in overrides:
         _set_override(data, override)
     return from_dict(Config, data).validate()

@@ -12,11 +12,16 @@ per-microbatch losses equal the global loss exactly (see gspo_mcore.megatron_los
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Callable, Literal, get_args
 
 import torch
+
+from gspo_mcore.errors import InputError
+from gspo_mcore.plugins import by_name
 
 # The choices, as types the config's fields use (gspo_mcore.config) and as tuples for checks.
 Level = Literal["sequence", "sequence_token", "token"]
@@ -261,10 +266,84 @@ def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3") -> torch.Tensor:
     raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
 
 
+@dataclass(frozen=True)
+class LossInputs:
+    """What a policy loss (`loss.function`) gets for one microbatch: tensors [B, T] over its
+    sequences and their tokens (response tokens where `mask` is 1), float32 or wider."""
+
+    logprobs: torch.Tensor
+    """log pi_theta of each token under the current weights: the gradient flows through these."""
+    old_logprobs: torch.Tensor
+    """log pi_old: the engine's, recomputed ones (train.recompute_old_logprobs), or on a step's first
+    minibatch (loss.on_policy_first_minibatch) `logprobs` detached; asynchronous modes: pi_prox."""
+    engine_logprobs: torch.Tensor
+    """The engine's own log-probs of the sampled tokens (the behaviour policy); `old_logprobs` unless
+    those were recomputed."""
+    advantages: torch.Tensor
+    """[B] one per sequence, or [B, T] per token; asynchronous modes: times the behaviour weight."""
+    mask: torch.Tensor
+    """1 on the tokens that train (the response's; an environment's turns in a tool loop are 0)."""
+    clip_low: float
+    clip_high: float
+    """This minibatch's clip band: loss.clip_low / clip_high, after the first minibatch at least
+    loss.band_from_mismatch x the measured mismatch."""
+    normalizer: Normalizer
+    """The whole minibatch's counts (every microbatch, every data-parallel rank): reduce with
+    `aggregate(token_loss, mask, aggregation, normalizer)` and the microbatches' losses sum to it."""
+    entropy: torch.Tensor | None = None
+    """Per-token policy entropy with loss.log_entropy or loss.entropy_coef; None otherwise."""
+
+
+# (inputs, the config's `loss` section) -> (loss to minimise, metrics: rows of gspo_mcore.metric_schema).
+LossFunction = Callable[[LossInputs, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+def _clipped_loss(inputs: LossInputs, cfg, level: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """policy_loss at `level` with the config's aggregation, dual clip and mismatch masks."""
+    return policy_loss(
+        inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, level=level, clip_low=inputs.clip_low,
+        clip_high=inputs.clip_high, aggregation=cfg.aggregation or DEFAULT_AGGREGATION, dual_clip=cfg.dual_clip,
+        entropy=inputs.entropy, normalizer=inputs.normalizer,
+        token_mask_band=tuple(cfg.token_mask_band) if cfg.token_mask_band else None,
+        sequence_mask_threshold=cfg.sequence_mask_threshold)
+
+
+def gspo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: the sequence ratio s_i of eq. 7, clipped per sequence (eq. 5-6)."""
+    return _clipped_loss(inputs, cfg, "sequence")
+
+
+def gspo_token(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token (eq. 13-14): s_i's value with each token's gradient, for per-token advantages."""
+    return _clipped_loss(inputs, cfg, "sequence_token")
+
+
+def grpo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO / PPO: a token-level ratio, clipped per token (the comparison runs)."""
+    return _clipped_loss(inputs, cfg, "token")
+
+
+LOSSES: dict[str, LossFunction] = {"gspo": gspo, "gspo_token": gspo_token, "grpo": grpo}
+
+
+@functools.cache
+def load_loss_function(name: str) -> LossFunction:
+    """`loss.function`: a built-in (LOSSES) or `module:function`, imported and its signature
+    checked once (the run checks it at start-up: gspo_mcore.train.check_inputs)."""
+    function = by_name(name, LOSSES, "loss.function")
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError as err:
+        raise InputError(f"loss.function {name!r}: cannot be called as fn(inputs, config) ({err})") from None
+    except ValueError:  # no signature to read (a builtin): the first call says
+        pass
+    return function
+
+
 def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(), *,
               band: tuple[float, float] | None = None, on_policy: bool = False,
               entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """What an update minimises on a batch of sequences: the policy loss of `cfg.level` (cfg: a
+    """What an update minimises on a batch of sequences: the policy loss of `cfg.function` (cfg: a
     gspo_mcore.config.LossConfig), + kl_loss_coef x KL to `batch["ref_logprobs"]`, - entropy_coef x
     `entropy`; and the train-inference mismatch against the engine's log-probs. The trainer
     (gspo_mcore.megatron_loss) and the tests' Hugging Face reference step both call this.
@@ -275,25 +354,23 @@ def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(),
     clip_low, clip_high = band or (cfg.clip_low, cfg.clip_high)
     aggregation = cfg.aggregation or DEFAULT_AGGREGATION
     old_logprobs = logprobs.detach() if on_policy else batch["old_logprobs"]
+    engine_logprobs = batch.get("engine_logprobs", batch["old_logprobs"])
     advantages, weight_metrics = batch["advantages"], {}
     if "stale" in batch:  # asynchronous modes: decoupled GSPO
         # Without a recomputed pi_prox (loss.proximal: first_minibatch) a later minibatch's pi_old
         # is the engine's own: weight 1.
-        weight, weight_metrics = behavior_weight(old_logprobs, batch.get("engine_logprobs", batch["old_logprobs"]),
-                                                 batch["stale"], batch["mask"], cfg.behavior_weight_cap)
+        weight, weight_metrics = behavior_weight(old_logprobs, engine_logprobs, batch["stale"], batch["mask"],
+                                                 cfg.behavior_weight_cap)
         advantages = advantages * (weight if advantages.dim() == 1 else weight[:, None])
-    loss, metrics = policy_loss(
-        logprobs, old_logprobs, advantages, batch["mask"], level=cfg.level, clip_low=clip_low,
-        clip_high=clip_high, aggregation=aggregation, dual_clip=cfg.dual_clip, entropy=entropy, normalizer=normalizer,
-        token_mask_band=tuple(cfg.token_mask_band) if cfg.token_mask_band else None,
-        sequence_mask_threshold=cfg.sequence_mask_threshold,
-    )
+    inputs = LossInputs(logprobs, old_logprobs, engine_logprobs, advantages, batch["mask"], clip_low, clip_high,
+                        normalizer, entropy)
+    loss, metrics = load_loss_function(cfg.function)(inputs, cfg)
+    metrics = dict(metrics)
     # Against the engine's log-probs even when pi_old was recomputed: the mismatch in every arm.
     # Asynchronous modes: over the tokens the current weights generated (on older ones the
     # difference is the policy's own change as well), so it stays the train-inference mismatch.
     fresh = batch["mask"] * (1 - batch["stale"]) if "stale" in batch else batch["mask"]
-    metrics.update(engine_mismatch(logprobs, batch.get("engine_logprobs", batch["old_logprobs"]), fresh,
-                                   cfg.clip_low, cfg.clip_high))
+    metrics.update(engine_mismatch(logprobs, engine_logprobs, fresh, cfg.clip_low, cfg.clip_high))
     if cfg.kl_loss_coef > 0:
         kl = aggregate(kl_penalty(logprobs, batch["ref_logprobs"], cfg.kl_estimator), batch["mask"], aggregation,
                        normalizer)

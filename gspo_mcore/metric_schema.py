@@ -86,7 +86,7 @@ SCHEMA: tuple[Metric, ...] = (
           figure="clip_fraction", label="clipped share of response tokens"),
     _loss("clip_fraction_low", "tokens", "... below 1 - clip_low (negative advantage)"),
     _loss("clip_fraction_high", "tokens", "... above 1 + clip_high (positive advantage)"),
-    _loss("clip_fraction_sequences", "sequences", "share of sequences clipped (level sequence; null otherwise)"),
+    _loss("clip_fraction_sequences", "sequences", "share of sequences clipped (loss.function gspo; null otherwise)"),
     _loss("ratio_mean", "sequences", "mean sequence ratio s_i (eq. 7) against pi_old"),
     _loss("ratio_min", "min", "smallest sequence ratio"),
     _loss("ratio_max", "max", "largest sequence ratio"),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from gspo_mcore.config import Config, ConfigError, config_yaml, from_dict, load_config
+from gspo_mcore.config import LEVEL_FUNCTIONS, Config, ConfigError, config_yaml, from_dict, load_config
 from gspo_mcore.files import atomic_output
 
 FILE = "config.yaml"
@@ -65,6 +65,16 @@ def save(config: Config, output_dir: Path) -> Path:
     return path
 
 
+def upgrade(saved: dict) -> dict:
+    """A saved config of an older version with its replaced fields as the fields that replaced them
+    (loss.level -> loss.function), so its runs still resume."""
+    loss = saved.get("loss")
+    if not isinstance(loss, dict) or "level" not in loss or "function" in loss:
+        return saved
+    function = LEVEL_FUNCTIONS.get(loss["level"], loss["level"])
+    return {**saved, "loss": {**{k: v for k, v in loss.items() if k != "level"}, "function": function}}
+
+
 def check_resume(config: Config, output_dir: Path) -> str | None:
     """The line that says which changed fields a resume applies (None: nothing changed, or no
     saved config to compare with); ConfigError naming the fields it cannot take."""
@@ -72,7 +82,7 @@ def check_resume(config: Config, output_dir: Path) -> str | None:
     if not path.is_file():
         return None
     try:
-        saved = flat(from_dict(Config, yaml.safe_load(path.read_text()) or {}))
+        saved = flat(from_dict(Config, upgrade(yaml.safe_load(path.read_text()) or {})))
     except (ConfigError, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: not a config this version reads ({err})") from None
     new = flat(config)
@@ -102,7 +112,11 @@ def resume_config(output_dir: Path, config_path: str | None, overrides: list[str
         config = load_config(config_path, overrides)
         applied = check_resume(config, output_dir)
         return config, [applied] if applied else []
-    config = load_config(saved, overrides)
+    try:
+        data = upgrade(yaml.safe_load(saved.read_text()) or {})
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{saved}: not valid YAML ({str(err).splitlines()[0]})") from None
+    config = load_config(overrides=overrides, data=data)
     applied = check_resume(config, output_dir)
     lines = [applied] if applied else []
     if config_path is not None:

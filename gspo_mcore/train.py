@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore import engines, plan, run_config, weight_sync
-from gspo_mcore.checkpointing import Checkpointer
+from gspo_mcore.checkpointing import Checkpointer, FunctionState, MegatronState, SchedulerState
 from gspo_mcore.config import Config
 from gspo_mcore.errors import EngineError, InputError
 from gspo_mcore.evaluation import Evaluator
@@ -69,8 +69,10 @@ class Trainer:
         if overwrite and self.rank == 0:
             clear_run(self.output_dir)
         dist.barrier()
-        self.checkpoints = Checkpointer(self.output_dir, self.learner.ddp, self.learner.optimizer,
-                                        keep=config.train.keep_checkpoints, scheduler=self.learner.scheduler)
+        self.checkpoints = Checkpointer(self.output_dir, self.learner.ddp.module, keep=config.train.keep_checkpoints)
+        self.checkpoints.register("model", MegatronState(self.learner.ddp, self.learner.optimizer))
+        self.checkpoints.register("lr_scheduler", SchedulerState(self.learner.scheduler, self.learner.optimizer,
+                                                                 self.checkpoints.train_state))
         if resume:
             self.checkpoints.latest()  # no checkpoint: fail now, not after the servers started
         self.stack = ExitStack()
@@ -89,11 +91,11 @@ class Trainer:
             self.engine = engines.connect(config, urls, key)
             if self.source is not None:
                 self._connect()
-            self.start_step = 0
-            if resume:
-                self.start_step, rollout_state = self.checkpoints.load()
-                if self.source is not None:
-                    self.source.load_state_dict(rollout_state)
+                # Saved from the producer (the data position before its batch in flight), loaded into
+                # the source before the producer starts.
+                self.checkpoints.register("rollout", FunctionState(lambda: self.producer.state_dict(),
+                                                                   self.source.load_state_dict))
+            self.start_step = self.checkpoints.load() if resume else 0
             self.sync = weight_sync.build(config, self.learner.model, self.learner.arch, self.engine, self.output_dir)
             self.stack.callback(self.sync.close)
             # Whatever the engine holds (model.hf_dir at start-up, a previous run's weights on a
@@ -254,7 +256,7 @@ class Trainer:
             return "no checkpoint yet (train.save_every), a new run starts over"
 
     def save(self, step: int) -> None:
-        self.checkpoints.save(step, self.producer.state_dict() if self.producer else None)
+        self.checkpoints.save(step)
 
     def run(self) -> dict:
         """Steps start_step..train.steps, checkpoints every `save_every` and at the end, the HF

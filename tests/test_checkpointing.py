@@ -114,3 +114,13 @@ def test_megatrons_writer_queue_process_ends_with_a_killed_trainer(tmp_path, how
             if child.is_running():
                 child.kill()
         trainer.kill()
+
+
+def test_checkpoints_of_the_layout_before_registered_parts_still_load(tiny_hf_dir, tmp_path):
+    """A run's checkpoint as the Checkpointer wrote it before parts registered with it (with and
+    without the lr schedule's state) loads into the registered parts: weights, RNG, schedule,
+    step, rollout state; a new save writes the same files, keys and trainer_state.json."""
+    from conftest import run_module
+
+    proc = run_module(["tests/workers/checkpoint_layout.py", str(tiny_hf_dir), str(tmp_path / "out")])
+    assert proc.stdout.strip().splitlines()[-1] == "ok"

@@ -13,7 +13,7 @@ def test_yaml_and_overrides(tmp_path):
     assert (cfg.model.hf_dir, cfg.model.dtype, cfg.model.spec) == ("/ckpt", "bfloat16", "local")
     assert (cfg.distributed.expert_parallel, cfg.distributed.tensor_parallel) == (2, 2)
     assert cfg.optimizer.lr == 3e-6
-    assert (cfg.loss.level, cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.aggregation) == ("sequence", 3e-4, 4e-4, None)
+    assert (cfg.loss.function, cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.aggregation) == ("gspo", 3e-4, 4e-4, None)
     cfg = load_config(None, ["loss.dual_clip=3", "loss.aggregation=token-mean", "loss.dual_clip=null"])
     assert cfg.loss.dual_clip is None and cfg.loss.aggregation == "token-mean"
 
@@ -32,7 +32,8 @@ def test_yaml_and_overrides(tmp_path):
         (["rollout.temperature=0"], "rollout.temperature: must be > 0"),
         (["optimizer.distributed_optimizer=3"], "expected true/false"),
         (["model"], "expected key=value"),
-        (["loss.level=grpo"], "loss.level: 'grpo' is not one of"),
+        (["loss.level=token"], r"^loss.level: replaced by loss.function \(sequence: gspo, sequence_token: gspo_token, "
+                               r"token: grpo\)$"),
         (["loss.aggregation=mean"], "loss.aggregation: 'mean' is not one of"),
         (["loss.dual_clip=big"], "loss.dual_clip: expected float"),
         (["rollout.urls=http://a"], "rollout.urls: expected a list"),
@@ -73,10 +74,10 @@ def test_shipped_configs_load():
 
 
 def test_base_config_is_merged_key_by_key(tmp_path):
-    (tmp_path / "base.yaml").write_text("loss:\n  level: sequence\n  clip_low: 0.001\ntrain:\n  steps: 7\n")
-    (tmp_path / "child.yaml").write_text("base: base.yaml\nloss:\n  level: token\n")
+    (tmp_path / "base.yaml").write_text("loss:\n  function: gspo\n  clip_low: 0.001\ntrain:\n  steps: 7\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nloss:\n  function: grpo\n")
     cfg = load_config(tmp_path / "child.yaml", ["train.group_size=4"])
-    assert (cfg.loss.level, cfg.loss.clip_low, cfg.train.steps, cfg.train.group_size) == ("token", 0.001, 7, 4)
+    assert (cfg.loss.function, cfg.loss.clip_low, cfg.train.steps, cfg.train.group_size) == ("grpo", 0.001, 7, 4)
 
 
 def test_base_config_errors_name_the_file(tmp_path):
@@ -96,7 +97,7 @@ def test_grpo_comparison_config_differs_from_the_default_only_in_the_loss():
     from conftest import REPO
 
     gspo, grpo = load_config(REPO / "configs/tiny_cpu.yaml"), load_config(REPO / "configs/tiny_cpu_grpo.yaml")
-    assert (grpo.loss.level, gspo.loss.level) == ("token", "sequence")
+    assert (grpo.loss.function, gspo.loss.function) == ("grpo", "gspo")
     grpo.loss = gspo.loss
     assert grpo == gspo
 

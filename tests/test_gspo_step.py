@@ -23,26 +23,26 @@ KL_COEF = 0.5
 ENTROPY_COEF = 0.1
 TOKEN_BUDGET = 20  # 7 microbatches on one rank; 4 and 3 on two DP ranks (asserted below)
 HORIZON = 16
-CASES = {  # name -> (level, aggregation, KL coefficient, entropy coefficient, layouts)
-    "gspo": ("sequence", None, 0.0, 0.0, ["single", "DP2", "PP2", "EP2", "TP2-SP"]),
-    "token-mean": ("token", "token-mean", 0.0, 0.0, ["single", "DP2"]),
-    "gspo-kl": ("sequence", None, KL_COEF, 0.0, ["DP2"]),
-    "gspo-entropy-sum-norm": ("sequence", "seq-mean-token-sum-norm", 0.0, ENTROPY_COEF, ["TP2-SP"]),
+CASES = {  # name -> (loss.function, aggregation, KL coefficient, entropy coefficient, layouts)
+    "gspo": ("gspo", None, 0.0, 0.0, ["single", "DP2", "PP2", "EP2", "TP2-SP"]),
+    "token-mean": ("grpo", "token-mean", 0.0, 0.0, ["single", "DP2"]),
+    "gspo-kl": ("gspo", None, KL_COEF, 0.0, ["DP2"]),
+    "gspo-entropy-sum-norm": ("gspo", "seq-mean-token-sum-norm", 0.0, ENTROPY_COEF, ["TP2-SP"]),
     # The first minibatch takes pi_old from its own forward: the step of the exactly on-policy loss.
-    "gspo-on-policy-first": ("sequence", None, 0.0, 0.0, ["DP2"]),
+    "gspo-on-policy-first": ("gspo", None, 0.0, 0.0, ["DP2"]),
     # Full activation recompute (every GPU config's): each layer recomputed in backward, same step.
-    "gspo-recompute-full": ("sequence", None, 0.0, 0.0, ["EP2"]),
+    "gspo-recompute-full": ("gspo", None, 0.0, 0.0, ["EP2"]),
     # Multi-turn trajectories: environment tokens inside responses (loss mask 0) get no gradient
     # and do not count in the length normalisation, on the trainer as in the reference.
-    "gspo-multiturn": ("sequence", None, 0.0, 0.0, ["DP2", "EP2"]),
+    "gspo-multiturn": ("gspo", None, 0.0, 0.0, ["DP2", "EP2"]),
 }
 # Extra config overrides of a case (beyond the loss's).
 CASE_OPTIONS = {"gspo-recompute-full": ["model.recompute=full"]}
 
 
-def options(level, aggregation, kl_coef, entropy_coef, on_policy=False):
+def options(function, aggregation, kl_coef, entropy_coef, on_policy=False):
     opts = ["optimizer.name=adam", f"optimizer.lr={ADAM['lr']}", f"optimizer.adam_eps={ADAM['eps']}",
-            "optimizer.clip_grad=1e6", f"loss.level={level}", f"loss.clip_low={CLIP}", f"loss.clip_high={CLIP}",
+            "optimizer.clip_grad=1e6", f"loss.function={function}", f"loss.clip_low={CLIP}", f"loss.clip_high={CLIP}",
             f"loss.kl_loss_coef={kl_coef}", "loss.kl_estimator=k1", f"loss.entropy_coef={entropy_coef}",
             f"loss.horizon={HORIZON}", "train.num_minibatches=1", f"train.max_tokens_per_microbatch={TOKEN_BUDGET}"]
     # The engine-ratio loss as written (one minibatch: band_from_mismatch never applies).
@@ -88,9 +88,9 @@ CASE_BATCH = {"gspo-multiturn": multiturn_batch}
 
 
 def _plan_jobs():
-    for case, (level, aggregation, kl_coef, entropy_coef, layouts) in CASES.items():
+    for case, (function, aggregation, kl_coef, entropy_coef, layouts) in CASES.items():
         plan_layout_job(f"gspo_step-{case}", "train_step", layouts,
-                        [*options(level, aggregation, kl_coef, entropy_coef, on_policy=case.endswith("on-policy-first")),
+                        [*options(function, aggregation, kl_coef, entropy_coef, on_policy=case.endswith("on-policy-first")),
                          *CASE_OPTIONS.get(case, [])],
                         batch=CASE_BATCH.get(case, rollout_batch))
 
@@ -107,7 +107,7 @@ def test_the_token_budget_gives_data_parallel_ranks_unequal_microbatch_counts():
     assert len(pack_microbatches(list(range(8)), lengths, TOKEN_BUDGET)) == 7
 
 
-def hf_step(hf_dir, batch, level, aggregation, kl_coef, entropy_coef, out_dir, on_policy=False):
+def hf_step(hf_dir, batch, function, aggregation, kl_coef, entropy_coef, out_dir, on_policy=False):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -116,7 +116,7 @@ def hf_step(hf_dir, batch, level, aggregation, kl_coef, entropy_coef, out_dir, o
     logp = log_p.gather(-1, tokens[:, 1:, None])[..., 0]
     # The trainer's own composition of the loss (gspo_mcore.loss.objective) on transformers' log-probs;
     # pi_ref: the initial weights, i.e. this model before the step.
-    cfg = load_config(None, options(level, aggregation, kl_coef, entropy_coef, on_policy)).loss
+    cfg = load_config(None, options(function, aggregation, kl_coef, entropy_coef, on_policy)).loss
     loss, metrics = objective(logp, {**batch, "ref_logprobs": logp.detach()}, cfg, Normalizer(horizon=HORIZON),
                               on_policy=on_policy, entropy=-(log_p.exp() * log_p).sum(-1) if entropy_coef else None)
     loss.backward()
@@ -129,13 +129,13 @@ def hf_step(hf_dir, batch, level, aggregation, kl_coef, entropy_coef, out_dir, o
 
 @pytest.mark.parametrize("case, layout", [(c, l) for c, (*_, ls) in CASES.items() for l in ls])
 def test_gspo_step_is_layout_invariant(tiny_hf_dir, layout_output, tmp_path, case, layout):
-    level, aggregation, kl_coef, entropy_coef, _ = CASES[case]
+    function, aggregation, kl_coef, entropy_coef, _ = CASES[case]
     batch = CASE_BATCH.get(case, rollout_batch)(tiny_hf_dir)
     ref_loss, ref_norm, metrics, ref_weights = hf_step(tiny_hf_dir, {k: v for k, v in batch.items() if k != "loss_mask"},
-                                                       level, aggregation,
+                                                       function, aggregation,
                                                        kl_coef, entropy_coef, tmp_path / "hf",
                                                        on_policy=case.endswith("on-policy-first"))
-    if level == "sequence" and not case.endswith("on-policy-first"):  # the band splits the batch: clipping exercised
+    if function == "gspo" and not case.endswith("on-policy-first"):  # the band splits the batch: clipping exercised
         assert 0 < metrics["clip_fraction_sequences"] < 1
     nproc, _ = LAYOUTS[layout]
     out = layout_output(layout, f"gspo_step-{case}")

@@ -392,3 +392,86 @@ def test_a_step_without_current_version_tokens_keeps_the_latest_mismatch_band(mo
     assert learner._band_from_mismatch(first(0.005, 3.0)) == pytest.approx((0.01, 0.01))
     assert learner._band_from_mismatch(first(0.0, 0.0)) == pytest.approx((0.01, 0.01))  # all stale: kept
     assert learner._band_from_mismatch(first(0.0001, 1.0)) == pytest.approx((3e-4, 4e-4))  # measured again
+
+
+def _linear_policy(seed=0, B=6, T=9, vocab=5):
+    """A model (one linear layer) and the log-probs of sampled tokens under it: a loss's gradient
+    reaches its weight only through `logprobs`."""
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(4, vocab, dtype=torch.float64)
+    features, tokens = torch.randn(B, T, 4, generator=g, dtype=torch.float64), torch.randint(vocab, (B, T), generator=g)
+
+    def logprobs():
+        return model(features).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+
+    return model, logprobs
+
+
+def test_a_users_loss_by_name_gets_the_documented_inputs_and_its_gradient_reaches_the_model():
+    import loss_fixtures
+
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import LossInputs, objective
+
+    _, old, adv, mask = make_batch()
+    model, logprobs = _linear_policy()
+    engine = old + 0.01
+    batch = {"old_logprobs": old, "engine_logprobs": engine, "advantages": adv, "mask": mask}
+    normalizer = Normalizer(num_sequences=12.0, num_tokens=80.0, horizon=9.0)
+    grads = {}
+    for name in ("gspo", "loss_fixtures:doubled_gspo"):
+        cfg = LossConfig(function=name, clip_low=EPS_LOW, clip_high=EPS_HIGH)
+        model.zero_grad()
+        logp = logprobs()
+        loss, metrics = objective(logp, batch, cfg, normalizer, band=(0.1, 0.3))
+        loss.backward()
+        grads[name] = (loss.detach(), model.weight.grad.clone(), metrics)
+    (gspo_loss, gspo_grad, gspo_metrics), (loss, grad, metrics) = grads.values()
+    assert torch.equal(loss, 2 * gspo_loss) and torch.equal(grad, 2 * gspo_grad) and grad.abs().sum() > 0
+    assert metrics.keys() == gspo_metrics.keys()  # its own figures and those added around it
+    got = loss_fixtures.CALLS[-1]
+    assert isinstance(got, LossInputs) and got.logprobs.requires_grad
+    assert got.old_logprobs is old and got.engine_logprobs is engine and got.advantages is adv and got.mask is mask
+    assert (got.clip_low, got.clip_high, got.normalizer, got.entropy) == (0.1, 0.3, normalizer, None)
+
+
+def test_a_users_loss_may_differ_from_the_built_ins():
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import objective
+
+    logp, old, adv, mask = make_batch()
+    loss, metrics = objective(logp, {"old_logprobs": old, "advantages": adv, "mask": mask},
+                              LossConfig(function="loss_fixtures:reinforce"))
+    expected = -sum((adv[i] * logp[i] * mask[i]).sum() / mask[i].sum() for i in range(len(adv))) / len(adv)
+    torch.testing.assert_close(loss, expected)
+    assert "clip_fraction" not in metrics and "mismatch_abs_log_ratio_mean" in metrics  # the mismatch: always
+
+
+@pytest.mark.parametrize("function, level", [("gspo", "sequence"), ("gspo_token", "sequence_token"), ("grpo", "token")])
+def test_the_built_in_losses_are_functions_by_name_on_the_same_path(function, level):
+    from gspo_mcore.config import LossConfig
+    from gspo_mcore.loss import LOSSES, load_loss_function, objective
+
+    assert load_loss_function(function) is LOSSES[function]
+    logp, old, adv, mask = make_batch()
+    loss, metrics = objective(logp, {"old_logprobs": old, "advantages": adv, "mask": mask},
+                              LossConfig(function=function, clip_low=EPS_LOW, clip_high=EPS_HIGH))
+    direct, direct_metrics = policy_loss(logp, old, adv, mask, level=level, clip_low=EPS_LOW, clip_high=EPS_HIGH)
+    assert torch.equal(loss, direct) and metrics["clip_fraction"] == direct_metrics["clip_fraction"]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("gpso", r"^loss.function 'gpso': not one of \['grpo', 'gspo', 'gspo_token'\] nor 'module:function'$"),
+    ("no_such_module:f", r"^loss.function 'no_such_module:f': cannot import \(No module named 'no_such_module'\)$"),
+    ("loss_fixtures:NOT_A_FUNCTION", r"^loss.function 'loss_fixtures:NOT_A_FUNCTION': not callable$"),
+    ("loss_fixtures:one_argument", r"^loss.function 'loss_fixtures:one_argument': cannot be called as "
+                                   r"fn\(inputs, config\) \(too many positional arguments\)$"),
+])
+def test_a_loss_that_cannot_be_used_is_one_line_at_start_up(name, message, tmp_path):
+    from gspo_mcore.config import load_config
+    from gspo_mcore.errors import InputError
+    from gspo_mcore.cli import check_inputs
+
+    with pytest.raises(InputError, match=message):  # before the data, the reward, the model
+        check_inputs(load_config(None, [f"loss.function={name}", f"data.path={tmp_path / 'missing.jsonl'}"]),
+                     tmp_path, resume=False)

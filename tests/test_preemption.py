@@ -66,11 +66,11 @@ def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_sche
     assert "config.yaml" in os.listdir(out) and "git " in (out / "config.yaml").read_text().splitlines()[0]
 
     # A resume that would change the data or the model: refused, naming the fields, nothing started.
-    refused = subprocess.run(_command(out, [*overrides, "train.group_size=4", "loss.level=token"], nproc=1,
+    refused = subprocess.run(_command(out, [*overrides, "train.group_size=4", "loss.function=grpo"], nproc=1,
                                       resume=True), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2
     last = refused.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --resume: loss.level ('sequence' -> 'token'), train.group_size (8 -> 4) differ from")
+    assert last.startswith("error: --resume: loss.function ('gspo' -> 'grpo'), train.group_size (8 -> 4) differ from")
 
     # A new learning rate: applied from the restored step on, said in one line.
     new_lr = 2 * LR

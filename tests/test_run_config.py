@@ -167,3 +167,18 @@ def test_resume_needs_no_config_file_on_the_command_line():
         parse_args(["--output-dir", "runs/x"])  # a new run names its config
     with pytest.raises(SystemExit):
         parse_args(["--resume"])  # which run?
+
+
+def test_a_run_saved_with_loss_level_resumes_with_the_loss_function_it_named(tmp_path):
+    """config.yaml of a run from before loss.function: its loss.level reads as the function."""
+    config = load_config("configs/tiny_cpu_grpo.yaml")
+    text = save(config, tmp_path).read_text()
+    assert "  function: grpo\n" in text
+    (tmp_path / "config.yaml").write_text(text.replace("  function: grpo\n", "  level: token\n"))
+    assert check_resume(config, tmp_path) is None
+    with pytest.raises(ConfigError, match=r"^--resume: loss.function \('grpo' -> 'gspo'\) differ"):
+        check_resume(load_config("configs/tiny_cpu_grpo.yaml", ["loss.function=gspo"]), tmp_path)
+    from gspo_mcore.run_config import resume_config
+
+    resumed, _ = resume_config(tmp_path, None, [])
+    assert resumed.loss.function == "grpo"  # resume_config reads an older saved config too

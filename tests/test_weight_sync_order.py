@@ -49,3 +49,29 @@ def test_tensor_sync_settles_the_broadcast_before_servers_map_the_memory(monkeyp
     sync._load_everywhere = lambda flat, metadata: record.calls.append("post /update_weights_from_tensor")
     sync._share(0, [("w", (3,))], [("w", torch.ones(3))])
     assert record.calls == ["broadcast", "settle", "post /update_weights_from_tensor"]
+
+
+def test_the_sync_check_keeps_the_other_ranks_waiting_on_the_host_group(monkeypatch):
+    """The last stage asks every server over HTTP (queued behind rollouts in an asynchronous run);
+    the other ranks waited in an NCCL broadcast_object_list meanwhile (30-minute watchdog)."""
+    from gspo_mcore.weight_sync import check
+
+    waits = []
+
+    def on_host(value, src=0):
+        waits.append(src)
+        return value
+
+    class Engine:
+        urls = ["http://a"]
+
+        def prompt_logprobs(self, url, probes):
+            return [[-1.0, -2.0] for _ in probes]
+
+    monkeypatch.setattr(check, "sequence_logprobs", lambda model, probes: [[-1.0, -2.0] for _ in probes])
+    monkeypatch.setattr(check, "last_stage_rank", lambda: 0)
+    monkeypatch.setattr(check.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(check, "broadcast_from_host", on_host)
+    monkeypatch.setattr(check.dist, "broadcast_object_list", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    stats = check.check_sync(None, Engine(), [[1, 2, 3]], median_tolerance=0.01)
+    assert waits == [0] and stats["sync_check_median"] == 0.0

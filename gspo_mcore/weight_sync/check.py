@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from gspo_mcore.errors import WeightSyncError
 from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, sequence_logprobs
+from gspo_mcore.parallel import broadcast_from_host
 
 
 def check_sync(model, engine, probes: list[list[int]], median_tolerance: float,
@@ -34,8 +35,9 @@ def check_sync(model, engine, probes: list[list[int]], median_tolerance: float,
             per_server.append((url, {"sync_check_median": d.median().item(), "sync_check_max": d.max().item(),
                                      "sync_check_within_0.1": (d < 0.1).float().mean().item()}))
         found = [max(per_server, key=lambda item: item[1]["sync_check_median"])]
-    dist.broadcast_object_list(found, src=last)
-    url, stats = found[0]
+    # The other ranks wait on the host group while `last` asks the servers over HTTP: an NCCL
+    # broadcast would spin on their GPUs and time out behind a slow engine.
+    url, stats = broadcast_from_host(found[0], src=last)
     if stats["sync_check_median"] > median_tolerance:
         raise WeightSyncError(
             f"weight sync check: server {url}'s log-probs differ from the trainer's by {stats['sync_check_median']:.3g} "

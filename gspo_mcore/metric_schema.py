@@ -106,7 +106,8 @@ SCHEMA: tuple[Metric, ...] = (
           "(every sequence in sync): what the mismatch figures are measured on", scope="first"),
     _loss("mismatch_num_tokens", "sum", "... their tokens", scope="first"),
     _loss("mismatch_abs_log_ratio_mean", "sequences", "train-inference mismatch: mean |log s_i| of the trainer "
-          "against the engine's log-probs at theta = theta_old (first minibatch)", scope="first",
+          "against the engine's log-probs at theta = theta_old (first minibatch); null on a step with no token of "
+          "the current weights in it (asynchronous modes: not printed then)", scope="first",
           printed="mismatch {:.1e}", figure="mismatch", label="mismatch |log s| (engine vs trainer)",
           counted_by="mismatch_num_sequences"),
     _loss("mismatch_abs_log_ratio_max", "max", "largest per-sequence mismatch there", scope="first",
@@ -138,16 +139,18 @@ SCHEMA: tuple[Metric, ...] = (
            "token's version)", printed="| stale {:.2f}", asynchronous=True),
     Metric("staleness_max", "the largest (bounded by rollout.max_staleness)", printed="max {:.0f}",
            asynchronous=True),
+    Metric("staleness_bound", "rollout.max_staleness, the bound staleness_max keeps", printed="of {:.0f}",
+           asynchronous=True),
     Metric("staleness_histogram", "trained responses per staleness 0, 1, ..., max_staleness", asynchronous=True,
            histogram=True),
     Metric("multi_version_fraction", "share of trained responses whose tokens span several weight versions",
            asynchronous=True),
     Metric("version_span_max", "the most weight versions one response spans", asynchronous=True),
     Metric("trainer_wait_s", "time the trainer waited for its batch", asynchronous=True),
-    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="idle: trainer {:.2f}",
+    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="| idle: trainer {:.2f}",
            asynchronous=True),
     Metric("engine_idle_fraction", "1 - the servers' mean time with a request in flight (not paused) / wall time "
-           "since the previous batch", printed="engine {:.2f}"),
+           "since the previous batch", printed="engine idle {:.2f}"),
     Metric("tokens_regenerated", "tokens generated, then thrown away because a push aborted their request "
            "(rollout.partial: false; 0 otherwise)"),
     Metric("engine_pause_s", "time the servers were paused for the push (asynchronous modes)", asynchronous=True),
@@ -157,8 +160,9 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("sync_check_max", "largest difference there"),
     Metric("sync_check_within_0.1", "share of probe tokens within 0.1"),
     # ---- time
-    Metric("time_rollout_s", "generation, rewards, advantages", printed="| rollout {:.1f}s", figure="step_time",
-           label="rollout"),
+    Metric("time_rollout_s", "getting the step's batch: generation, rewards, advantages (asynchronous modes: the "
+           "trainer's wait for a batch generated meanwhile)", printed="| batch {:.1f}s", figure="step_time",
+           label="batch (sync: rollout; async: wait)"),
     Metric("time_train_s", "the updates (and any recomputed or reference log-probs)", printed="train {:.1f}s",
            figure="step_time", label="train"),
     Metric("time_sync_s", "the weight push (and the sync check)", printed="sync {:.1f}s", figure="step_time",

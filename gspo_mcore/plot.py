@@ -45,24 +45,38 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
+def read_evaluations(run_dir: Path) -> list[dict]:
+    """The run's evaluations (eval.jsonl: the one before training, step 0, included); [] without."""
+    path = Path(run_dir) / "eval.jsonl"
+    if not path.is_file():
+        return []
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError:
+        raise InputError(f"{path}: not valid JSON") from None
+
+
 def plot_runs(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = None) -> list[Path]:
     """One PNG per figure of the metric schema: its metrics, each run a line (the step time as a
     stack per run)."""
     runs = [read_metrics(d) for d in run_dirs]
+    evaluations = [read_evaluations(d) for d in run_dirs]
     labels = labels or [Path(d).name for d in run_dirs]
     if len(labels) != len(runs):
         raise InputError(f"--labels: {len(labels)} labels for {len(runs)} runs")
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [_save(fig, out_dir / f"{name}.png") for name, fig in figures(runs, labels).items()]
+    return [_save(fig, out_dir / f"{name}.png") for name, fig in figures(runs, labels, evaluations).items()]
 
 
-def figures(runs: list[list[dict]], labels: list[str]) -> dict:
-    """{name: matplotlib figure} of the runs' metrics rows."""
+def figures(runs: list[list[dict]], labels: list[str], evaluations: list[list[dict]] | None = None) -> dict:
+    """{name: matplotlib figure} of the runs' metrics rows; `evaluations`: each run's eval.jsonl rows
+    (with the evaluation before training), else the evaluations its metrics rows carry."""
     out = {name: _stacked(metrics, labels, runs) if name == STACKED else _lines(metrics, labels, runs, name in LOG_SCALE)
            for name, metrics in FIGURES.items()}
     out["reward_wallclock"] = _reward_over_time(labels, runs)
-    if any(k.startswith("eval/") for rows in runs for r in rows for k in r):
-        out["eval"] = _evaluation(labels, runs)
+    evaluated = [found or rows for found, rows in zip(evaluations or [[]] * len(runs), runs)]
+    if any(k.startswith("eval/") for rows in evaluated for r in rows for k in r):
+        out["eval"] = _evaluation(labels, evaluated)
     return out
 
 

@@ -49,3 +49,20 @@ def test_mismatch_tick_labels_for_a_float32_run_alone():
 def test_a_comparison_goes_to_its_own_directory():
     assert default_out([Path("/r/demo")]) == Path("/r/demo/plots")
     assert default_out([Path("/r/gspo"), Path("/r/grpo")]) == Path("/r/plots-gspo-vs-grpo")
+
+
+def test_the_evaluation_plot_starts_at_the_evaluation_before_training(tmp_path):
+    """plots/eval.png lacked step 0: that evaluation is in eval.jsonl, not in a metrics row."""
+    import json
+
+    from gspo_mcore.plot import plot_runs
+
+    rows = _rows(1e-7, 4)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [{"step": s, "version": f"step-{s}", "eval/toy/mean@4": 0.05 + 0.1 * s, "eval/toy/pass@4": 0.3}
+             for s in (0, 4, 8)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    made = figures([rows], ["run"], [evals])
+    line = next(l for l in made["eval"].axes[0].get_lines() if l.get_label().endswith("mean@4"))
+    assert list(line.get_xdata()) == [0, 4, 8]
+    assert (tmp_path / "plots" / "eval.png") in plot_runs([tmp_path], tmp_path / "plots")

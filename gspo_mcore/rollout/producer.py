@@ -129,6 +129,7 @@ class OneStepOffProducer(Overlapping, SyncProducer):
         waited = time.monotonic() - began
         self._start(step + 1)
         return self._batch(rollouts, advantages, {**metrics, **staleness_metrics(rollouts, step),
+                                                  "staleness_bound": self.max_staleness,
                                                   "trainer_wait_s": waited, **self.meter.figures()}, step)
 
     def state_dict(self) -> dict:
@@ -218,6 +219,7 @@ class AsyncProducer(Overlapping):
             rounds.append(figures)
             kept += figures["groups_kept"]
         metrics = {**round_metrics(rounds), "sampling_rounds": len(rounds), **staleness_metrics(rollouts, step),
+                   "staleness_bound": self.max_staleness,
                    "trainer_wait_s": time.monotonic() - began, **self.meter.figures()}
         self.unfinished = None
         worst = metrics["staleness_max"]

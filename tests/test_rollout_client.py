@@ -289,7 +289,8 @@ def test_requests_in_flight_take_no_thread_each(held_server):
     client = SGLangClient([held_server.url], 256, max_concurrency=256)
     before = threading.active_count()
     results = {}
-    caller = threading.Thread(target=lambda: results.update(rollouts=client.generate([[1, i] for i in range(200)], PARAMS)))
+    prompts = [[1, i] for i in range(200)]
+    caller = threading.Thread(target=lambda: results.update(rollouts=client.generate(prompts, PARAMS)))
     caller.start()
     _until(lambda: held_server.held == 200)
     assert threading.active_count() <= before + 2  # the caller and the client's event loop

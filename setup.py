@@ -12,6 +12,7 @@ INSTALL_REQUIRES = [
     "sentencepiece>=0.2",
     "psutil>=5.9",  # dist_checkpointing needs it; megatron-core does not declare it
     "numpy>=1.26,<3",
+    "aiohttp>=3.9,<4",  # the rollout client's event loop (SGLang depends on it too)
     "math-verify>=0.8,<0.10",  # the math answer reward
     "pyarrow>=15",  # Parquet prompt datasets
     "tensorboard>=2.15",  # metrics event files

@@ -35,7 +35,7 @@ Two measurements:
     end and waits for generate() to return: achieved_tokens_per_s_under_load = full-length
     tokens returned / (call return - call start); under_load_return_lag_s = how long after the
     window's end the call returned (small: the client kept up).
-No core pinning: the engine, the client's threads and the trainer share the machine's cores.
+No core pinning: the engine, the client's event-loop thread and the trainer share the machine's cores.
 Last line, JSON: {"ingest_tokens_per_s", "trainer_slowdown", "achieved_tokens_per_s_under_load",
 "under_load_return_lag_s", "engine_tokens_per_s", "client_cpu_s_per_mtoken" (the process's CPU
 seconds per million tokens during the ingest arm), "ingest_gc_fraction" (of the ingest arm's wall

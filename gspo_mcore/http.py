@@ -38,7 +38,7 @@ class ConnectionFailure(HTTPRequestError):
     """No answer, or a broken one."""
 
 
-def _detail(raw: bytes) -> str:
+def error_detail(raw: bytes) -> str:
     """SGLang's JSON error `message` when there is one, else the start of the body."""
     text = raw.decode(errors="replace")
     try:
@@ -68,7 +68,7 @@ def request_json(url: str, body: dict | None = None, timeout_s: float = 600.0, *
             labelled_json = "json" in (response.headers.get("Content-Type") or "")
     except urllib.error.HTTPError as err:
         try:
-            detail = _detail(err.read())
+            detail = error_detail(err.read())
         except (OSError, http.client.HTTPException):
             detail = ""
         raise HTTPStatusError(err.code, detail) from None

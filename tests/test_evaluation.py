@@ -68,6 +68,9 @@ class _ScriptedEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.urls, self.max_concurrency, self.calls = tokenizer, ["a", "b"], 4, []
 
+    async def generate_one_async(self, *request):
+        return self.generate_one(*request)
+
     def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):
         from gspo_mcore.samples import Rollout
 

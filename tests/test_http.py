@@ -96,7 +96,8 @@ def test_the_run_api_key_goes_with_every_request(url, monkeypatch):
     assert get_json(f"{url}/auth", 5, api_key="k3y") == {"authorization": "Bearer k3y"}
     assert post_json(f"{url}/auth", {}, 5, api_key="k3y") == {"authorization": "Bearer k3y"}
     assert SGLangEngine([url], api_key="k3y").call(url, "/auth") == {"authorization": "Bearer k3y"}
-    assert SGLangClient([url], 256, api_key="k3y")._post(f"{url}/auth", {}) == {"authorization": "Bearer k3y"}
+    client = SGLangClient([url], 256, api_key="k3y")
+    assert client.run(client._post(f"{url}/auth", {})) == {"authorization": "Bearer k3y"}
 
 
 def test_a_server_for_other_hosts_needs_an_api_key(monkeypatch):
@@ -149,13 +150,13 @@ def test_connection_refused_is_a_connection_failure():
 def test_generate_client_errors(url):
     client = SGLangClient([url], 256)
     with pytest.raises(RolloutError, match=f"server {url}/refused refused the request: HTTP 400: outside a weight"):
-        client._post(f"{url}/refused", {})
+        client.run(client._post(f"{url}/refused", {}))
     for route, message in [("/busy", "HTTP 503"), ("/cut_short", "IncompleteRead"),
                            ("/cut_open", "JSONDecodeError"), ("/flush_cache", "not a /generate answer")]:
         with pytest.raises(RetryableError, match=message):
-            client._post(f"{url}{route}", {})
+            client.run(client._post(f"{url}{route}", {}))
     with pytest.raises(RetryableError, match="URLError"):
-        client._post(f"http://127.0.0.1:{free_port()}", {})
+        client.run(client._post(f"http://127.0.0.1:{free_port()}", {}))
 
 
 def test_engine_control_errors(url):

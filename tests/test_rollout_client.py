@@ -2,6 +2,7 @@
 (tests/fixtures/fake_engine.py) that can fail, die mid-batch and come back."""
 
 import json
+import re
 import sys
 import threading
 import time
@@ -137,7 +138,7 @@ def test_a_request_restarted_during_an_aborting_push_is_restarted_again_if_abort
     client = SGLangClient(["http://stand-in"], 256, max_attempts=1)
     answers = []
 
-    def post(url, body):
+    async def post(url, body):
         answers.append(body["input_ids"])
         if len(answers) == 1:  # in flight when the push starts: aborted by it
             client.interrupt()
@@ -156,3 +157,186 @@ def test_a_request_restarted_during_an_aborting_push_is_restarted_again_if_abort
     answers.append(None)  # the next answer is the second kind: an abort, no push under way
     with pytest.raises(RolloutError, match="failed after 1 attempts"):
         client.generate([[1, 2, 3]], PARAMS)
+
+
+class HeldServer:
+    """A /generate stand-in on an event loop of its own (one thread, whatever it holds): each request
+    is held until `release()` (or answered at once with HTTP 400 when its prompt starts with 0);
+    it counts the requests held, their peak, and those whose client hung up while held."""
+
+    ANSWER = json.dumps({"output_ids": [5, 6], "meta_info": {
+        "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]], "finish_reason": {"type": "stop"},
+        "weight_version": "v"}}).encode()
+
+    def __init__(self):
+        import asyncio
+
+        self.asyncio, self.held, self.peak, self.gone = asyncio, 0, 0, 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.released = self._on_loop(self._event())
+        self.server = self._on_loop(asyncio.start_server(self._connection, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _event(self):
+        return self.asyncio.Event()
+
+    def _on_loop(self, coroutine):
+        return self.asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def release(self):
+        self.loop.call_soon_threadsafe(self.released.set)
+
+    def close(self):
+        self._on_loop(self._shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+    async def _shutdown(self):
+        self.server.close()
+        connections = self.asyncio.all_tasks() - {self.asyncio.current_task()}
+        for connection in connections:
+            connection.cancel()
+        await self.asyncio.gather(*connections, return_exceptions=True)
+
+    async def _connection(self, reader, writer):
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                length = int(next(line.split(":")[1] for line in head.split("\r\n")
+                                  if line.lower().startswith("content-length")))
+                body = json.loads(await reader.readexactly(length))
+                status, answer = "200 OK", b"{}"
+                if head.startswith("POST /generate") and body["input_ids"][0] == 0:
+                    status, answer = "400 Bad Request", b'{"message": "prompt 0 refused"}'
+                elif head.startswith("POST /generate"):
+                    answer = self.ANSWER
+                    if not await self._hold(reader):
+                        return
+                writer.write(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer)
+                await writer.drain()
+        except (self.asyncio.IncompleteReadError, ConnectionError, self.asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _hold(self, reader) -> bool:
+        """Until released (True) or the client hangs up (False)."""
+        self.held += 1
+        self.peak = max(self.peak, self.held)
+        hung_up = self.asyncio.ensure_future(reader.read(1))
+        released = self.asyncio.ensure_future(self.released.wait())
+        try:
+            await self.asyncio.wait([hung_up, released], return_when=self.asyncio.FIRST_COMPLETED)
+        finally:
+            self.held -= 1
+            for waiter in (hung_up, released):
+                waiter.cancel()
+            await self.asyncio.gather(hung_up, released, return_exceptions=True)
+        if not hung_up.cancelled():
+            self.gone += 1
+            return False
+        return True
+
+
+@pytest.fixture
+def held_server():
+    server = HeldServer()
+    yield server
+    server.close()
+
+
+def _until(condition, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+def test_callers_share_one_bound_on_the_requests_in_flight(held_server):
+    """Threads calling generate() at once, and coroutines of another event loop: never more than
+    max_concurrency requests in flight over all of them (what the servers run together)."""
+    import asyncio
+
+    client = SGLangClient([held_server.url], 256, max_concurrency=8)
+    results = {}
+
+    def call(k):
+        results[k] = client.generate([[k, i, 1] for i in range(10)], PARAMS)
+
+    async def turns():
+        return await asyncio.gather(*(client.generate_one_async(f"t{i}", [9, i], PARAMS, 0) for i in range(10)))
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in (1, 2, 3)]
+    threads.append(threading.Thread(target=lambda: results.update(turns=asyncio.run(turns()))))
+    for thread in threads:
+        thread.start()
+    _until(lambda: held_server.held == 8)
+    time.sleep(0.3)  # none beyond the bound arrives
+    assert held_server.peak == 8
+    held_server.release()
+    for thread in threads:
+        thread.join(30)
+    assert held_server.peak == 8 and len(results) == 4
+    assert [r.prompt_ids for r in results[2]] == [[2, i, 1] for i in range(10)]
+    assert all(r.response_ids == [5, 6] for r in results["turns"])
+
+
+def test_requests_in_flight_take_no_thread_each(held_server):
+    client = SGLangClient([held_server.url], 256, max_concurrency=256)
+    before = threading.active_count()
+    results = {}
+    prompts = [[1, i] for i in range(200)]
+    caller = threading.Thread(target=lambda: results.update(rollouts=client.generate(prompts, PARAMS)))
+    caller.start()
+    _until(lambda: held_server.held == 200)
+    assert threading.active_count() <= before + 2  # the caller and the client's event loop
+    held_server.release()
+    caller.join(30)
+    assert len(results["rollouts"]) == 200
+
+
+def test_a_failed_request_cancels_the_rest_of_its_call(held_server):
+    """A request the server refuses fails the call at once, naming it; the call's other requests
+    are cancelled (their connections closed), not left running on the servers."""
+    client = SGLangClient([held_server.url], 256, max_concurrency=32)
+    started = time.monotonic()
+    prompts = [[i + 1, 2] for i in range(9)]
+    caller = threading.Thread(target=lambda: client.generate(prompts, PARAMS))
+    with pytest.raises(RolloutError, match="refused the request: HTTP 400: prompt 0 refused"):
+        caller.start()
+        _until(lambda: held_server.held == 9)
+        client.generate(prompts + [[0, 1]], PARAMS)  # 9 more held, then the refused one
+    assert time.monotonic() - started < 10
+    _until(lambda: held_server.gone == 9 and held_server.held == 9)  # the failed call's, gone; the other's, held
+    held_server.release()
+    caller.join(30)
+
+
+def test_close_while_requests_are_in_flight_returns_promptly(held_server):
+    """The servers keep the requests (an abort they ignore): close() still returns at once, and the
+    callers get the closed client's error."""
+    client = SGLangClient([held_server.url], 256, max_concurrency=64)
+    errors = []
+
+    def call():
+        try:
+            client.generate([[1, i] for i in range(50)], PARAMS)
+        except RolloutError as err:
+            errors.append(str(err))
+
+    callers = [threading.Thread(target=call) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    _until(lambda: held_server.held == 64)
+    started = time.monotonic()
+    client.close()
+    for caller in callers:
+        caller.join(10)
+    assert time.monotonic() - started < 5 and not any(c.is_alive() for c in callers)
+    assert len(errors) == 2 and all(re.fullmatch(r"request \d+: the client was closed", e) for e in errors)
+    with pytest.raises(RolloutError, match="request 0: the client was closed"):
+        client.generate([[1, 2]], PARAMS)

@@ -5,6 +5,7 @@ import copy
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,19 +42,19 @@ def test_collate_aligns_logprobs_with_predicted_tokens():
     assert torch.allclose(batch["old_logprobs"][1, positions], torch.tensor(rollouts[1].logprobs))
 
 
-@pytest.mark.parametrize(
-    "corrupt, message",
-    [
-        (lambda p: p["meta_info"]["output_token_logprobs"].pop(), "4 log-probs for 5 generated tokens"),
-        (lambda p: p["meta_info"]["output_token_logprobs"][2].__setitem__(0, math.nan), "invalid log-prob nan at token 2"),
-        (lambda p: p["meta_info"]["output_token_logprobs"][1].__setitem__(0, None), "invalid log-prob None at token 1"),
-        (lambda p: (p["output_ids"].__setitem__(3, 999), p["meta_info"]["output_token_logprobs"][3].__setitem__(1, 999)),
-         "token id 999 at 3 outside the vocabulary"),
-        (lambda p: p["meta_info"]["output_token_logprobs"][0].__setitem__(1, 7), "log-prob 0 is for token 7"),
-        (lambda p: p["meta_info"].__setitem__("finish_reason", {"type": "abort", "message": "x"}), "aborted"),
-        (lambda p: p.pop("output_ids"), "malformed response"),
-    ],
-)
+BAD_RESPONSES = [
+    (lambda p: p["meta_info"]["output_token_logprobs"].pop(), "4 log-probs for 5 generated tokens"),
+    (lambda p: p["meta_info"]["output_token_logprobs"][2].__setitem__(0, math.nan), "invalid log-prob nan at token 2"),
+    (lambda p: p["meta_info"]["output_token_logprobs"][1].__setitem__(0, None), "invalid log-prob None at token 1"),
+    (lambda p: (p["output_ids"].__setitem__(3, 999), p["meta_info"]["output_token_logprobs"][3].__setitem__(1, 999)),
+     "token id 999 at 3 outside the vocabulary"),
+    (lambda p: p["meta_info"]["output_token_logprobs"][0].__setitem__(1, 7), "log-prob 0 is for token 7"),
+    (lambda p: p["meta_info"].__setitem__("finish_reason", {"type": "abort", "message": "x"}), "aborted"),
+    (lambda p: p.pop("output_ids"), "malformed response"),
+]
+
+
+@pytest.mark.parametrize("corrupt, message", BAD_RESPONSES)
 def test_bad_responses_are_rejected_by_name(corrupt, message):
     prompt, payload = recorded(0)
     corrupt(payload)
@@ -117,3 +118,38 @@ def test_a_response_continued_across_updates_carries_each_tokens_version():
         parse_generate_response("r", *_spanning([("step-3", 0, 2), ("step-4", 3, 5)]), VOCAB, oldest_version=3)
     one = parse_generate_response("r", *recorded(0), VOCAB)  # no spans: the response's one version
     assert one.token_versions == () and one.weight_version == "default"
+
+
+def _from_bytes(payload, **dumps):
+    from gspo_mcore.engines.sglang.response import decode_generate_body
+
+    return decode_generate_body(json.dumps(payload, **dumps).encode())
+
+
+@pytest.mark.parametrize("dumps", [{}, {"separators": (",", ":")}, {"indent": 1}])
+def test_the_raw_body_reads_as_json_does(dumps):
+    """decode_generate_body (numpy for the long arrays) gives the rollout json.loads gives, exactly,
+    however the JSON is laid out (SGLang writes it compact; indented falls back to json)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from client import canned_body  # float32 log-probs, as the engine sends them
+
+    before, after = canned_body(1, 3000, 151936, seed=0)
+    bench = json.loads(before + b"4" + after)
+    for prompt, payload in [recorded(0), recorded(1), ([1, 2, 3, 4], bench)]:
+        fast = parse_generate_response("r", prompt, _from_bytes(payload, **dumps), 151936)
+        reference = parse_generate_response("r", prompt, payload, 151936)
+        assert fast == reference and fast.logprobs == [e[0] for e in payload["meta_info"]["output_token_logprobs"]]
+    decoded = _from_bytes(bench, separators=(",", ":"))
+    assert isinstance(decoded["meta_info"]["output_token_logprobs"], np.ndarray)  # the fast path was taken
+    assert _from_bytes({"authorization": "k"}) == {"authorization": "k"}
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_bad_raw_bodies_are_rejected_by_the_same_name(index):
+    corrupt, message = BAD_RESPONSES[index]
+    prompt, payload = recorded(0)
+    corrupt(payload)
+    with pytest.raises(RolloutError, match="request sample-7: " + message.replace("(", r"\(")):
+        parse_generate_response("sample-7", prompt, _from_bytes(payload, separators=(",", ":")), VOCAB)

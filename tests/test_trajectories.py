@@ -225,6 +225,9 @@ class ScriptedModel:
         self.tokenizer, self.replies, self.inputs = tokenizer, list(replies), []
         self.urls, self.max_concurrency = ["scripted"], 4
 
+    async def generate_one_async(self, *request):
+        return self.generate_one(*request)
+
     def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):
         self.inputs.append(list(prompt_ids))
         ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]

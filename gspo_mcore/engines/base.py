@@ -87,7 +87,7 @@ class Engine(ABC):
     @abstractmethod
     def client(self, vocab_size: int, *, request_timeout_s: float = 600.0, max_attempts: int = 5,
                max_concurrency: int = 64, routing_shape: tuple[int, int] | None = None):
-        """The generation client for these servers (`generate`, `generate_one`, `close`)."""
+        """The generation client for these servers (`generate`, `generate_one`, `generate_one_async`, `close`)."""
 
     @abstractmethod
     def prompt_logprobs(self, url: str, sequences: list[list[int]]) -> list[list[float]]:

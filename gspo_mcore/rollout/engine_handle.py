@@ -4,7 +4,6 @@ environment turns in by tokens (`environment_ids`). See gspo_mcore.rollout.funct
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 from gspo_mcore.errors import InputError
@@ -39,8 +38,8 @@ class EngineHandle:
         if max_new_tokens is not None:
             params["max_new_tokens"] = max_new_tokens
         self.calls += 1
-        return await asyncio.to_thread(self.client.generate_one, f"{self.name}/turn-{self.calls}", list(input_ids),
-                                       params, self.server, self.weight_version, self.oldest_version)
+        return await self.client.generate_one_async(f"{self.name}/turn-{self.calls}", list(input_ids), params,
+                                                    self.server, self.weight_version, self.oldest_version)
 
     def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
         """The chat template's token ids for `messages`, the assistant turn opened (e.g.

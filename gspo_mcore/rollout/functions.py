@@ -46,8 +46,8 @@ def run_functions(function: RolloutFunction, tasks: list[Task], repeats: int, ha
         return out if isinstance(out, list) else [out]
 
     async def all_of_them():
-        # Each engine call waits in a thread (asyncio.to_thread): the default pool (min(32, cores
-        # + 4) threads) would cap the requests in flight far below the servers' capacity.
+        # Engine calls wait on the client's own event loop; tool calls in a thread (asyncio.to_thread):
+        # the default pool (min(32, cores + 4) threads) would cap them below the trajectories running.
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=max(1, concurrency)))
         semaphore = asyncio.Semaphore(max(1, concurrency))
         results = await asyncio.gather(*(one(semaphore, i, k) for i in range(len(tasks)) for k in range(repeats)))

@@ -3,24 +3,87 @@
 Each prompt is one request with a fixed slot in the result list, so a retried request can
 neither be lost nor counted twice. Connection errors, timeouts, 5xx answers and aborted
 generations are retried with exponential backoff, moving to the next server; when a
-request runs out of attempts the whole call fails, naming the request and the server.
+request runs out of attempts the whole call fails, naming the request and the server, and
+the call's other requests are cancelled.
+
+The requests run on one event loop, on a thread of the client's own (rank 0 also drives the
+trainer: a thread per request held the GIL for every response it read), at most
+`max_concurrency` in flight over every caller at once (what the servers run together).
+Callers on other threads block (`generate`, `generate_one`); coroutines await
+(`generate_one_async`, from any event loop).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 
 from gspo_mcore.engines.base import check_sampling_params
+from gspo_mcore.engines.sglang.response import decode_generate_body, parse_generate_response
 from gspo_mcore.errors import InputError, RolloutError
 from gspo_mcore.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, post_json
-from gspo_mcore.engines.sglang.response import parse_generate_response
+from gspo_mcore.http_async import open_session, post_bytes
 from gspo_mcore.samples import Rollout
 
 
 class RetryableError(Exception):
     pass
+
+
+class LoopStopped(Exception):
+    pass
+
+
+class LoopThread:
+    """An event loop on a daemon thread, started at the first `submit`, and the aiohttp session
+    it serves. `stop` ends it for good: what is still running is cancelled, the session closed."""
+
+    def __init__(self, name: str, api_key: str | None):
+        self.name, self.api_key = name, api_key
+        self.lock = threading.RLock()  # RLock: close() may run in a signal handler inside submit()
+        self.loop = self.thread = self.session = None
+        self.stopped = False
+
+    def submit(self, coroutine) -> concurrent.futures.Future:
+        with self.lock:
+            if self.stopped:
+                coroutine.close()
+                raise LoopStopped
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                self.thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self.thread.start()
+                asyncio.run_coroutine_threadsafe(self._open(), self.loop).result()
+            return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    async def _open(self) -> None:
+        self.session = open_session(self.api_key)
+
+    def _serve(self) -> None:
+        self.loop.run_forever()
+        self.loop.run_until_complete(self._finish())
+        self.loop.close()
+
+    async def _finish(self) -> None:
+        """Once stopped: what was submitted before ends cancelled (no caller waits forever), and
+        the connections close."""
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.session.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self.lock:
+            started, self.stopped = self.loop is not None and not self.stopped, True
+        if started:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            if threading.current_thread() is not self.thread:
+                self.thread.join(timeout_s)
 
 
 class BusyClock:
@@ -79,6 +142,10 @@ class SGLangClient:
         # registered): it starts over too.
         self.interruptions, self.tokens_regenerated, self.interrupting = 0, 0, False
         self.count_lock = threading.Lock()
+        self.loop_thread = LoopThread("sglang-client", api_key)
+        weakref.finalize(self, self.loop_thread.stop)  # a client dropped unclosed ends its thread too
+        self.slots: asyncio.Semaphore | None = None  # the requests in flight; made on the loop
+        self.requests: set[asyncio.Task] = set()  # those running (on the loop)
 
     def interrupt(self) -> None:
         """Before a pause that aborts the requests in flight (rollout.partial: false)."""
@@ -93,47 +160,98 @@ class SGLangClient:
 
     def close(self) -> None:
         """Stop for good (asynchronous producers at the end of a run): requests in flight are
-        aborted on the servers, so the threads waiting on them return, and none is retried."""
+        aborted on the servers and cancelled here, so their callers return, and none is retried."""
         self.closed = True
         for url in self.urls:
             try:
                 post_json(f"{url}/abort_request", {"rid": "", "abort_all": True}, 10, self.api_key)
             except HTTPRequestError:
                 pass  # a server already gone has nothing in flight
+        if self.loop_thread.loop is not None:  # requests were sent
+            try:
+                self.loop_thread.submit(self._cancel_requests()).result(timeout=10)
+            except (LoopStopped, concurrent.futures.TimeoutError):
+                pass
+        self.loop_thread.stop()
 
-    def _post(self, url: str, body: dict) -> dict:
+    async def _cancel_requests(self) -> None:
+        requests = list(self.requests)
+        for task in requests:
+            task.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+
+    def run(self, coroutine, name: object = 0):
+        """`coroutine` on the client's loop; its result, once done (the calling thread waits). `name`:
+        the request a closed client names."""
         try:
-            answer = post_json(f"{url}/generate", body, self.request_timeout_s, self.api_key)
+            future = self.loop_thread.submit(coroutine)
+        except LoopStopped:
+            raise RolloutError(f"request {name}: the client was closed") from None
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            if self.closed:
+                raise RolloutError(f"request {name}: the client was closed") from None
+            raise
+        except BaseException:
+            future.cancel()  # interrupted here (a signal): its requests are cancelled there
+            raise
+
+    async def _post(self, url: str, body: dict) -> dict:
+        try:
+            raw, labelled_json = await post_bytes(self.loop_thread.session, f"{url}/generate",
+                                                  json.dumps(body).encode(), self.request_timeout_s)
         except HTTPStatusError as err:
             if err.status >= 500:
                 raise RetryableError(f"HTTP {err.status}") from None
             raise RolloutError(f"server {url} refused the request: {err}") from None
         except ConnectionFailure as err:  # includes a server dying mid-answer
             raise RetryableError(str(err)) from None
-        if not isinstance(answer, dict):  # a text answer or a cut-off body, as a broken connection
+        try:
+            answer = decode_generate_body(raw)
+        except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError of a cut-off character
+            if labelled_json:  # promised JSON: the body was cut off, as a broken connection
+                raise RetryableError(f"{type(err).__name__}: {err}") from None
+            answer = raw.decode(errors="replace")
+        if not isinstance(answer, dict):  # a text answer
             raise RetryableError(f"not a /generate answer: {str(answer)[:100]!r}")
         return answer
 
-    def _one(self, index: int, prompt_ids: list[int], sampling_params: dict, weight_version: str | None,
-             oldest_version: int | None = None, server: int | None = None) -> Rollout:
+    async def _one(self, index, prompt_ids: list[int], sampling_params: dict, weight_version: str | None,
+                   oldest_version: int | None = None, server: int | None = None) -> Rollout:
         """Request `index` (its name in errors) on server `server` (default: spread by index),
-        moving on to the next server when one fails."""
+        moving on to the next server when one fails. Cancelled by `close`: says the client was closed."""
+        task = asyncio.current_task()
+        self.requests.add(task)
+        try:
+            return await self._attempts(index, prompt_ids, sampling_params, weight_version, oldest_version, server)
+        except asyncio.CancelledError:
+            if self.closed:
+                raise RolloutError(f"request {index}: the client was closed") from None
+            raise
+        finally:
+            self.requests.discard(task)
+
+    async def _attempts(self, index, prompt_ids, sampling_params, weight_version, oldest_version, server) -> Rollout:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True,
                 "logprob_start_len": -1}
         if self.routing_shape is not None:
             body["return_routed_experts"] = True
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(self.max_concurrency)
         attempt, error = 0, ""
         while attempt < self.max_attempts:
             if self.closed:
                 raise RolloutError(f"request {index}: the client was closed")
             url = self.urls[((index if server is None else server) + attempt) % len(self.urls)]
-            interruptions, during_push = self.interruptions, self.interrupting
             try:
-                self.clock.started(url)
-                try:
-                    payload = self._post(url, body)
-                finally:
-                    self.clock.started(url, -1)
+                async with self.slots:
+                    interruptions, during_push = self.interruptions, self.interrupting
+                    self.clock.started(url)
+                    try:
+                        payload = await self._post(url, body)
+                    finally:
+                        self.clock.started(url, -1)
                 meta = payload.get("meta_info", {})
                 if (meta.get("finish_reason") or {}).get("type") == "abort":
                     if (self.interruptions != interruptions or during_push) and not self.closed:  # ours: start over
@@ -146,15 +264,35 @@ class SGLangClient:
             except RetryableError as err:
                 error, attempt = f"server {url}: {err}", attempt + 1
                 if attempt < self.max_attempts:
-                    time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
         raise RolloutError(f"request {index}: failed after {self.max_attempts} attempts; last: {error}")
+
+    async def _all(self, requests: list[tuple]) -> list[Rollout]:
+        calls = [asyncio.ensure_future(self._one(*request)) for request in requests]
+        try:
+            return await asyncio.gather(*calls)
+        finally:
+            for call in calls:  # the rest, when one failed (their errors are not the call's)
+                call.cancel()
+                call.add_done_callback(_retrieved)
 
     def generate_one(self, name: str, prompt_ids: list[int], sampling_params: dict, server: int,
                      weight_version: str | None = None, oldest_version: int | None = None) -> Rollout:
         """One generation from token ids on server `server` first (a multi-turn trajectory stays on
         one server, whose prefix cache then serves its next turn)."""
         check_sampling_params(sampling_params)
-        return self._one(name, prompt_ids, sampling_params, weight_version, oldest_version, server)
+        return self.run(self._one(name, prompt_ids, sampling_params, weight_version, oldest_version, server), name)
+
+    async def generate_one_async(self, name: str, prompt_ids: list[int], sampling_params: dict, server: int,
+                                 weight_version: str | None = None, oldest_version: int | None = None) -> Rollout:
+        """`generate_one` for coroutines, on any event loop (rollout functions run on their own)."""
+        check_sampling_params(sampling_params)
+        request = self._one(name, prompt_ids, sampling_params, weight_version, oldest_version, server)
+        try:
+            future = self.loop_thread.submit(request)
+        except LoopStopped:
+            raise RolloutError(f"request {name}: the client was closed") from None
+        return await asyncio.wrap_future(future)
 
     def generate(self, prompts: list[list[int]], sampling_params: dict,
                  weight_version: str | None = None, seeds: list[int] | None = None,
@@ -170,12 +308,12 @@ class SGLangClient:
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         params = [sampling_params if seeds is None else {**sampling_params, "sampling_seed": seed} for seed in
                   (seeds if seeds is not None else [None] * len(prompts))]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(prompts)))) as pool:
-            futures = [pool.submit(self._one, i, p, params[i], weight_version, oldest_version)
-                       for i, p in enumerate(prompts)]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        if not prompts:
+            return []
+        return self.run(self._all([(i, p, params[i], weight_version, oldest_version) for i, p in enumerate(prompts)]))
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """A task whose outcome nobody reads (asyncio would log its error as never retrieved)."""
+    if not task.cancelled():
+        task.exception()

@@ -4,36 +4,172 @@ The engine's per-token log-probs are GSPO's pi_old, so a response is accepted on
 are complete and sane: one finite log-prob per generated token, token ids inside the
 vocabulary, and (when the caller says which) the weight version it expects. Anything else
 is a `RolloutError` naming the request, never a silently wrong ratio.
+
+A response of n tokens is two long arrays (`output_ids`, `output_token_logprobs`) and a few
+small fields. `decode_generate_body` reads the two arrays from the raw bytes with numpy: as
+Python lists they were n small lists per response, and the cyclic garbage collector walking
+them took most of the client's time. The checks are vectorised over the arrays alike.
 """
 
 from __future__ import annotations
 
 import base64
-import math
+import json
 
 import numpy as np
 
 from gspo_mcore.errors import RolloutError
 from gspo_mcore.samples import Rollout, version_number
 
+# `null` read as a number by one byte-for-byte translation (n->1, u->e, l->9: 1e99), brackets as
+# blanks: `[[-0.5,5,null],...]` becomes `  -0.5,5,1e99 ,...` for numpy's text parser.
+NULL = 1e99
+_AS_NUMBERS = bytes.maketrans(b"[]nul", b"  1e9")
+_NUMERIC = b"0123456789+-.eE, \t\r\n[]nul"  # any other byte (NaN, Infinity, a string): the json path
 
-def token_versions(request: str, meta: dict, num_tokens: int) -> list[str]:
+
+def _array_span(raw: bytes, key: bytes, nested: bool) -> tuple[int, int] | None:
+    """Where the array value of `key` lies in `raw` (`nested`: of arrays of numbers)."""
+    at = raw.find(b'"' + key + b'":')
+    if at < 0:
+        return None
+    start = at + len(key) + 3
+    start += len(raw[start:start + 16]) - len(raw[start:start + 16].lstrip())
+    if raw[start:start + 1] != b"[":
+        return None
+    closing = b"]]" if nested and not raw[start + 1:start + 17].lstrip().startswith(b"]") else b"]"
+    end = raw.find(closing, start)
+    return None if end < 0 else (start, end + len(closing))
+
+
+def _numbers(text: bytes, count: int) -> np.ndarray | None:
+    """`count` comma-separated numbers (null as NULL), or None if `text` is anything else."""
+    if count == 0:
+        return np.zeros(0) if not text.strip(b" \t\r\n[]") else None
+    if text.translate(None, _NUMERIC) or text.count(b",") != count - 1:
+        return None
+    try:
+        values = np.fromstring(text.translate(_AS_NUMBERS), dtype=np.float64, sep=",")
+    except ValueError:
+        return None
+    return values if values.size == count else None
+
+
+def _fast(raw: bytes) -> dict | None:
+    """`raw` decoded with output_ids (int64) and meta_info.output_token_logprobs (float64 [n, 3],
+    null as NULL) as numpy arrays; None where the body is not laid out as SGLang writes it."""
+    ids_span = _array_span(raw, b"output_ids", nested=False)
+    entries_span = _array_span(raw, b"output_token_logprobs", nested=True)
+    if ids_span is None or entries_span is None:
+        return None
+    (a, b), (c, d) = sorted((ids_span, entries_span))
+    if b > c:
+        return None
+    payload = json.loads(raw[:a] + b"[]" + raw[b:c] + b"[]" + raw[d:])
+    meta = payload.get("meta_info") if isinstance(payload, dict) else None
+    if not isinstance(meta, dict) or payload.get("output_ids") != [] or meta.get("output_token_logprobs") != []:
+        return None  # the keys were found elsewhere than SGLang puts them
+    ids_text, entries_text = raw[ids_span[0] + 1:ids_span[1] - 1], raw[entries_span[0]:entries_span[1]]
+    rows = entries_text.count(b"[") - 1
+    ids = _numbers(ids_text, ids_text.count(b",") + 1 if ids_text.strip() else 0)
+    entries = _numbers(entries_text, 3 * rows)
+    if ids is None or entries is None:
+        return None
+    entries, integral = entries.reshape(rows, 3), ids.astype(np.int64)
+    if not np.array_equal(integral, ids) or not (entries[:, 2] == NULL).all():  # not [log-prob, id, null]
+        return None
+    payload["output_ids"], meta["output_token_logprobs"] = integral, entries
+    return payload
+
+
+def decode_generate_body(raw: bytes) -> object:
+    """A `/generate` answer's JSON, its two long arrays as numpy arrays when it is SGLang's
+    (see the module docstring); any other JSON as json.loads reads it (ValueError if none)."""
+    payload = _fast(raw) if b'"output_token_logprobs"' in raw else None
+    return json.loads(raw) if payload is None else payload
+
+
+def _entry_table(entries) -> np.ndarray:
+    """float64 [n, 2]: each entry's log-prob and token id (None as NULL)."""
+    if isinstance(entries, np.ndarray):
+        return entries[:, :2]
+    rows = [(NULL if e[0] is None else e[0], NULL if e[1] is None else e[1]) for e in entries]
+    return np.array(rows, dtype=np.float64).reshape(len(entries), 2)
+
+
+def _as_written(entries, position: int, column: int):
+    """The value an entry holds, as the response wrote it (None for null), for messages."""
+    if not isinstance(entries, np.ndarray):
+        return entries[position][column]
+    value = float(entries[position, column])
+    return None if value == NULL else int(value) if column == 1 and value.is_integer() else value
+
+
+def check_tokens(request: str, response_ids: np.ndarray, entries, vocab_size: int) -> np.ndarray:
+    """The log-probs (float64), once each entry is for its token, finite, <= 0, and each token inside
+    the vocabulary; else the first position's problem, in that order."""
+    table = _entry_table(entries)
+    values, entry_ids = table[:, 0], table[:, 1]
+    wrong_token = entry_ids != response_ids
+    bad_value = ~(np.isfinite(values) & (values <= 0))
+    outside = (response_ids < 0) | (response_ids >= vocab_size)
+    problems = np.flatnonzero(wrong_token | bad_value | outside)
+    if problems.size:
+        position = int(problems[0])
+        token = int(response_ids[position])
+        if wrong_token[position]:
+            raise RolloutError(f"request {request}: log-prob {position} is for token "
+                               f"{_as_written(entries, position, 1)}, not {token}")
+        if bad_value[position]:
+            raise RolloutError(f"request {request}: invalid log-prob {_as_written(entries, position, 0)!r} "
+                               f"at token {position}")
+        raise RolloutError(f"request {request}: token id {token} at {position} outside the vocabulary ({vocab_size})")
+    return values
+
+
+def token_versions(request: str, meta: dict, num_tokens: int) -> tuple[list[str], np.ndarray]:
     """Each output token's weight version, from SGLang's `weight_versions` spans ({version,
     start, end}, end exclusive, over output_ids; sglang/srt/utils/weight_versions.py), or the
-    response's one `weight_version` when the engine sent no spans."""
+    response's one `weight_version` when the engine sent no spans: the versions named, and
+    per token the index of its own among them."""
     spans = meta.get("weight_versions")
     if not spans:
-        return [str(meta.get("weight_version", ""))] * num_tokens
-    versions: list[str | None] = [None] * num_tokens
+        return [str(meta.get("weight_version", ""))], np.zeros(num_tokens, dtype=np.int64)
+    names: list[str] = []
+    codes = np.full(num_tokens, -1, dtype=np.int64)
     try:
-        for span in spans:
-            for t in range(int(span["start"]), min(int(span["end"]), num_tokens)):
-                versions[t] = str(span["version"])
+        for span in spans:  # a later span overrides an earlier one
+            start, end, name = int(span["start"]), min(int(span["end"]), num_tokens), str(span["version"])
+            if name not in names:
+                names.append(name)
+            codes[max(0, start):end] = names.index(name)
     except (KeyError, TypeError, ValueError) as err:
         raise RolloutError(f"request {request}: malformed weight_versions ({err!r})") from None
-    if None in versions:
-        raise RolloutError(f"request {request}: weight_versions do not cover output token {versions.index(None)}")
-    return versions
+    uncovered = np.flatnonzero(codes < 0)
+    if uncovered.size:
+        raise RolloutError(f"request {request}: weight_versions do not cover output token {int(uncovered[0])}")
+    return names, codes
+
+
+def check_versions(request: str, meta: dict, version: str, num_tokens: int, weight_version: str | None,
+                   oldest_version: int | None) -> tuple[int, ...]:
+    """Each token's step (() if some token's version is not a step's), once the versions are
+    what the caller admits: `weight_version` only, or none older than step `oldest_version`."""
+    names, codes = token_versions(request, meta, num_tokens)
+    if weight_version is not None:
+        wrong = np.flatnonzero(np.array([name != weight_version for name in names], dtype=bool)[codes])
+        if wrong.size or version != weight_version:
+            bad = names[codes[wrong[0]]] if wrong.size else version
+            raise RolloutError(f"request {request}: generated by weight version {bad!r}, expected {weight_version!r}")
+    numbers = [version_number(name) for name in names]
+    unnumbered = np.array([n is None for n in numbers], dtype=bool)[codes]
+    steps = np.array([-1 if n is None else n for n in numbers], dtype=np.int64)[codes]
+    if oldest_version is not None:
+        older = np.flatnonzero(unnumbered | (steps < oldest_version))
+        if older.size:
+            raise RolloutError(f"request {request}: a token of weight version {names[codes[older[0]]]!r}, older than "
+                               f"step-{oldest_version} (rollout.max_staleness)")
+    return () if unnumbered.any() else tuple(steps.tolist())
 
 
 def decode_routed_experts(request: str, encoded, num_tokens: int, routing_shape: tuple[int, int]) -> np.ndarray:
@@ -56,17 +192,18 @@ def parse_generate_response(
 ) -> Rollout:
     """One element of SGLang's `/generate` response (made with return_logprob=True and
     logprob_start_len=-1; with `routing_shape` (MoE layers, top-k), return_routed_experts
-    too). `request` names it in errors. `weight_version` (synchronous runs): every token must
-    come from it; `oldest_version` (asynchronous runs): no token may come from an older step."""
+    too), as json.loads or `decode_generate_body` reads it. `request` names it in errors.
+    `weight_version` (synchronous runs): every token must come from it; `oldest_version`
+    (asynchronous runs): no token may come from an older step."""
     try:
-        response_ids = [int(t) for t in payload["output_ids"]]
+        response_ids = np.asarray(payload["output_ids"], dtype=np.int64).reshape(-1)
         meta = payload["meta_info"]
         entries = meta["output_token_logprobs"]
         finish = meta["finish_reason"] or {}
         version = str(meta.get("weight_version", ""))
-    except (KeyError, TypeError, ValueError) as err:
+        kind = finish.get("type")
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
         raise RolloutError(f"request {request}: malformed response ({err!r})") from None
-    kind = finish.get("type")
     if kind == "abort":
         raise RolloutError(f"request {request}: aborted by the server ({finish.get('message', '')})")
     if kind not in ("stop", "length"):
@@ -75,29 +212,13 @@ def parse_generate_response(
         raise RolloutError(
             f"request {request}: {len(entries)} log-probs for {len(response_ids)} generated tokens"
         )
-    logprobs = []
-    for position, (entry, token) in enumerate(zip(entries, response_ids)):
-        value, entry_token = entry[0], entry[1]
-        if entry_token != token:
-            raise RolloutError(f"request {request}: log-prob {position} is for token {entry_token}, not {token}")
-        if value is None or not math.isfinite(value) or value > 0:
-            raise RolloutError(f"request {request}: invalid log-prob {value!r} at token {position}")
-        if not 0 <= token < vocab_size:
-            raise RolloutError(f"request {request}: token id {token} at {position} outside the vocabulary ({vocab_size})")
-        logprobs.append(float(value))
-    versions = token_versions(request, meta, len(response_ids))
-    wrong = [v for v in versions if weight_version is not None and v != weight_version]
-    if wrong or (weight_version is not None and version != weight_version):
-        raise RolloutError(f"request {request}: generated by weight version {(wrong or [version])[0]!r}, "
-                           f"expected {weight_version!r}")
-    numbers = [version_number(v) for v in versions]
-    if oldest_version is not None and any(n is None or n < oldest_version for n in numbers):
-        bad = next(v for v, n in zip(versions, numbers) if n is None or n < oldest_version)
-        raise RolloutError(f"request {request}: a token of weight version {bad!r}, older than step-{oldest_version} "
-                           "(rollout.max_staleness)")
+    try:
+        logprobs = check_tokens(request, response_ids, entries, vocab_size)
+    except (TypeError, ValueError, IndexError) as err:  # an entry that is not [log-prob, token id, ...]
+        raise RolloutError(f"request {request}: malformed response ({err!r})") from None
+    steps = check_versions(request, meta, version, len(response_ids), weight_version, oldest_version)
     routed = None
     if routing_shape is not None:
         routed = decode_routed_experts(request, meta.get("routed_experts"), len(prompt_ids) + len(response_ids),
                                        routing_shape)
-    return Rollout(list(prompt_ids), response_ids, logprobs, kind, version, routed,
-                   tuple(n for n in numbers if n is not None) if None not in numbers else ())
+    return Rollout(list(prompt_ids), response_ids.tolist(), logprobs.tolist(), kind, version, routed, steps)

@@ -250,14 +250,15 @@ def test_pipeline_and_tensor_parallel_runs(toy, server, tmp_path, layout):
 
 
 def test_a_run_that_trains_nothing_still_saves(toy, server, tmp_path):
-    """A reward that always raises scores every response 0: no group has signal, no step trains,
-    the optimizer has no state; the run still saves its final checkpoint and exits cleanly."""
+    """A reward that scores every response 0: no group has signal, no step trains, the optimizer
+    has no state; the run still saves its final checkpoint and exits cleanly. (A reward that
+    always raises stops the run: tests/test_rollout_source.py.)"""
     out = tmp_path / "run"
-    _train(out, [*_toy_overrides(toy), f"rollout.urls=[{server}]", "reward.name=tests.reward_fixtures:always_raises",
+    _train(out, [*_toy_overrides(toy), f"rollout.urls=[{server}]", "reward.name=tests.reward_fixtures:zero_reward",
                  "train.steps=2", "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=0"])
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["reward_errors"] > 0 and r["loss"] is None for r in rows)
+    assert all(r["reward_errors"] == 0 and r["reward_mean"] == 0 and r["loss"] is None for r in rows)
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
     assert (out / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
 

@@ -129,17 +129,3 @@ def test_chat_template_ids():
     assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "2+2?"}]) == [1, 4, 3, 2]
     assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "2+2?"}], {"enable_thinking": False}) == [1, 4, 3, 2, 3]
 
-
-def test_the_readme_data_examples_load(tmp_path):
-    """README, Data and rewards: the JSONL records and the Parquet snippet are datasets."""
-    import re
-
-    text = (REPO / "README.md").read_text()
-    jsonl = re.search(r"```jsonl\n(.*?)```", text, re.S).group(1)
-    (tmp_path / "train.jsonl").write_text(jsonl)
-    dataset = PromptDataset.load(tmp_path / "train.jsonl")
-    assert [s.answer for s in dataset.samples] == ["2", "4"] and dataset[0].metadata == {"level": "Level 1"}
-    assert dataset[1].messages[0]["role"] == "system" and dataset[1].prompt == "2+2?"
-    snippet = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "pq.write_table" in block)
-    exec(snippet.replace('"train.parquet"', repr(str(tmp_path / "train.parquet"))), {})
-    assert PromptDataset.load(tmp_path / "train.parquet")[0].metadata == {"source": "algebra"}

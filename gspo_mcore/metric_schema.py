@@ -153,6 +153,8 @@ SCHEMA: tuple[Metric, ...] = (
            "since the previous batch", printed="engine idle {:.2f}"),
     Metric("tokens_regenerated", "tokens generated, then thrown away because a push aborted their request "
            "(rollout.partial: false; 0 otherwise)"),
+    Metric("requests_retried", "generation requests that failed and were sent again (a timeout, a 5xx, a lost "
+           "connection) since the previous batch: 0 when the servers run every request the client sends"),
     Metric("engine_pause_s", "time the servers were paused for the push (asynchronous modes)", asynchronous=True),
     Metric("samples_per_s", "responses trained per second of step"),
     # ---- the weight-sync check (steps where weight_sync.check_every fires)

@@ -192,6 +192,25 @@ def trainer_state_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> d
     return out
 
 
+def requests_in_flight_estimate(config: Config, prompt_tokens: int) -> dict[str, int]:
+    """What the rollout client keeps in flight (gspo_mcore.train: each server's running limit and
+    KV room for a full-length request, one slot per server kept free), from the config."""
+    r = config.rollout
+    request = prompt_tokens + response_tokens(config)
+    kv = max(1, r.max_total_tokens // request)
+    per_server = min(r.max_running_requests, kv)
+    return {"request_tokens": request, "kv_requests_per_server": kv, "requests_per_server": per_server,
+            "requests_in_flight": r.num_servers * max(1, per_server - 1)}
+
+
+def check_kv_budget(config: Config, memory: dict) -> None:
+    """rollout.max_total_tokens over what an engine GPU beside its weights holds is refused."""
+    room = memory.get("engine_kv_cache_tokens")
+    if room is not None and config.rollout.max_total_tokens > room:
+        raise ConfigError(f"rollout.max_total_tokens {config.rollout.max_total_tokens:,}: more KV cache than an "
+                          f"engine GPU holds beside its weights (~{room:,} tokens)")
+
+
 def engine_memory(config: Config, arch: Qwen3MoeArch) -> EngineMemory:
     """What one GPU of the config's engine holds for this model (the engine's own model)."""
     return engine_class(config.rollout.engine).memory(arch, config.rollout.engine_tp, param_counts(arch)["total"])
@@ -300,7 +319,9 @@ def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu
             raise ConfigError(f"rollout.engine_tp {config.rollout.engine_tp}: {config.rollout.engine}'s weights alone "
                               f"({memory['engine_weights_gb']:.1f} GiB) do not fit a {gpu_memory_gb:g} GiB GPU")
         memory["engine_kv_cache_tokens"] = int(free * GB / memory["engine_kv_bytes_per_token"])
+        check_kv_budget(config, memory)
     counts = param_counts(arch)
+    memory.update(requests_in_flight_estimate(config, prompt_tokens))
     result = {"gpus": layout.total_gpus, "trainer_gpus": layout.trainer_gpus, "rollout_gpus": layout.rollout_gpus,
               "data_parallel": layout.dp, "expert_data_parallel": layout.expert_dp,
               "params_total_b": counts["total"] / 1e9, "params_active_b": counts["active"] / 1e9,
@@ -336,6 +357,10 @@ def report(config: Config, result: dict, out) -> None:
       + (" (REFUSED)" if r["margin_gb"] < 0 else ""))
     if r["rollout_gpus"]:
         w(f"per {config.rollout.engine} GPU: weights {r['engine_weights_gb']:.1f} GiB, KV cache for ~{r['engine_kv_cache_tokens']:,} tokens")
+    w(f"in flight: up to {r['requests_in_flight']} requests ({config.rollout.num_servers} server(s) x "
+      f"{r['requests_per_server']}: rollout.max_running_requests {config.rollout.max_running_requests}, KV room "
+      f"(rollout.max_total_tokens {config.rollout.max_total_tokens:,}) for {r['kv_requests_per_server']} of "
+      f"{r['request_tokens']:,} tokens; one per server kept for the sync check)")
     t = config.train
     w(f"disk warning: each checkpoint ~{r['checkpoint_gb']:,.0f} GB (weights + fp32 master weights + 2 Adam "
       f"moments), written {f'every {t.save_every} steps and ' if t.save_every else ''}at the end, up to "

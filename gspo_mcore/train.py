@@ -122,13 +122,19 @@ class Trainer:
             raise
 
     def _connect(self) -> None:
-        """Rank 0's rollout client, as many requests in flight as the servers run at once (their
-        own limits, whoever started them)."""
+        """Rank 0's rollout client: as many requests in flight as the servers run at once with room
+        in their KV caches for a full-length request each (their own limits, whoever started
+        them), less one slot per server kept free for the sync check's probes."""
         config, arch = self.config, self.learner.arch
         routing_shape = (arch.num_layers, arch.num_experts_per_tok) if config.rollout.return_routed_experts else None
-        concurrency = sum(self.engine.max_running_requests(url, config.rollout.max_running_requests)
-                          for url in self.engine.urls)
-        self.source.connect(self.engine, arch.vocab_size, routing_shape, max_concurrency=concurrency)
+        tokens = self.source.request_tokens()
+        slots = [self.engine.capacity(url, config.rollout.max_running_requests, tokens) for url in self.engine.urls]
+        self.source.connect(self.engine, arch.vocab_size, routing_shape,
+                            max_concurrency=sum(max(1, n - 1) for n in slots))
+        if self.rank == 0:
+            print(f"rollout: up to {sum(max(1, n - 1) for n in slots)} requests in flight ({' + '.join(map(str, slots))} "
+                  f"the servers run at once with KV room for {tokens} tokens each, one per server kept for the sync "
+                  "check)", flush=True)
         self.stop.on_abandon = self.source.client.close  # a signal mid-rollout aborts the requests in flight
 
     def _open_log(self, resume: bool) -> RunLog:

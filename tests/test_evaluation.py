@@ -68,7 +68,7 @@ class _ScriptedEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.urls, self.max_concurrency, self.calls = tokenizer, ["a", "b"], 4, []
 
-    async def generate_one_async(self, *request):
+    async def generate_one_async(self, *request, evaluation=False):
         return self.generate_one(*request)
 
     def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):

@@ -54,7 +54,8 @@ class Handler(BaseHTTPRequestHandler):
             "/refused_text": lambda: self._answer(404, b"Not Found", "text/plain", 9),
             "/busy": lambda: self._json(503, {"error": "busy"}),
             "/failed": lambda: self._json(200, {"success": False, "message": "shape mismatch"}),
-            "/get_server_info": lambda: self._json(200, {"tp_size": 2, "max_running_requests": 48}),
+            "/get_server_info": lambda: self._json(200, {"tp_size": 2, "max_running_requests": 48,
+                                                         "max_total_num_tokens": 100_000}),
             "/abort_request": lambda: (ABORTS.append(json.loads(self.received)), self._json(200, {})),
             # Dies mid-answer: fewer bytes than promised (IncompleteRead) ...
             "/cut_short": lambda: self._answer(200, b'{"output_ids": [1,', "application/json", 100),
@@ -207,7 +208,15 @@ def _eventually(path, timeout_s: float = 10.0) -> str:
 def test_the_rollout_client_keeps_as_many_requests_in_flight_as_the_servers_run(url):
     """Concurrency from the servers' own limits (a fixed 64 left 256-request servers mostly idle)."""
     control = SGLangEngine([url])
-    assert control.tp_size(url) == 2 and control.max_running_requests(url, 64) == 48
+    assert control.tp_size(url) == 2 and control.capacity(url, 64) == 48
+
+
+def test_no_more_requests_in_flight_than_the_servers_kv_cache_holds(url):
+    """A 30B async config ran 256 requests per server against a KV pool that held ~30 at full
+    length: the rest queued (and were retracted to the back at each push) while their timeout ran."""
+    control = SGLangEngine([url])
+    assert control.capacity(url, 64, request_tokens=1000) == 48  # the pool holds 100 such requests
+    assert control.capacity(url, 64, request_tokens=8704) == 11  # 100,000 // (512 + 8192)
 
 
 def test_a_closed_client_aborts_what_is_in_flight_and_retries_nothing(url):

@@ -11,7 +11,7 @@ from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.errors import InputError
 from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.plan import H100_GB, PHASES, TRAINER_CONTEXT_GB, MemoryRefused, param_counts, plan
+from gspo_mcore.plan import H100_GB, PHASES, TRAINER_CONTEXT_GB, MemoryRefused, main, param_counts, plan
 
 HF_30B = REPO / "configs/hf/qwen3-30b-a3b.config.json"
 HF_235B = REPO / "configs/hf/qwen3-235b-a22b.config.json"
@@ -21,6 +21,7 @@ GPU_CONFIGS = {
     "qwen3_30b_a3b_gspo.yaml": (1, HF_30B),
     "qwen3_30b_a3b_gspo_2node.yaml": (2, HF_30B),
     "qwen3_30b_a3b_gspo_async.yaml": (2, HF_30B),  # split: 8 trainer GPUs, 8 SGLang GPUs
+    "qwen3_30b_a3b_gspo_async_1node.yaml": (1, HF_30B),  # split on one node: 4 + 4
     "qwen3_30b_a3b_gspo_tools.yaml": (1, HF_30B),  # multi-turn with a Python tool
     "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
 }
@@ -235,3 +236,22 @@ def test_the_readme_planner_command_runs_without_weights_and_the_default_names_t
     with pytest.raises(ConfigError, match=r"^model.hf_dir: .*config.json not found; without the weights on disk "
                                           r"give the model's config.json: --hf-config"):
         main(["--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "model.hf_dir=/nonexistent"])
+
+
+@pytest.mark.parametrize("config, servers", [("qwen3_30b_a3b_gspo_async.yaml", 2),
+                                             ("qwen3_30b_a3b_gspo_async_1node.yaml", 1)])
+def test_the_async_configs_keep_no_more_requests_in_flight_than_the_kv_cache_runs(config, servers, capsys):
+    """The 30B async config's 256 running requests per server had KV room (262,144 tokens) for
+    ~30 at full length: the rest queued. Its budget is the planner's own figure now."""
+    nodes, hf = GPU_CONFIGS[config]
+    result = _plan(config, nodes=nodes, hf=hf)
+    assert load_config(REPO / "configs" / config).rollout.max_total_tokens <= result["engine_kv_cache_tokens"]
+    assert result["kv_requests_per_server"] >= result["requests_per_server"] > 200
+    assert result["requests_in_flight"] == servers * (result["requests_per_server"] - 1)
+    assert main(["--config", str(REPO / "configs" / config), "--nodes", str(nodes), "--hf-config", str(hf)]) == 0
+    assert f"in flight: up to {result['requests_in_flight']} requests" in capsys.readouterr().out
+
+
+def test_a_kv_budget_over_what_the_gpu_holds_is_refused():
+    with pytest.raises(ConfigError, match=r"^rollout.max_total_tokens 9,000,000: more KV cache than an engine GPU"):
+        _plan("qwen3_30b_a3b_gspo_async.yaml", ["rollout.max_total_tokens=9000000"], nodes=2)

@@ -340,3 +340,35 @@ def test_close_while_requests_are_in_flight_returns_promptly(held_server):
     assert len(errors) == 2 and all(re.fullmatch(r"request \d+: the client was closed", e) for e in errors)
     with pytest.raises(RolloutError, match="request 0: the client was closed"):
         client.generate([[1, 2]], PARAMS)
+
+
+def test_evaluation_requests_take_the_next_free_slot_before_waiting_training_ones():
+    """An evaluation (and the trainer waiting on it) queued behind every training request the
+    asynchronous producer had admitted; now it goes first."""
+    import asyncio
+
+    from gspo_mcore.engines.sglang.client import Slots
+
+    async def scenario():
+        slots, order = Slots(1), []
+        await slots.acquire()
+
+        async def request(name, first=False):
+            await slots.acquire(first)
+            order.append(name)
+            await asyncio.sleep(0)
+            slots.release()
+
+        waiting = [asyncio.ensure_future(request(f"train-{i}")) for i in range(3)]
+        await asyncio.sleep(0)
+        waiting.append(asyncio.ensure_future(request("eval", first=True)))
+        cancelled = asyncio.ensure_future(request("cancelled", first=True))
+        await asyncio.sleep(0)
+        cancelled.cancel()  # a waiter cancelled in the queue gives up its place, not a slot
+        await asyncio.sleep(0)
+        slots.release()
+        await asyncio.gather(*waiting)
+        return order, slots.free
+
+    order, free = asyncio.run(scenario())
+    assert order == ["eval", "train-0", "train-1", "train-2"] and free == 1

@@ -80,6 +80,7 @@ def test_routed_experts_decoded_per_input_token():
         "finish_reason": {"type": "stop"}, "weight_version": "v", "routed_experts": base64.b64encode(routed.tobytes()).decode()}}
     rollout = parse_generate_response("0", [1, 2, 3, 4, 9], payload, 256, "v", routing_shape=(2, 3))
     assert np.array_equal(rollout.routed_experts, routed)
+    assert rollout.routed_experts.dtype == np.uint8  # ids of 8 experts: a byte each, not int32's four
     with pytest.raises(RolloutError, match=r"42 routed-expert ids for 7 input tokens x 4 layers"):
         parse_generate_response("0", [1, 2, 3, 4, 9], payload, 256, "v", routing_shape=(4, 3))
     missing = {**payload, "meta_info": {k: v for k, v in payload["meta_info"].items() if k != "routed_experts"}}

@@ -27,6 +27,7 @@ class ScriptedEngine:
         self.params = []  # the sampling parameters of each call
         self.version = 0  # the weights it generates with (the producer tests move it)
         self.clock, self.tokens_regenerated, self.closed = BusyClock(["scripted"]), 0, False
+        self.requests_retried = 0
 
     def close(self):
         self.closed = True

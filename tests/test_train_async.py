@@ -120,3 +120,27 @@ def test_an_async_run_killed_with_groups_in_flight_leaves_nothing_and_resumes(to
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(1, saved + 3))  # steps after the checkpoint trained again
     assert all(r["staleness_max"] <= 1 for r in rows)
+
+
+def test_async_keeps_no_more_requests_in_flight_than_the_server_runs(toy, tmp_path):
+    """More groups in flight (16 x 8 responses) than the server runs at once (16 running, KV room
+    for fewer), a short request timeout, the sync check every step: the client sends no more than
+    the KV cache holds (one slot kept for the check), so nothing waits behind a full queue and no
+    request is sent again. (It kept max_running_requests in flight whatever the KV room.)"""
+    import re
+
+    out = tmp_path / "run"
+    proc = _train(out, [*_toy_overrides(toy), "rollout.mode=async", "rollout.num_servers=1",
+                        "rollout.max_running_requests=16", "rollout.max_total_tokens=256",
+                        "rollout.request_timeout_s=30", "weight_sync.check_every=1", "train.steps=3",
+                        "train.save_every=0", "train.export_hf=false", "reward.norm=group"])
+    said = re.search(r"rollout: up to (\d+) requests in flight \((\d+) the servers run at once with KV room for "
+                     r"(\d+) tokens each", proc.stdout)
+    assert said, proc.stdout[-2000:]
+    in_flight, running, tokens = map(int, said.groups())
+    assert running <= 256 // tokens < 16 and in_flight == max(1, running - 1)
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["requests_retried"] == 0 and r["tokens_regenerated"] == 0 for r in rows)
+    assert all(r["sync_check_median"] is not None for r in rows)  # the check ran every step
+    assert all(r["staleness_max"] <= 1 and r["groups_kept"] == 16 for r in rows)

@@ -225,7 +225,7 @@ class ScriptedModel:
         self.tokenizer, self.replies, self.inputs = tokenizer, list(replies), []
         self.urls, self.max_concurrency = ["scripted"], 4
 
-    async def generate_one_async(self, *request):
+    async def generate_one_async(self, *request, evaluation=False):
         return self.generate_one(*request)
 
     def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):

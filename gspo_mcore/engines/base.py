@@ -76,8 +76,9 @@ class Engine(ABC):
         """The server answers and can generate."""
 
     @abstractmethod
-    def max_running_requests(self, url: str, default: int) -> int:
-        """How many requests the server runs at once."""
+    def capacity(self, url: str, default: int, request_tokens: int = 0) -> int:
+        """How many requests of `request_tokens` (prompt + response) the server runs at once, with
+        room for each in its KV cache (`default` when it does not say)."""
 
     @abstractmethod
     def tp_size(self, url: str) -> int:

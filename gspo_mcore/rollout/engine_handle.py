@@ -23,14 +23,15 @@ class EngineHandle:
 
     def __init__(self, client, tokenizer, server: int, sampling: dict, seed: int, config=None,
                  weight_version: str | None = None, oldest_version: int | None = None, name: str = "", tools=None,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, evaluation: bool = False):
         """`config`: the run's RolloutConfig (max_turns, max_trajectory_tokens, ... for functions
-        that read them); `template_kwargs`: data.chat_template_kwargs, for every rendering."""
+        that read them); `template_kwargs`: data.chat_template_kwargs, for every rendering;
+        `evaluation`: its requests go before training's waiting ones (the trainer waits on them)."""
         self.client, self.tokenizer, self.server, self.sampling = client, tokenizer, server, sampling
         self.config, self.template_kwargs = config, dict(template_kwargs or {})
         self.seed, self.weight_version, self.oldest_version, self.name = seed, weight_version, oldest_version, name
         self.tools = tools  # gspo_mcore.tools.runner.ToolRunner of rollout.tools (None without tools)
-        self.calls = 0
+        self.calls, self.evaluation = 0, evaluation
 
     async def generate(self, input_ids: list[int], max_new_tokens: int | None = None) -> Rollout:
         """One model turn from `input_ids` (prompt + every token so far)."""
@@ -39,7 +40,8 @@ class EngineHandle:
             params["max_new_tokens"] = max_new_tokens
         self.calls += 1
         return await self.client.generate_one_async(f"{self.name}/turn-{self.calls}", list(input_ids), params,
-                                                    self.server, self.weight_version, self.oldest_version)
+                                                    self.server, self.weight_version, self.oldest_version,
+                                                    evaluation=self.evaluation)
 
     def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
         """The chat template's token ids for `messages`, the assistant turn opened (e.g.

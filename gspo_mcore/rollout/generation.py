@@ -53,7 +53,7 @@ class Generator:
             index = i * repeats + k  # spread over the servers; each trajectory stays on its own
             return EngineHandle(client, self.tokenizer, index % count, params, (seeds_base + index) * 1_000,
                                 cfg.rollout, weight_version, oldest_version, name=f"{name} {index}", tools=self.tools,
-                                template_kwargs=cfg.data.chat_template_kwargs)
+                                template_kwargs=cfg.data.chat_template_kwargs, evaluation=evaluation)
 
         tasks = [Task(s.messages, s.answer, dict(s.metadata)) for s in samples]
         groups = run_functions(self.function, tasks, repeats, handle_for, client.max_concurrency)

@@ -39,19 +39,24 @@ def staleness_metrics(rollouts: list[Rollout], version: int) -> dict:
 
 class EngineMeter:
     """The engines' figures between two batches: `engine_idle_fraction` (1 - the servers' mean
-    busy time / wall time, the client's BusyClock) and `tokens_regenerated` (tokens
-    generated and thrown away because a push aborted their request: 0 with rollout.partial)."""
+    busy time / wall time, the client's BusyClock), `tokens_regenerated` (tokens generated and
+    thrown away because a push aborted their request: 0 with rollout.partial) and
+    `requests_retried` (attempts that failed: timed out, refused with a 5xx, lost)."""
 
     def __init__(self, client):
         self.client = client
-        self.last = (time.monotonic(), client.clock.busy_s(), client.tokens_regenerated)
+        self.last = self._now()
+
+    def _now(self) -> tuple:
+        return (time.monotonic(), self.client.clock.busy_s(), self.client.tokens_regenerated,
+                self.client.requests_retried)
 
     def figures(self) -> dict:
-        now = (time.monotonic(), self.client.clock.busy_s(), self.client.tokens_regenerated)
-        (t0, busy0, regen0), self.last = self.last, now
+        now = self._now()
+        (t0, busy0, regen0, retried0), self.last = self.last, now
         wall = max(now[0] - t0, 1e-9)
         return {"engine_idle_fraction": min(1.0, max(0.0, 1.0 - (now[1] - busy0) / wall)),
-                "tokens_regenerated": now[2] - regen0}
+                "tokens_regenerated": now[2] - regen0, "requests_retried": now[3] - retried0}
 
 
 class SyncProducer:

@@ -63,6 +63,15 @@ class RolloutSource:
         params = {"max_new_tokens": rollout.max_new_tokens, "temperature": rollout.temperature}
         return {**params, "stop": list(rollout.stop)} if rollout.stop else params
 
+    def request_tokens(self, sample: int = 64) -> int:
+        """The KV room one request needs at full length: the longest of the first `sample` prompts
+        (rendered) and every token a response (a rollout function's trajectory) may add."""
+        rollout = self.config.rollout
+        prompts = [chat_prompt_ids(self.tokenizer, self.dataset[i].messages, self.config.data.chat_template_kwargs)
+                   for i in range(min(sample, len(self.dataset)))]
+        added = rollout.max_new_tokens if self.generator.function is None else rollout.max_trajectory_tokens
+        return max(map(len, prompts)) + added
+
     def connect(self, engine, vocab_size: int, routing_shape: tuple[int, int] | None = None,
                 max_concurrency: int = 64) -> None:
         """`engine` (gspo_mcore.engines.Engine): the servers. `routing_shape` (MoE layers, top-k):

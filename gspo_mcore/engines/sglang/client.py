@@ -16,6 +16,7 @@ Callers on other threads block (`generate`, `generate_one`); coroutines await
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import threading
@@ -120,6 +121,39 @@ class BusyClock:
             return sum(self.busy.values()) / len(self.busy)
 
 
+class Slots:
+    """The requests in flight, at most `size`, on the client's loop. A request marked `first`
+    (evaluation: the trainer waits on it) takes the next free slot before any other waiting."""
+
+    def __init__(self, size: int):
+        self.free = size
+        self.waiting: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
+
+    async def acquire(self, first: bool = False) -> None:
+        if self.free > 0 and not any(self.waiting):
+            self.free -= 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self.waiting[0 if first else 1].append(turn)
+        try:
+            await turn  # release() handed its slot over
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed over as we were cancelled: pass it on
+                self.release()
+            elif turn in self.waiting[0 if first else 1]:  # release() may have dropped it already
+                self.waiting[0 if first else 1].remove(turn)
+            raise
+
+    def release(self) -> None:
+        for queue in self.waiting:
+            while queue:
+                turn = queue.popleft()
+                if not turn.done():
+                    turn.set_result(None)
+                    return
+        self.free += 1
+
+
 class SGLangClient:
     def __init__(self, urls: list[str], vocab_size: int, *, request_timeout_s: float = 600.0,
                  max_attempts: int = 5, backoff_s: float = 1.0, max_concurrency: int = 64,
@@ -141,10 +175,11 @@ class SGLangClient:
         # aborts every registered request each second until none runs, and a waiting request is
         # registered): it starts over too.
         self.interruptions, self.tokens_regenerated, self.interrupting = 0, 0, False
+        self.requests_retried = 0  # attempts that failed and were tried again (a timeout, a 5xx, a lost connection)
         self.count_lock = threading.Lock()
         self.loop_thread = LoopThread("sglang-client", api_key)
         weakref.finalize(self, self.loop_thread.stop)  # a client dropped unclosed ends its thread too
-        self.slots: asyncio.Semaphore | None = None  # the requests in flight; made on the loop
+        self.slots: Slots | None = None  # the requests in flight; made on the loop
         self.requests: set[asyncio.Task] = set()  # those running (on the loop)
 
     def interrupt(self) -> None:
@@ -218,13 +253,14 @@ class SGLangClient:
         return answer
 
     async def _one(self, index, prompt_ids: list[int], sampling_params: dict, weight_version: str | None,
-                   oldest_version: int | None = None, server: int | None = None) -> Rollout:
+                   oldest_version: int | None = None, server: int | None = None, first: bool = False) -> Rollout:
         """Request `index` (its name in errors) on server `server` (default: spread by index),
         moving on to the next server when one fails. Cancelled by `close`: says the client was closed."""
         task = asyncio.current_task()
         self.requests.add(task)
         try:
-            return await self._attempts(index, prompt_ids, sampling_params, weight_version, oldest_version, server)
+            return await self._attempts(index, prompt_ids, sampling_params, weight_version, oldest_version, server,
+                                        first)
         except asyncio.CancelledError:
             if self.closed:
                 raise RolloutError(f"request {index}: the client was closed") from None
@@ -232,26 +268,30 @@ class SGLangClient:
         finally:
             self.requests.discard(task)
 
-    async def _attempts(self, index, prompt_ids, sampling_params, weight_version, oldest_version, server) -> Rollout:
+    async def _attempts(self, index, prompt_ids, sampling_params, weight_version, oldest_version, server,
+                        first: bool) -> Rollout:
         body = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True,
                 "logprob_start_len": -1}
         if self.routing_shape is not None:
             body["return_routed_experts"] = True
         if self.slots is None:
-            self.slots = asyncio.Semaphore(self.max_concurrency)
+            self.slots = Slots(self.max_concurrency)
         attempt, error = 0, ""
         while attempt < self.max_attempts:
             if self.closed:
                 raise RolloutError(f"request {index}: the client was closed")
             url = self.urls[((index if server is None else server) + attempt) % len(self.urls)]
             try:
-                async with self.slots:
+                await self.slots.acquire(first)
+                try:
                     interruptions, during_push = self.interruptions, self.interrupting
                     self.clock.started(url)
                     try:
                         payload = await self._post(url, body)
                     finally:
                         self.clock.started(url, -1)
+                finally:
+                    self.slots.release()
                 meta = payload.get("meta_info", {})
                 if (meta.get("finish_reason") or {}).get("type") == "abort":
                     if (self.interruptions != interruptions or during_push) and not self.closed:  # ours: start over
@@ -263,6 +303,8 @@ class SGLangClient:
                                                self.routing_shape, oldest_version)
             except RetryableError as err:
                 error, attempt = f"server {url}: {err}", attempt + 1
+                with self.count_lock:
+                    self.requests_retried += 1
                 if attempt < self.max_attempts:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
         raise RolloutError(f"request {index}: failed after {self.max_attempts} attempts; last: {error}")
@@ -284,10 +326,12 @@ class SGLangClient:
         return self.run(self._one(name, prompt_ids, sampling_params, weight_version, oldest_version, server), name)
 
     async def generate_one_async(self, name: str, prompt_ids: list[int], sampling_params: dict, server: int,
-                                 weight_version: str | None = None, oldest_version: int | None = None) -> Rollout:
-        """`generate_one` for coroutines, on any event loop (rollout functions run on their own)."""
+                                 weight_version: str | None = None, oldest_version: int | None = None,
+                                 evaluation: bool = False) -> Rollout:
+        """`generate_one` for coroutines, on any event loop (rollout functions run on their own).
+        `evaluation`: its request goes before the training requests waiting for a slot."""
         check_sampling_params(sampling_params)
-        request = self._one(name, prompt_ids, sampling_params, weight_version, oldest_version, server)
+        request = self._one(name, prompt_ids, sampling_params, weight_version, oldest_version, server, evaluation)
         try:
             future = self.loop_thread.submit(request)
         except LoopStopped:
@@ -301,7 +345,8 @@ class SGLangClient:
         retried request samples the same tokens; used by servers started with
         --enable-deterministic-inference, ignored by others). `weight_version` / `oldest_version`:
         what parse_generate_response accepts. `evaluation`: responses nobody trains on (greedy
-        decoding allowed)."""
+        decoding allowed), whose requests go before the training requests waiting for a slot (the
+        trainer waits on them)."""
         if not evaluation:
             check_sampling_params(sampling_params)
         if seeds is not None and len(seeds) != len(prompts):
@@ -310,7 +355,8 @@ class SGLangClient:
                   (seeds if seeds is not None else [None] * len(prompts))]
         if not prompts:
             return []
-        return self.run(self._all([(i, p, params[i], weight_version, oldest_version) for i, p in enumerate(prompts)]))
+        return self.run(self._all([(i, p, params[i], weight_version, oldest_version, None, evaluation)
+                                   for i, p in enumerate(prompts)]))
 
 
 def _retrieved(task: asyncio.Task) -> None:

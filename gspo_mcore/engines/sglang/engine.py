@@ -92,15 +92,23 @@ class SGLangEngine(Engine):
         except (TypeError, ValueError):
             raise WeightSyncError(f"server {url}/get_server_info: no tp_size in {str(info)[:200]!r}") from None
 
-    def max_running_requests(self, url: str, default: int) -> int:
-        """Its --max-running-requests, else the scheduler's effective limit (SGLang 0.5.23 reports
-        it in internal_states[i].effective_max_running_requests_per_dp), else `default`."""
+    def capacity(self, url: str, default: int, request_tokens: int = 0) -> int:
+        """Requests the server runs at once without queueing one: its --max-running-requests (else
+        the scheduler's effective limit, SGLang 0.5.23's
+        internal_states[i].effective_max_running_requests_per_dp, else `default`), and no more than
+        its KV pool (`max_total_num_tokens`, from the scheduler's start-up info) holds at
+        `request_tokens` each: past that SGLang queues or retracts requests for room."""
         info = self.server_info(url)
         states = info.get("internal_states") or [{}]
+        running = default
         for value in (info.get("max_running_requests"), states[0].get("effective_max_running_requests_per_dp")):
             if isinstance(value, int) and value > 0:
-                return value
-        return default
+                running = value
+                break
+        pool = info.get("max_total_num_tokens")
+        if request_tokens > 0 and isinstance(pool, int) and pool > 0:
+            running = min(running, max(1, pool // request_tokens))
+        return running
 
     # ---------------------------------------------------------------- generation
     def client(self, vocab_size: int, *, request_timeout_s: float = 600.0, max_attempts: int = 5,

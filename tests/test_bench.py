@@ -132,6 +132,7 @@ def _documented_commands() -> list[tuple[str, list[str]]]:
     return found
 
 
+@pytest.mark.slow  # runs each bench's --help
 def test_documented_bench_commands_match_their_help():
     """Each documented command names only options its bench takes, and every option the bench
     requires (its --help is the reference)."""

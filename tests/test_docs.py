@@ -200,6 +200,7 @@ def test_numbered_pages_read_in_order():
         assert links(last) and (page.parent / links(last)[-1]).resolve() == following.resolve(), (page.name, last)
 
 
+@pytest.mark.slow  # runs each command's --help (the fast tier starts no CLI subprocess)
 def test_quoted_modules_files_and_options_exist():
     problems = []
     invocations = set()

@@ -95,13 +95,13 @@ class LossConfig:
     on_policy_first_minibatch: bool = True
     """The first minibatch of a step (theta = theta_old) takes pi_old from its own forward,
     detached: its ratio is exactly 1, free of the engine mismatch, at no extra cost (later
-    minibatches keep the engine's log-probs). On by default (README, Findings)."""
+    minibatches keep the engine's log-probs). On by default (docs/10-findings.md)."""
     band_from_mismatch: float | None = 2.0
     """k: from the second minibatch of a step on, the clip band is at least k x the mean
     per-sequence |log pi_trainer / pi_engine| measured on the first minibatch, so the band
     absorbs the train-inference mismatch where responses are too short for length
     normalisation to shrink it below clip_low/clip_high, and is exactly the configured band
-    where they are not (README, Findings). None: always the configured band."""
+    where they are not (docs/10-findings.md). None: always the configured band."""
     token_mask_band: list[float] | None = None
     """[low, high]: tokens whose pi_theta / pi_engine leaves the band give no gradient
     (IcePop); computed from the current forward and the engine's log-probs. None: off."""
@@ -126,7 +126,7 @@ class LossConfig:
     first minibatch's own forward (exact there); the later minibatches take the engine's
     log-probs as pi_prox (behaviour weight 1, their band sized from the mismatch), saving the
     forward. On long_cpu, 6 seeds: inside sync's range on held-out prompts, 0.06 +- 0.04 below it
-    where `recompute` is 0.03 +- 0.04 below (README)."""
+    where `recompute` is 0.03 +- 0.04 below (docs/02-async.md)."""
     log_entropy: bool = False
     """Report the policy entropy (`entropy` in metrics.jsonl; one more pass over the logits).
     Always reported when entropy_coef > 0."""
@@ -136,7 +136,7 @@ class LossConfig:
 class DataConfig:
     path: str = ""
     """Prompt dataset, JSONL or Parquet: a prompt (or chat `messages`) and an `answer` per record;
-    other fields go to rewards that ask for them (README, Data)."""
+    other fields go to rewards that ask for them (docs/05-data-and-rewards.md)."""
     prompt_key: str = "prompt"
     messages_key: str = "messages"
     answer_key: str = "answer"
@@ -184,7 +184,7 @@ class RolloutConfig:
     no trained token is more than max_staleness weight versions old; the trainer takes the
     oldest full batch. In both asynchronous modes a push pauses generation (requests keep their
     tokens), loads the weights and continues: responses span versions, each token's engine
-    log-prob exact for its version (README, Asynchronous GSPO)."""
+    log-prob exact for its version (docs/02-async.md)."""
     max_staleness: int = 1
     """Asynchronous modes: the most weight versions between a trained token and the weights
     being updated."""
@@ -226,7 +226,7 @@ class RolloutConfig:
     function: str = "single_turn"
     """How a prompt becomes trajectories: `single_turn` (one response per request), `tool_loop`
     (the model calls `tools`), or `module:function`, an async function (task, engine) ->
-    Trajectory | list (gspo_mcore.rollout.functions; README, Multi-turn and tools)."""
+    Trajectory | list (gspo_mcore.rollout.functions; docs/03-multi-turn.md)."""
     tools: list[str] = field(default_factory=list)
     """`module:function` of plain Python functions with type hints and a docstring (their JSON
     schemas reach the model through the chat template), run in worker processes."""

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     make_toy_task(output_dir / "toy", seed=0)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     print(f"GSPO on the toy task: {config.train.steps} steps, {config.train.rollout_batch_size} prompts x "
-          f"{config.train.group_size} responses per step; a real SGLang server starts first (~30 s)", flush=True)
+          f"{config.train.group_size} responses per step; a real SGLang server starts first (45-140 s on CPU)", flush=True)
     proc = subprocess.run(train_command(output_dir, args.overwrite), env=env)
     if proc.returncode == 2:  # the trainer named the input it refused (a run already there: --overwrite)
         return 2

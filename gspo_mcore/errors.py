@@ -29,6 +29,11 @@ class RolloutError(EngineError):
     """A response that cannot be trained on; the message names the request."""
 
 
+class RequestRefused(RolloutError):
+    """The engine refused a request as asked (HTTP 4xx: too long for its context, a bad
+    parameter): the asker's doing, not the engine's failure; the message quotes the engine."""
+
+
 class WeightSyncError(EngineError):
     """The engine did not take the trainer's weights (or the check found them different)."""
 

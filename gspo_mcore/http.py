@@ -20,7 +20,7 @@ import os
 import urllib.error
 import urllib.request
 
-DETAIL_CHARS = 300
+DETAIL_CHARS = 2000  # of a body that is not an error message (an HTML page); a message is quoted whole
 API_KEY_ENV = "GSPO_SGLANG_API_KEY"
 
 
@@ -39,13 +39,19 @@ class ConnectionFailure(HTTPRequestError):
 
 
 def error_detail(raw: bytes) -> str:
-    """SGLang's JSON error `message` when there is one, else the start of the body."""
+    """The server's JSON error message, whole (SGLang's `message`, or OpenAI-style
+    `error.message`), else the start of the body."""
     text = raw.decode(errors="replace")
     try:
-        message = json.loads(text).get("message")
-    except (ValueError, AttributeError):
-        message = None
-    return str(message if message is not None else text)[:DETAIL_CHARS]
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict):
+        nested = answer.get("error")
+        message = answer.get("message", nested.get("message") if isinstance(nested, dict) else None)
+        if message is not None:
+            return str(message)
+    return text[:DETAIL_CHARS]
 
 
 def api_key_from_env() -> str | None:

@@ -138,7 +138,7 @@ def test_documented_bench_commands_match_their_help():
     requires (its --help is the reference)."""
     commands = _documented_commands()
     assert {name for name, _ in commands} >= {"step", "async", "claim", "convert", "logprobs", "weight_sync",
-                                             "mismatch_sources", "client"}
+                                             "mismatch_sources", "client", "rank0"}
     helps = {}
     for name, args in commands:
         if name not in helps:
@@ -160,3 +160,11 @@ def test_client_bench():
     line = smoke("client.py")
     assert {"ingest_tokens_per_s", "trainer_slowdown", "achieved_tokens_per_s_under_load"} <= set(line)
     assert line["ingest_tokens_per_s"] > 0 and line["achieved_tokens_per_s_under_load"] > 0
+
+
+@smoke_run
+def test_rank0_bench():
+    line = smoke("rank0.py")
+    assert set(line) == {"cpu_ms_per_response", "core_share_at_rate", "core_left_for_training",
+                         "pickled_mb_per_response", "routed_experts_mb_per_response", "response_tokens", "tokens_per_s"}
+    assert line["cpu_ms_per_response"] > 0 and 0 < line["routed_experts_mb_per_response"] < line["pickled_mb_per_response"]

@@ -20,6 +20,9 @@ from gspo_mcore.http import ConnectionFailure, HTTPStatusError, get_json, post_j
 from gspo_mcore.errors import RolloutError
 
 LONG = "m" * 1000
+OPENAI_MESSAGE = ("Requested token count exceeds the model's maximum context length of 512 tokens. You requested a "
+                  "total of 563 tokens: 307 tokens from the input messages and 256 tokens for the completion. Please "
+                  "reduce the number of tokens in the input messages or the completion to fit within the limit.")
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -51,6 +54,7 @@ class Handler(BaseHTTPRequestHandler):
             "/flush_cache": lambda: self._answer(200, b"Cache flushed.\n", length=15),  # SGLang: no Content-Type
             "/refused": lambda: self._json(400, {"object": "error", "message": "outside a weight-update session"}),
             "/refused_long": lambda: self._json(400, {"message": LONG}),
+            "/refused_openai": lambda: self._json(400, {"error": {"message": OPENAI_MESSAGE, "type": "BadRequest"}}),
             "/refused_text": lambda: self._answer(404, b"Not Found", "text/plain", 9),
             "/busy": lambda: self._json(503, {"error": "busy"}),
             "/failed": lambda: self._json(200, {"success": False, "message": "shape mismatch"}),
@@ -126,7 +130,10 @@ def test_refusal_keeps_status_and_sglang_message(url):
     assert str(err.value) == "HTTP 400: outside a weight-update session"
     with pytest.raises(HTTPStatusError) as err:
         post_json(f"{url}/refused_long", {}, 5)
-    assert err.value.detail == LONG[:300]
+    assert err.value.detail == LONG  # an engine's message is quoted whole (it was cut at 300 characters)
+    with pytest.raises(HTTPStatusError) as err:
+        post_json(f"{url}/refused_openai", {}, 5)
+    assert err.value.detail == OPENAI_MESSAGE
     with pytest.raises(HTTPStatusError) as err:
         get_json(f"{url}/refused_text", 5)
     assert err.value.status == 404 and err.value.detail == "Not Found"

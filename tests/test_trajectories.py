@@ -287,3 +287,26 @@ def test_the_tool_loop_stops_at_the_trajectory_budget(tmp_path):
     finally:
         runner.close()
     assert trajectory.finish_reason == "length" and len(trajectory.token_ids) <= 120
+
+
+def test_a_request_the_engine_refuses_is_the_rollout_functions_error():
+    """The README's ask_twice asked for more tokens than the engine's context: exit 3 (an engine
+    failure) with the engine's message cut mid-sentence. It is the function's doing: one line
+    naming it, the tokens it asked for, and the engine's whole message; exit 2."""
+    import asyncio
+
+    from gspo_mcore.config import RolloutConfig
+    from gspo_mcore.errors import InputError, RequestRefused
+    from gspo_mcore.rollout.engine_handle import EngineHandle
+
+    class Refusing:
+        async def generate_one_async(self, *request, evaluation=False):
+            raise RequestRefused("server http://s refused the request: HTTP 400: Requested token count exceeds the "
+                                 "model's maximum context length of 512 tokens.")
+
+    handle = EngineHandle(Refusing(), None, 0, {"max_new_tokens": 256, "temperature": 1.0}, 0,
+                          RolloutConfig(function="mypkg.rollouts:ask_twice"))
+    with pytest.raises(InputError, match=r"^rollout.function mypkg.rollouts:ask_twice: the engine refused its request "
+                                         r"of 300 tokens with max_new_tokens 256 \(server http://s refused the request: "
+                                         r"HTTP 400: Requested token count exceeds .* 512 tokens.\)$"):
+        asyncio.run(handle.generate(list(range(300))))

@@ -1,6 +1,6 @@
 """Prompt datasets from JSONL or Parquet: each record a prompt (string) or chat `messages`,
 plus the reference `answer` the reward checks; any other field is kept for rewards that ask
-for it (README, Data)."""
+for it (docs/05-data-and-rewards.md)."""
 
 from __future__ import annotations
 

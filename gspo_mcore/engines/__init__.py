@@ -1,6 +1,6 @@
 """Inference engines behind one interface (`Engine`, gspo_mcore/engines/base.py), one package each,
 chosen by `rollout.engine`. Adding one: a package here with a class implementing `Engine`, its
-name in `ENGINES` and in `RolloutConfig.engine`'s choices (README, "Adding an engine")."""
+name in `ENGINES` and in `RolloutConfig.engine`'s choices (docs/11-code-map.md, "Adding an engine")."""
 
 from __future__ import annotations
 

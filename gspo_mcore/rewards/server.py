@@ -1,4 +1,4 @@
-"""A reward model behind an SGLang server, for rewards named in the config (README, Data).
+"""A reward model behind an SGLang server, for rewards named in the config (docs/05-data-and-rewards.md).
 
 SGLang serves a reward model (a `...ForSequenceClassification` / `...ForRewardModel`
 checkpoint, started with `--is-embedding`) at `/classify`: texts in, one score each out. A

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gspo_mcore.errors import InputError
+from gspo_mcore.errors import InputError, RequestRefused
 from gspo_mcore.samples import Rollout
 
 
@@ -39,9 +39,14 @@ class EngineHandle:
         if max_new_tokens is not None:
             params["max_new_tokens"] = max_new_tokens
         self.calls += 1
-        return await self.client.generate_one_async(f"{self.name}/turn-{self.calls}", list(input_ids), params,
-                                                    self.server, self.weight_version, self.oldest_version,
-                                                    evaluation=self.evaluation)
+        try:
+            return await self.client.generate_one_async(f"{self.name}/turn-{self.calls}", list(input_ids), params,
+                                                        self.server, self.weight_version, self.oldest_version,
+                                                        evaluation=self.evaluation)
+        except RequestRefused as err:  # the function asked for it: the user's error, not the engine's failure
+            function = self.config.function if self.config is not None else "the rollout function"
+            raise InputError(f"rollout.function {function}: the engine refused its request of {len(input_ids)} "
+                             f"tokens with max_new_tokens {params.get('max_new_tokens')} ({err})") from None
 
     def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
         """The chat template's token ids for `messages`, the assistant turn opened (e.g.

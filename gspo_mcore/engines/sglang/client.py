@@ -25,7 +25,7 @@ import weakref
 
 from gspo_mcore.engines.base import check_sampling_params
 from gspo_mcore.engines.sglang.response import decode_generate_body, parse_generate_response
-from gspo_mcore.errors import InputError, RolloutError
+from gspo_mcore.errors import InputError, RequestRefused, RolloutError
 from gspo_mcore.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, post_json
 from gspo_mcore.http_async import open_session, post_bytes
 from gspo_mcore.samples import Rollout
@@ -239,7 +239,7 @@ class SGLangClient:
         except HTTPStatusError as err:
             if err.status >= 500:
                 raise RetryableError(f"HTTP {err.status}") from None
-            raise RolloutError(f"server {url} refused the request: {err}") from None
+            raise RequestRefused(f"server {url} refused the request: {err}") from None
         except ConnectionFailure as err:  # includes a server dying mid-answer
             raise RetryableError(str(err)) from None
         try:

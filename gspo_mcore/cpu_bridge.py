@@ -10,6 +10,7 @@ never calls it, so nothing here can change GPU numerics.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,11 @@ def install() -> None:
     _installed = True
     if torch.cuda.is_available():
         raise RuntimeError("cpu_bridge.install() called on a machine with CUDA: use the GPU path")
+
+    # The function mode below sees Megatron read parameters' `.grad` through tensor views and torch
+    # then warns of a non-leaf's `.grad`: harmless here (the gradients are the leaves'), once a run.
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor",
+                            category=UserWarning)
 
     # Megatron decorates small fused functions with torch.compile; on CPU that would
     # compile C++ kernels at first call for no gain.

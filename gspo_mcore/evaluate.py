@@ -56,15 +56,26 @@ def model_dir(path: Path, scratch: Path | None = None, hf_config_dir: str | None
 
 
 def table(metrics: dict, names: list[str]) -> str:
-    """One row per dataset: mean@k, pass@1, pass@k, greedy, response length, time."""
-    lines = ["| dataset | mean@k | pass@1 | pass@k | greedy | response length | time (s) |", "|---|---|---|---|---|---|---|"]
+    """One row per dataset: its prompts, samples per prompt (k), mean@k with its standard error
+    over the prompts, pass@1, pass@k, pass@1..k, greedy, response length, time."""
+    lines = ["| dataset | prompts | k | mean@k ± s.e. | pass@1 | pass@k | pass@1..k | greedy | response length | "
+             "time (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in names:
-        mine = {k.split("/")[-1]: v for k, v in metrics.items() if k.startswith(f"eval/{name}/")}
+        mine = {key.split("/")[-1]: v for key, v in metrics.items() if key.startswith(f"eval/{name}/")}
         k = max(int(key.split("@")[1]) for key in mine if key.startswith("pass@"))
         greedy = f"{mine['greedy']:.3f}" if "greedy" in mine else "-"
-        lines.append(f"| {name} | {mine[f'mean@{k}']:.3f} (k={k}) | {mine['pass@1']:.3f} | {mine[f'pass@{k}']:.3f} | "
-                     f"{greedy} | {mine['response_length']:.1f} | {mine['time_s']:.1f} |")
+        every = " / ".join(f"{mine[f'pass@{j}']:.3f}" for j in range(1, k + 1))
+        lines.append(f"| {name} | {mine['prompts']} | {k} | {mine[f'mean@{k}']:.3f} ± {mine[f'mean_se@{k}']:.3f} | "
+                     f"{mine['pass@1']:.3f} | {mine[f'pass@{k}']:.3f} | {every} | {greedy} | "
+                     f"{mine['response_length']:.1f} | {mine['time_s']:.1f} |")
     return "\n".join(lines)
+
+
+def default_log_dir(model: Path) -> Path:
+    """Where the servers gspo-eval starts keep their logs: a run's OUTPUT_DIR/logs/gspo-eval, else
+    ./gspo-eval-logs."""
+    return model / "logs" / "gspo-eval" if (model / "checkpoints").is_dir() or (model / "metrics.jsonl").is_file() \
+        else Path("gspo-eval-logs")
 
 
 def main(argv=None) -> int:
@@ -72,6 +83,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--model", required=True, type=Path, help="a Hugging Face directory or a run's OUTPUT_DIR")
     parser.add_argument("--urls", default="", help="running engine servers, comma-separated (default: start them)")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="the started servers' logs (default: a run's OUTPUT_DIR/logs/gspo-eval, else ./gspo-eval-logs)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     with ExitStack() as stack:
@@ -89,7 +102,8 @@ def main(argv=None) -> int:
             engine = engines.connect(config, [u for u in args.urls.split(",") if u], key)
             engine.load_from_disk(hf_dir, "eval")
         else:
-            engine = engines.connect(config, engines.start_servers(config, scratch / "logs", stack, api_key=key), key)
+            log_dir = args.log_dir or default_log_dir(args.model.resolve())
+            engine = engines.connect(config, engines.start_servers(config, log_dir, stack, api_key=key), key)
         client = engine.client(load_hf_config(hf_dir / "config.json").vocab_size)
         metrics = evaluator.run(client)
     print(table(metrics, [d.name for d in config.eval.datasets]))

@@ -3,7 +3,7 @@ the training chat template, `samples` responses each, scored by the dataset's re
 processes. With a `rollout.function` (a tool loop, a user's multi-turn function) each sample is
 one call of that function, as in training (its tools, its turns), scored by its trajectory's
 text (or the function's own reward). Per dataset `eval/<name>/`: `mean@k` (mean reward over the k samples of every
-prompt), `pass@j` for j = 1..k (Chen et al. 2021's unbiased estimator over the prompts: the
+prompt) and `mean_se@k` (its standard error over the prompts), `prompts`, `pass@j` for j = 1..k (Chen et al. 2021's unbiased estimator over the prompts: the
 chance that at least one of j samples is correct, a response being correct when its reward is
 >= 1), `greedy` (accuracy at temperature 0), `response_length`, `time_s`.
 """
@@ -34,7 +34,12 @@ def dataset_metrics(name: str, rewards: list[list[float]], lengths: list[int], g
     """eval/<name>/... from each prompt's sample rewards."""
     k = len(rewards[0])
     flat = [r for prompt in rewards for r in prompt]
-    out = {f"eval/{name}/mean@{k}": sum(flat) / len(flat),
+    means = [sum(prompt) / k for prompt in rewards]
+    mean = sum(means) / len(means)
+    # The standard error of mean@k over the prompts (their means' spread / sqrt(prompts)).
+    spread = (sum((m - mean) ** 2 for m in means) / (len(means) - 1)) ** 0.5 if len(means) > 1 else 0.0
+    out = {f"eval/{name}/mean@{k}": sum(flat) / len(flat), f"eval/{name}/mean_se@{k}": spread / len(means) ** 0.5,
+           f"eval/{name}/prompts": len(rewards),
            f"eval/{name}/response_length": sum(lengths) / len(lengths), f"eval/{name}/time_s": seconds}
     correct = [sum(r >= CORRECT for r in prompt) for prompt in rewards]
     for j in range(1, k + 1):

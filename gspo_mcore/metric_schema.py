@@ -191,8 +191,8 @@ def combine_kinds() -> dict[str, tuple[str, str]]:
 
 
 # One family of keys per evaluation dataset (gspo_mcore.evaluation): eval/<dataset>/mean@k,
-# pass@1..k, greedy, response_length, time_s; in the rows of the steps evaluated, absent elsewhere.
-EVAL_KEY = re.compile(r"^eval/[^/]+/(mean@\d+|pass@\d+|greedy|response_length|time_s)$")
+# mean_se@k (its standard error over the prompts), prompts, pass@1..k, greedy, response_length, time_s; in the rows of the steps evaluated, absent elsewhere.
+EVAL_KEY = re.compile(r"^eval/[^/]+/(mean@\d+|mean_se@\d+|prompts|pass@\d+|greedy|response_length|time_s)$")
 
 
 def unknown(keys) -> list[str]:

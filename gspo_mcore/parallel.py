@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -48,11 +49,24 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
+# Deprecation notices about torch calls megatron-core 0.16.1 makes (its collectives, its
+# checkpoint loading), not ours: printed on every run and every resume, they buried the one-line
+# messages a user reads.
+UPSTREAM_DEPRECATIONS = (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+                         r"`load_state_dict` is deprecated")
+
+
+def quiet_upstream_deprecations() -> None:
+    for message in UPSTREAM_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
 def init_distributed(cfg: DistributedConfig, seed: int) -> None:
     """Join the process group (torchrun's env, or a world of one), set up TP/PP/EP/DP (the layout
     checked first: models.qwen3_moe.model.check_layout), and seed
     Megatron's RNG tracker (its data-, tensor- and expert-parallel states) from `seed`."""
     global _DEVICE, _HOST_GROUP
+    quiet_upstream_deprecations()
     if cfg.device == "cpu":
         from gspo_mcore import cpu_bridge  # the CPU path only: it patches torch.cuda process-wide
 

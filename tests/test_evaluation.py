@@ -59,7 +59,19 @@ def test_gspo_eval_takes_a_model_or_a_run_and_prints_a_table(tmp_path):
     (tmp_path / "run" / "hf" / "config.json").write_text("{}")
     assert model_dir(tmp_path / "run") == tmp_path / "run" / "hf"
     figures = dataset_metrics("toy", [[1, 0], [1, 1]], [3, 3, 3, 3], greedy=False, seconds=1.0)
-    assert table(figures, ["toy"]).splitlines()[-1] == "| toy | 0.750 (k=2) | 0.750 | 1.000 | - | 3.0 | 1.0 |"
+    # The prompts counted, k named per row, mean@k with its standard error over the prompts
+    # (means 0.5 and 1.0: sd 0.354 / sqrt 2), every pass@j.
+    assert table(figures, ["toy"]).splitlines()[-1] == ("| toy | 2 | 2 | 0.750 ± 0.250 | 0.750 | 1.000 | 0.750 / 1.000 | "
+                                                       "- | 3.0 | 1.0 |")
+
+
+def test_gspo_eval_keeps_its_servers_logs():
+    """They went to a temporary directory deleted afterwards."""
+    from pathlib import Path
+
+    from gspo_mcore.evaluate import default_log_dir
+
+    assert default_log_dir(Path("/nowhere/model")) == Path("gspo-eval-logs")
 
 
 class _ScriptedEngine:
@@ -127,3 +139,10 @@ def test_evaluation_runs_the_rollout_function_as_training_does(tmp_path, functio
     # Calls 0, 2 of each prompt's 4 answer right: mean@4 0.5, every prompt solved within 4.
     assert metrics["eval/toy/mean@4"] == 0.5 and metrics["eval/toy/pass@4"] == 1.0
     assert metrics["eval/toy/response_length"] == 2
+
+
+def test_a_runs_evaluation_logs_go_into_the_run(tmp_path):
+    from gspo_mcore.evaluate import default_log_dir
+
+    (tmp_path / "checkpoints").mkdir()
+    assert default_log_dir(tmp_path) == tmp_path / "logs" / "gspo-eval"

@@ -290,3 +290,22 @@ def test_gspo_eval_on_the_default_runs_exported_model(default_run, toy, server, 
     assert "converting the latest checkpoint" in proc.stderr
     converted = json.loads(proc.stdout.strip().splitlines()[-1])
     assert abs(converted["eval/toy/mean@4"] - last["eval/toy/mean@4"]) < 0.2, (converted, last)
+
+
+def test_a_run_and_its_resume_print_no_upstream_warnings(toy, server, tmp_path):
+    """Four or five warnings on every run (Megatron's "full scope is deprecated", a `.grad` one
+    from the CPU bridge, two c10d FutureWarnings, `load_state_dict` is deprecated on resume)
+    buried the one-line messages. Python's own warning display, as a user runs it."""
+    out = tmp_path / "run"
+    overrides = [*_toy_overrides(toy), f"rollout.urls=[{server}]", "train.save_every=1", "train.export_hf=false",
+                 "weight_sync.check_every=0"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for extra in (["train.steps=1"], ["--resume", "train.steps=2"]):
+        proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
+                               "--output-dir", str(out), *overrides, *extra], capture_output=True, text=True,
+                              cwd=REPO, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for warned in ("full scope is deprecated", "not a leaf Tensor", "reduce_scatter_tensor", "all_gather_into_tensor",
+                       "`load_state_dict` is deprecated"):
+            assert warned not in proc.stderr, (warned, proc.stderr[-3000:])

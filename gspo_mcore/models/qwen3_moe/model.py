@@ -106,6 +106,9 @@ def transformer_config(arch: Qwen3MoeArch, model: ModelConfig, dist: Distributed
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=dist.device == "cpu",
+        # No CUDA graphs; the empty list is the default "full" layer in its current spelling
+        # (the default itself warns "full scope is deprecated" on every run).
+        cuda_graph_scope=[],
         **_fusions(on_gpu),
     )
 

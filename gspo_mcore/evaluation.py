@@ -90,7 +90,8 @@ class Evaluator:
             metrics.update(dataset_metrics(d.name, per_prompt, lengths, d.temperature == 0,
                                            time.monotonic() - began))
             self.last_samples += [{"eval": d.name, "prompt": repeated[i].prompt, "response": texts[i],
-                                   "reward": scores[i], "answer": repeated[i].answer}
+                                   "reward": scores[i], "answer": repeated[i].answer,
+                                   **({"transcript": generated.transcripts[i]} if generated.transcripts else {})}
                                   for i in range(min(keep_samples, len(texts)))]
         return metrics
 

@@ -139,6 +139,10 @@ def test_evaluation_runs_the_rollout_function_as_training_does(tmp_path, functio
     # Calls 0, 2 of each prompt's 4 answer right: mean@4 0.5, every prompt solved within 4.
     assert metrics["eval/toy/mean@4"] == 0.5 and metrics["eval/toy/pass@4"] == 1.0
     assert metrics["eval/toy/response_length"] == 2
+    # The samples show the whole trajectory (every turn, the environment's tokens too), not only
+    # the text scored.
+    sample = evaluator.last_samples[0]
+    assert sample["transcript"] != sample["response"] and sample["response"] in sample["transcript"]
 
 
 def test_a_runs_evaluation_logs_go_into_the_run(tmp_path):

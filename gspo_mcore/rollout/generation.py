@@ -23,6 +23,9 @@ class Generated:
     preset: list[float | None]  # a rollout function's own reward, or None: the reward function scores it
     rollouts: list | None = None  # the trainer's samples (None when not asked for: evaluation)
     infos: list[dict] | None = None  # per trajectory: its turns and tool figures (None: single turn)
+    # Per trajectory, every token after the prompt decoded: the model's turns, the tool calls and
+    # results between them (None: single turn, where the response is all of it).
+    transcripts: list[str] | None = None
 
 
 class Generator:
@@ -60,9 +63,11 @@ class Generator:
         flat = [t for group in groups for t in group]
         # turns: the model's, counted here (a user's function need not count them in its info)
         infos = [{**t.info, "turns": sum(s.trainable for s in t.segments)} for t in flat]
+        transcripts = self.tokenizer.batch_decode([t.token_ids for t in flat], skip_special_tokens=False)
         return Generated([t.text for t in flat], [len(t.token_ids) for t in flat], [len(g) for g in groups],
                          [t.reward for t in flat],
-                         None if evaluation else [to_rollout(t, f"{n}") for n, t in enumerate(flat)], infos)
+                         None if evaluation else [to_rollout(t, f"{n}") for n, t in enumerate(flat)], infos,
+                         transcripts)
 
     def _single_turn(self, client, samples, repeats, params, seeds_base, weight_version, oldest_version,
                      evaluation) -> Generated:

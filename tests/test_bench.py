@@ -114,7 +114,7 @@ def test_weight_sync_bench():
     line = smoke("weight_sync.py")
     assert set(line) == {"ratio_vs_copy", "disk_ratio_vs_copy", "sizes"} and set(line["sizes"]) == {"tiny"}
     assert set(line["sizes"]["tiny"]) == {"ratio_vs_copy", "disk_ratio_vs_copy", "bytes"}
-    assert line["ratio_vs_copy"] > 0
+    assert line["sizes"]["tiny"]["bytes"] > 0 and line["ratio_vs_copy"] >= 0  # the tiny size's rounds to 0.0
 
 
 def _documented_commands() -> list[tuple[str, list[str]]]:

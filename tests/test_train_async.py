@@ -131,7 +131,7 @@ def test_async_keeps_no_more_requests_in_flight_than_the_server_runs(toy, tmp_pa
 
     out = tmp_path / "run"
     proc = _train(out, [*_toy_overrides(toy), "rollout.mode=async", "rollout.num_servers=1",
-                        "rollout.max_running_requests=16", "rollout.max_total_tokens=256",
+                        "rollout.max_running_requests=16", "rollout.max_total_tokens=256", "rollout.max_new_tokens=16",
                         "rollout.request_timeout_s=30", "weight_sync.check_every=1", "train.steps=3",
                         "train.save_every=0", "train.export_hf=false", "reward.norm=group"])
     said = re.search(r"rollout: up to (\d+) requests in flight \((\d+) the servers run at once with KV room for "

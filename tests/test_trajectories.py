@@ -310,3 +310,18 @@ def test_a_request_the_engine_refuses_is_the_rollout_functions_error():
                                          r"of 300 tokens with max_new_tokens 256 \(server http://s refused the request: "
                                          r"HTTP 400: Requested token count exceeds .* 512 tokens.\)$"):
         asyncio.run(handle.generate(list(range(300))))
+
+
+async def always_fails(task, engine):
+    raise KeyError("answer")
+
+
+def test_a_rollout_function_that_raises_is_the_users_error_naming_it():
+    """It surfaced as a traceback (a bug's exit 1) from inside asyncio."""
+    from gspo_mcore.errors import InputError
+    from gspo_mcore.rollout.engine_handle import Task
+    from gspo_mcore.rollout.functions import run_functions
+
+    with pytest.raises(InputError, match=r"^rollout.function test_trajectories:always_fails: raised KeyError: 'answer' "
+                                         r"\(at .*test_trajectories.py:\d+; task 0, call 0\)$"):
+        run_functions(always_fails, [Task([{"role": "user", "content": "q"}], "a")], 2, lambda i, k: None, 2)

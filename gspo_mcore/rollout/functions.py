@@ -15,9 +15,11 @@ never re-tokenized (re-tokenizing a transcript shifts tokens against their log-p
 from __future__ import annotations
 
 import asyncio
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
 
+from gspo_mcore.errors import EngineError, InputError
 from gspo_mcore.plugins import by_name
 from gspo_mcore.rollout.engine_handle import EngineHandle, Task
 from gspo_mcore.rollout.tool_loop import tool_loop
@@ -36,13 +38,24 @@ def load_rollout_function(name: str) -> RolloutFunction | None:
     return by_name(name, {"tool_loop": tool_loop}, "rollout.function")
 
 
+def _name(function) -> str:
+    return f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', function)}"
+
+
 def run_functions(function: RolloutFunction, tasks: list[Task], repeats: int, handle_for,
                   concurrency: int) -> list[list[Trajectory]]:
     """`function` on each task `repeats` times, at most `concurrency` trajectories at once:
     each task's trajectories, in order. `handle_for(task_index, repeat)` makes the handles."""
     async def one(semaphore, i, k):
         async with semaphore:
-            out = await function(tasks[i], handle_for(i, k))
+            try:
+                out = await function(tasks[i], handle_for(i, k))
+            except (InputError, EngineError):  # already says whose it is
+                raise
+            except Exception as err:  # the user's function failed: their error, not the run's (exit 2)
+                where = traceback.extract_tb(err.__traceback__)[-1]
+                raise InputError(f"rollout.function {_name(function)}: raised {type(err).__name__}: {err} "
+                                 f"(at {where.filename}:{where.lineno}; task {i}, call {k})") from None
         return out if isinstance(out, list) else [out]
 
     async def all_of_them():

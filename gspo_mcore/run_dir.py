@@ -10,7 +10,8 @@ from gspo_mcore.errors import InputError
 
 # What a run writes into OUTPUT_DIR (--overwrite removes them); the first two mark a run.
 RUN_MARKERS = ("checkpoints", "metrics.jsonl")
-RUN_FILES = (*RUN_MARKERS, "tensorboard", "hf", "logs", "plots", "weights_sync", "wandb", "wandb_run_id")
+RUN_FILES = (*RUN_MARKERS, "eval.jsonl", "samples", "tensorboard", "hf", "logs", "plots", "weights_sync", "wandb",
+             "wandb_run_id")
 
 
 def default_output_dir(config_path: str) -> Path:

@@ -309,3 +309,28 @@ def test_a_run_and_its_resume_print_no_upstream_warnings(toy, server, tmp_path):
         for warned in ("full scope is deprecated", "not a leaf Tensor", "reduce_scatter_tensor", "all_gather_into_tensor",
                        "`load_state_dict` is deprecated"):
             assert warned not in proc.stderr, (warned, proc.stderr[-3000:])
+
+
+def test_the_docs_multi_turn_example_runs_as_copied_on_the_demo_task(toy, server, tmp_path):
+    """docs/03-multi-turn.md's ask_twice, copied into mypkg/rollouts.py: it ran 216 s and stopped
+    with the engine's 400 (256 new tokens past the toy model's context), its follow-up question
+    outside the toy vocabulary."""
+    import re
+
+    text = (REPO / "docs" / "03-multi-turn.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "async def ask_twice" in block)
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "rollouts.py").write_text(code)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
+                           "--output-dir", str(out), *_toy_overrides(toy), f"rollout.urls=[{server}]",
+                           "rollout.function=mypkg.rollouts:ask_twice", "train.steps=2", "train.save_every=0",
+                           "train.save_final=false", "train.export_hf=false"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _metrics(out)
+    assert [r["turns_mean"] for r in rows] == [2, 2] and all(0 < r["env_token_fraction"] < 1 for r in rows)
+    assert all(r["truncated_fraction"] < 0.5 for r in rows), rows

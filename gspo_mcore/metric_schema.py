@@ -136,9 +136,10 @@ SCHEMA: tuple[Metric, ...] = (
            "the policy's change as well as the numerics; null in sync", update=True),
     # ---- asynchronous modes (gspo_mcore.rollout.producer); null in sync
     Metric("staleness_mean", "mean over trained responses of (the step's weight version - the response's oldest "
-           "token's version)", printed="| stale {:.2f}", asynchronous=True),
+           "token's version)", printed="| stale {:.2f}", asynchronous=True, figure="staleness",
+           label="staleness (versions), mean"),
     Metric("staleness_max", "the largest (bounded by rollout.max_staleness)", printed="max {:.0f}",
-           asynchronous=True),
+           asynchronous=True, figure="staleness", label="max"),
     Metric("staleness_bound", "rollout.max_staleness, the bound staleness_max keeps", printed="of {:.0f}",
            asynchronous=True),
     Metric("staleness_histogram", "trained responses per staleness 0, 1, ..., max_staleness", asynchronous=True,
@@ -148,9 +149,9 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("version_span_max", "the most weight versions one response spans", asynchronous=True),
     Metric("trainer_wait_s", "time the trainer waited for its batch", asynchronous=True),
     Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="| idle: trainer {:.2f}",
-           asynchronous=True),
+           asynchronous=True, figure="idle", label="idle share of the step: trainer"),
     Metric("engine_idle_fraction", "1 - the servers' mean time with a request in flight (not paused) / wall time "
-           "since the previous batch", printed="engine idle {:.2f}"),
+           "since the previous batch", printed="engine idle {:.2f}", figure="idle", label="engine"),
     Metric("tokens_regenerated", "tokens generated, then thrown away because a push aborted their request "
            "(rollout.partial: false; 0 otherwise)"),
     Metric("requests_retried", "generation requests that failed and were sent again (a timeout, a 5xx, a lost "

@@ -71,8 +71,10 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = No
 def figures(runs: list[list[dict]], labels: list[str], evaluations: list[list[dict]] | None = None) -> dict:
     """{name: matplotlib figure} of the runs' metrics rows; `evaluations`: each run's eval.jsonl rows
     (with the evaluation before training), else the evaluations its metrics rows carry."""
+    # A figure of figures no run reported (staleness, idle time: asynchronous runs only) is not drawn.
     out = {name: _stacked(metrics, labels, runs) if name == STACKED else _lines(metrics, labels, runs, name in LOG_SCALE)
-           for name, metrics in FIGURES.items()}
+           for name, metrics in FIGURES.items()
+           if name == STACKED or any(r.get(m.name) is not None for rows in runs for r in rows for m in metrics)}
     out["reward_wallclock"] = _reward_over_time(labels, runs)
     evaluated = [found or rows for found, rows in zip(evaluations or [[]] * len(runs), runs)]
     if any(k.startswith("eval/") for rows in evaluated for r in rows for k in r):
@@ -123,8 +125,12 @@ def _lines(metrics, labels: list[str], runs: list[list[dict]], log: bool = False
     if log:
         ax.set_yscale("log")
     for metric in metrics:
-        for label, rows in zip(labels, runs):
-            points = [(r["step"], r[metric.name]) for r in rows if r.get(metric.name) is not None]
+        per_run = [[(r["step"], r[metric.name]) for r in rows if r.get(metric.name) is not None] for rows in runs]
+        if metric is not metrics[0] and len(runs) > 1 and all(points == per_run[0] for points in per_run):
+            if per_run[0]:  # the same line in every run (the configured clip band): drawn once
+                ax.plot(*zip(*per_run[0]), label=metric.label, color="black", linestyle="--")
+            continue
+        for label, points in zip(labels, per_run):
             if points:
                 ax.plot(*zip(*points), label=label if len(metrics) == 1 else f"{label}: {metric.label}")
     ax.set_xlabel("step")

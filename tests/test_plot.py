@@ -25,7 +25,7 @@ def _rows(mismatch_scale: float, seed: int) -> list[dict]:
 def test_every_axis_has_a_label_and_tick_labels():
     runs = [_rows(1e-7, 1), _rows(1e-3, 2)]  # float32 and bf16 engines
     made = figures(runs, ["fp32", "bf16"])
-    assert set(made) == {*FIGURES, "reward_wallclock", "eval"}
+    assert set(made) == {*FIGURES, "reward_wallclock", "eval"} - {"staleness", "idle"}  # those: async runs only
     for name, fig in made.items():
         fig.canvas.draw()
         for ax in fig.axes[:1] if name == "step_time" else fig.axes:  # the others share its y axis
@@ -66,3 +66,19 @@ def test_the_evaluation_plot_starts_at_the_evaluation_before_training(tmp_path):
     line = next(l for l in made["eval"].axes[0].get_lines() if l.get_label().endswith("mean@4"))
     assert list(line.get_xdata()) == [0, 4, 8]
     assert (tmp_path / "plots" / "eval.png") in plot_runs([tmp_path], tmp_path / "plots")
+
+
+def test_asynchronous_runs_get_staleness_and_idle_figures_and_a_shared_band_is_drawn_once():
+    """Async runs had no staleness or idle plot; a comparison's mismatch plot drew three identical
+    bands under a six-entry legend."""
+    runs = [_rows(1e-3, seed) for seed in (5, 6, 7)]
+    for rows in runs[1:]:
+        for r in rows:
+            r.update(staleness_mean=0.9, staleness_max=1, trainer_idle_fraction=0.1, engine_idle_fraction=0.2)
+    made = figures(runs, ["sync", "async", "async-2"])
+    assert {"staleness", "idle"} <= set(made)
+    assert {line.get_label() for line in made["staleness"].axes[0].get_lines()} == {
+        "async: staleness (versions), mean", "async-2: staleness (versions), mean", "async: max", "async-2: max"}
+    labels = [line.get_label() for line in made["mismatch"].axes[0].get_lines()]
+    assert labels.count("clip band (high)") == 1 and len(labels) == 4  # three runs' mismatch, one band
+    assert "staleness" not in figures([_rows(1e-3, 8)], ["sync"])  # nothing to draw for a sync run alone

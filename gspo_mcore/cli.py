@@ -3,37 +3,16 @@
     gspo-train --config FILE [--output-dir DIR] [--overwrite] [--print-config] [key=value ...]
     gspo-train --output-dir DIR --resume [--config FILE] [key=value ...]
 
-A resume trains with the run's own OUTPUT_DIR/config.yaml (its first command's overrides
-included) and this command's overrides on top (gspo_mcore.run_config.resume_config).
-
-What a run would otherwise find wrong only after building the model and starting servers is
-checked first (the output directory, the resume point, the dataset, the reward and rollout
-function names); the process environment is set for the device (`set_process_env`); then
-gspo_mcore.train's `Trainer` runs.
+The arguments are parsed before anything heavy is imported, so `--help` and a usage error
+answer at once; gspo_mcore.start then checks the inputs and runs the Trainer.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from gspo_mcore import run_config
-from gspo_mcore.checkpointing import latest_checkpoint
-from gspo_mcore.config import Config, config_yaml, load_config
-from gspo_mcore.data.dataset import require_file
 from gspo_mcore.errors import run_cli
-from gspo_mcore.loss import load_loss_function
-from gspo_mcore.rewards import load_reward_fn, reward_arguments
-from gspo_mcore.rollout.functions import load_rollout_function
-from gspo_mcore.run_dir import check_output_dir, default_output_dir
-from gspo_mcore.torchrun import omp_threads
-from gspo_mcore.toy_task import check_task_written
-from gspo_mcore.train import Trainer
 
 
 def parse_args(argv=None):
@@ -54,57 +33,11 @@ def parse_args(argv=None):
     return args
 
 
-def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
-    """What a run would otherwise find wrong only after building the model and starting servers
-    (minutes on a 30B checkpoint): the checkpoint to resume, the loss function; on rank 0, which reads the data and
-    scores, the dataset file and the reward and rollout function names (imported, signatures
-    checked). The same errors their users raise later."""
-    if resume:
-        latest_checkpoint(output_dir)
-    load_loss_function(config.loss.function)  # every rank computes the loss
-    if int(os.environ.get("RANK", 0)) != 0:
-        return
-    require_file(config.data.path)
-    reward = config.reward
-    reward_arguments(load_reward_fn(reward.name), reward.name, reward.url)
-    load_rollout_function(config.rollout.function)
-
-
-def set_process_env(config: Config) -> None:
-    """OpenMP threads and NCCL's settings for this process, unless the caller set them."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        # CPU runs share the cores with the engine's server; GPU ranks (CPU-offloaded Adam) take the node's
-        # cores over its ranks. torch is imported already: set its pool too, not only the variable.
-        threads = 1 if config.distributed.device == "cpu" else omp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
-    if config.distributed.device == "cuda" and config.weight_sync.method == "distributed":
-        # SGLang runs with NCCL_CUMEM_ENABLE=0; members of one communicator that disagree on it
-        # fail with "invalid argument". NCCL reads it once per process: set it before any group.
-        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    output_dir = Path(args.output_dir or default_output_dir(args.config))
-    if not args.print_config:
-        check_output_dir(output_dir, args.resume, args.overwrite)
-    if args.resume:
-        config, said = run_config.resume_config(output_dir, args.config, args.overrides)
-    else:
-        config, said = load_config(args.config, args.overrides), []
-    if args.print_config:  # nothing starts: loadable as is with --config
-        print(config_yaml(config), end="", flush=True)
-        return
-    check_task_written(config)
-    set_process_env(config)
-    check_inputs(config, output_dir, args.resume)
-    if int(os.environ.get("RANK", 0)) == 0:
-        for line in said:
-            print(line, flush=True)
-    Trainer(config, output_dir, args.resume, args.overwrite).run()
-    dist.barrier()
-    dist.destroy_process_group()
+    from gspo_mcore.start import run  # heavy (torch, Megatron, transformers): only once the arguments are good
+
+    run(args)
 
 
 def train_cli() -> None:

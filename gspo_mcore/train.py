@@ -18,6 +18,13 @@ Each step (`Trainer.step`):
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # `python -m gspo_mcore.train`: the command line (gspo_mcore.cli) before this module's heavy
+    # imports, so `--help` and usage errors answer at once; a run imports this module by name.
+    from gspo_mcore.cli import train_cli
+
+    train_cli()
+
 import dataclasses
 import os
 import secrets
@@ -333,8 +340,3 @@ class Trainer:
         return (f"peak CUDA memory allocated per rank: {self.peak_gb:.1f} GiB; the planner's estimate for the "
                 f"trainer's training phase: {estimate:.1f} GiB (python -m gspo_mcore.plan)")
 
-
-if __name__ == "__main__":
-    from gspo_mcore.cli import train_cli  # the command line lives there; `python -m gspo_mcore.train` stays its way in
-
-    train_cli()

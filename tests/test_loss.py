@@ -470,7 +470,7 @@ def test_the_built_in_losses_are_functions_by_name_on_the_same_path(function, le
 def test_a_loss_that_cannot_be_used_is_one_line_at_start_up(name, message, tmp_path):
     from gspo_mcore.config import load_config
     from gspo_mcore.errors import InputError
-    from gspo_mcore.cli import check_inputs
+    from gspo_mcore.start import check_inputs
 
     with pytest.raises(InputError, match=message):  # before the data, the reward, the model
         check_inputs(load_config(None, [f"loss.function={name}", f"data.path={tmp_path / 'missing.jsonl'}"]),

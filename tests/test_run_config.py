@@ -182,3 +182,18 @@ def test_a_run_saved_with_loss_level_resumes_with_the_loss_function_it_named(tmp
 
     resumed, _ = resume_config(tmp_path, None, [])
     assert resumed.loss.function == "grpo"  # resume_config reads an older saved config too
+
+
+def test_help_and_usage_errors_answer_before_anything_heavy_is_imported():
+    """`--help` or a usage error took ~10 s (torch, Megatron, transformers imported first)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    for args, code in ((["--help"], 0), (["--resume"], 2)):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "gspo_mcore.train", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code and "gspo-train" in proc.stdout + proc.stderr
+        imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
+        assert not {"torch", "megatron", "transformers"} & imported, sorted(imported)

@@ -97,15 +97,19 @@ class ServerStartError(InputError):
         self.transient = transient
 
 
-def last_error_line(log_file: Path, tail_bytes: int = 65536) -> str:
-    """The last line of the log's tail that names an error (a Python exception's last line)."""
+def log_tail(log_file: Path, tail_bytes: int = 65536, since: int = 0) -> list[str]:
+    """The lines of the log's last `tail_bytes`, from byte `since` on ([] if it cannot be read)."""
     try:
         with open(log_file, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
-            lines = f.read().decode(errors="replace").splitlines()
+            f.seek(max(since, f.seek(0, os.SEEK_END) - tail_bytes))
+            return f.read().decode(errors="replace").splitlines()
     except OSError:
-        return ""
-    hits = [ln.strip() for ln in lines if "Error" in ln or "Exception" in ln]
+        return []
+
+
+def last_error_line(log_file: Path, tail_bytes: int = 65536) -> str:
+    """The last line of the log's tail that names an error (a Python exception's last line)."""
+    hits = [ln.strip() for ln in log_tail(log_file, tail_bytes) if "Error" in ln or "Exception" in ln]
     return hits[-1][:300] if hits else ""
 
 
@@ -119,11 +123,13 @@ class ManagedServer:
         self.cmd, self.url, self.log_file = cmd, url.rstrip("/"), Path(log_file)
         self.env, self.startup_timeout_s, self.secrets = env, startup_timeout_s, secrets
         self.process: subprocess.Popen | None = None
+        self.log_start = 0
 
     def launch(self) -> "ManagedServer":
         """Start the process (not waiting for it: `ready` does; several servers start at once)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")
+        self.log_start = log.tell()  # this start's lines begin here (a retry appends to the same log)
         self.process = start_redacted(self.cmd, log, self.secrets, self.env, new_session=True)
         if not self.secrets:
             log.close()  # the child holds its own copy of the descriptor
@@ -163,9 +169,16 @@ class ManagedServer:
                 raise ServerStartError(
                     f"server {self.url} exited with code {code} while starting"
                     + (f" ({reason})" if reason else "") + f"; see {self.log_file}",
-                    transient=code < 0 or "Address already in use" in reason)
+                    transient=code < 0 or "address already in use" in reason.lower())
             if self.healthy():
                 return
+            # The port taken between free_port() and the server's bind: SGLang logs it and keeps its
+            # scheduler running (seen under a loaded test suite), so it never exits nor answers.
+            taken = [ln.strip() for ln in log_tail(self.log_file, 8192, self.log_start)
+                     if "address already in use" in ln.lower()]
+            if taken:
+                raise ServerStartError(f"server {self.url} could not bind its port ({taken[-1][:300]}); "
+                                       f"see {self.log_file}", transient=True)
             time.sleep(0.5)
         self.stop()
         raise InputError(f"server {self.url} not healthy after {self.startup_timeout_s:.0f} s; see {self.log_file}")

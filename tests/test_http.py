@@ -274,3 +274,22 @@ def test_a_server_that_fails_on_its_input_is_not_retried_and_says_why(tmp_path):
     with pytest.raises(InputError, match=r"exited with code 1 while starting \(ValueError: no config.json in /models/x\)"):
         ManagedServer([sys.executable, "-c", script], "http://127.0.0.1:9", tmp_path / "s.log").start()
     assert (tmp_path / "s.log").read_text().count("ValueError") == 1
+
+
+def test_a_server_whose_port_was_taken_is_started_again_not_waited_on(tmp_path):
+    """SGLang logs 'address already in use' and keeps its scheduler alive: it never exits nor
+    answers, and the test suite waited its whole start-up timeout (300 s) for it."""
+    from gspo_mcore.processes import ManagedServer, ServerStartError
+
+    script = ("import time; print(\"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 9): "
+              "address already in use\", flush=True); time.sleep(60)")
+    began = time.monotonic()
+    with pytest.raises(ServerStartError, match="could not bind its port") as err:
+        ManagedServer([sys.executable, "-c", script], "http://127.0.0.1:9", tmp_path / "server.log",
+                      startup_timeout_s=120).start()
+    assert err.value.transient and time.monotonic() - began < 30  # tried twice, both at once
+    # A second start reads only its own lines: the first's refusal does not fail a start that binds.
+    server = ManagedServer([sys.executable, "-c", "import time; time.sleep(60)"], "http://127.0.0.1:9",
+                           tmp_path / "server.log", startup_timeout_s=3)
+    with pytest.raises(InputError, match="not healthy after 3 s"):
+        server.start()

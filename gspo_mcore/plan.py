@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo_mcore.config import Config, ConfigError, load_config
-from gspo_mcore.engines import EngineMemory, engine_class
+from gspo_mcore.engines import EngineMemory, engine_class, requests_in_flight
 from gspo_mcore.errors import run_cli
 from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
@@ -200,7 +200,7 @@ def requests_in_flight_estimate(config: Config, prompt_tokens: int) -> dict[str,
     kv = max(1, r.max_total_tokens // request)
     per_server = min(r.max_running_requests, kv)
     return {"request_tokens": request, "kv_requests_per_server": kv, "requests_per_server": per_server,
-            "requests_in_flight": r.num_servers * max(1, per_server - 1)}
+            "requests_in_flight": requests_in_flight([per_server] * r.num_servers)}
 
 
 def check_kv_budget(config: Config, memory: dict) -> None:

@@ -136,12 +136,10 @@ class Trainer:
         routing_shape = (arch.num_layers, arch.num_experts_per_tok) if config.rollout.return_routed_experts else None
         tokens = self.source.request_tokens()
         slots = [self.engine.capacity(url, config.rollout.max_running_requests, tokens) for url in self.engine.urls]
-        self.source.connect(self.engine, arch.vocab_size, routing_shape,
-                            max_concurrency=sum(max(1, n - 1) for n in slots))
-        if self.rank == 0:
-            print(f"rollout: up to {sum(max(1, n - 1) for n in slots)} requests in flight ({' + '.join(map(str, slots))} "
-                  f"the servers run at once with KV room for {tokens} tokens each, one per server kept for the sync "
-                  "check)", flush=True)
+        in_flight = engines.requests_in_flight(slots)
+        self.source.connect(self.engine, arch.vocab_size, routing_shape, max_concurrency=in_flight)
+        print(f"rollout: up to {in_flight} requests in flight ({' + '.join(map(str, slots))} the servers run at once "
+              f"with KV room for {tokens} tokens each, one per server kept for the sync check)", flush=True)
         self.stop.on_abandon = self.source.client.close  # a signal mid-rollout aborts the requests in flight
 
     def _open_log(self, resume: bool) -> RunLog:

@@ -28,6 +28,12 @@ def connect(config, urls: list[str], api_key: str | None = None) -> Engine:
     return engine_class(config.rollout.engine)(urls, timeout_s=config.rollout.request_timeout_s, api_key=api_key)
 
 
+def requests_in_flight(capacities: list[int]) -> int:
+    """What the rollout client keeps in flight over servers that each run `capacities[i]` at once:
+    one slot per server kept free for the sync check's probes (at least one request each)."""
+    return sum(max(1, n - 1) for n in capacities)
+
+
 def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None = None) -> list[str]:
     """The CPU default / tests: `rollout.num_servers` servers of the config's engine for
     model.hf_dir that the run owns, on 127.0.0.1 (behind `api_key`), stopped when `stack` closes.
@@ -51,4 +57,4 @@ def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None =
     return [server.url for server in servers]
 
 
-__all__ = ["Engine", "EngineMemory", "ENGINES", "check_sampling_params", "connect", "engine_class", "start_servers"]
+__all__ = ["Engine", "EngineMemory", "ENGINES", "check_sampling_params", "connect", "engine_class", "requests_in_flight", "start_servers"]

@@ -22,7 +22,9 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN apt-get update && apt-get install -y --no-install-recommends curl git shellcheck \
     && rm -rf /var/lib/apt/lists/*
 
-# Transformer Engine, built against the image's torch (grouped GEMM for the MoE experts).
+# Transformer Engine, built against the image's torch (grouped GEMM for the MoE experts). Its
+# build files ask torch>=2.1 and nothing more (setup.py's setup_requirements): the PyTorch
+# extension compiles against whichever torch is installed, here the image's 2.14.1.
 # megatron-core 0.16.1 asks for transformer-engine[core_cu13,pytorch] >=2.9,<2.12; naming
 # core_cu13 makes a CUDA 12 base fail here instead of at import (transformer_engine_torch
 # picks its core library from torch.version.cuda).

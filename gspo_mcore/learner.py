@@ -56,19 +56,20 @@ class Learner:
     # ------------------------------------------------------------ microbatches
 
     def microbatches(self, indices: list[int], rollouts: list[Rollout], advantages, extra=None,
-                     routed_by_older: list[bool] | None = None) -> list[dict]:
+                     routed_by_older: list[bool] | None = None, engine_routing: bool = True) -> list[dict]:
         """This rank's share of `indices`, packed by the token budget. Every data-parallel rank
         gets the same number of microbatches (fillers that add nothing): under expert
         parallelism a rank that finished early would leave its peers waiting in an all-to-all.
         `routed_by_older`: per rollout, whether older weights than these routed it in the engine
-        (its routing is compared apart)."""
+        (its routing is compared apart). `engine_routing`: False for a model that routes freely
+        (the reference) whatever the policy does."""
         lengths = sequence_lengths(rollouts)
         shards = balance_across_ranks(indices, lengths, parallel_state.get_data_parallel_world_size())
         mine = pack_microbatches(shards[parallel_state.get_data_parallel_rank()], lengths,
                                  self.config.train.max_tokens_per_microbatch)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         built = [microbatch_tensors(rollouts, advantages, members, tp, extra) for members in mine]
-        if self.routers.engine_routing:
+        if self.routers.engine_routing and engine_routing:
             for mb, members in zip(built, mine):
                 older = [routed_by_older[i] for i in members] if routed_by_older is not None else None
                 mb.update(input_aligned_routing([rollouts[i] for i in members], self.arch.num_experts,
@@ -82,8 +83,10 @@ class Learner:
     def token_logprobs_of(self, model, rollouts: list[Rollout]) -> list[list[float]]:
         """`model`'s log-prob of each response token of each rollout (temperature as the
         engine's), on every rank. `model`: the policy (its DDP wrapper) or the reference."""
-        microbatches = self.microbatches(list(range(len(rollouts))), rollouts, [0.0] * len(rollouts))
-        routing = self.routers if model is self.ddp else None  # the reference routes freely
+        policy = model is self.ddp  # the reference routes freely
+        microbatches = self.microbatches(list(range(len(rollouts))), rollouts, [0.0] * len(rollouts),
+                                         engine_routing=policy)
+        routing = self.routers if policy else None
         found = list(response_logprobs(model, microbatches, self.config.rollout.temperature, routing).items())
         # Only the last stage has them; every stage gets them (the loss runs on the last stage,
         # but the ranks stay consistent).
@@ -113,8 +116,8 @@ class Learner:
         `routed_by_older` (a batch's fact, gspo_mcore.samples.Batch): per rollout, whether older
         weights routed it in the engine (its routing compared apart)."""
         cfg = self.config.train
-        num_minibatches = min(cfg.num_minibatches, len(rollouts) // parallel_state.get_data_parallel_world_size())
-        if num_minibatches == 0:
+        minibatches = self._minibatches(len(rollouts), step)
+        if not minibatches:
             return {}
         extra = {}
         if self.reference is not None:
@@ -123,17 +126,14 @@ class Learner:
             extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
         if stale is not None:
             extra["stale"] = stale
-        generator = torch.Generator().manual_seed(step_seed(cfg.seed, step))
-        order = torch.randperm(len(rollouts), generator=generator).tolist()  # host: an order of Python lists
         self.routers.reset()
         self.ddp.train()
         parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
         band = None  # (clip_low, clip_high) after the first minibatch, with loss.band_from_mismatch
         for _ in range(cfg.ppo_epochs):
-            for mini in split_minibatches(len(rollouts), num_minibatches):
+            for mini in minibatches:
                 first = not parts  # theta = theta_old: the engine/trainer differences alone
-                microbatches = self.microbatches([order[i] for i in mini], rollouts, advantages, extra,
-                                                 routed_by_older)
+                microbatches = self.microbatches(mini, rollouts, advantages, extra, routed_by_older)
                 step_parts, grad_norm = self._optimizer_step(
                     microbatches, band=band, on_policy=first and self.config.loss.on_policy_first_minibatch,
                     compare_routing=first)
@@ -143,7 +143,26 @@ class Learner:
                     band = self._band_from_mismatch(parts[0])
         return {**self._report(parts), "grad_norm": sum(grad_norms) / len(grad_norms),
                 "clip_band_high": band[1] if band else self.config.loss.clip_high,
-                "minibatches": num_minibatches, "lr": self.optimizer.param_groups[0]["lr"]}
+                "minibatches": len(minibatches), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def _minibatches(self, count: int, step: int) -> list[list[int]]:
+        """The update's minibatches of a batch of `count` rollouts: a shuffled order (the step's
+        seed) in `num_minibatches` slices; none when too few rollouts feed the data-parallel ranks."""
+        cfg = self.config.train
+        num_minibatches = min(cfg.num_minibatches, count // parallel_state.get_data_parallel_world_size())
+        if num_minibatches == 0:
+            return []
+        generator = torch.Generator().manual_seed(step_seed(cfg.seed, step))
+        order = torch.randperm(count, generator=generator).tolist()  # host: an order of Python lists
+        return [[order[i] for i in mini] for mini in split_minibatches(count, num_minibatches)]
+
+    def routing_wanted(self, rollouts: list[Rollout], step: int, recompute: bool) -> list[int]:
+        """The rollouts whose routed experts this rank's microbatches read in step `step`'s update
+        (and in the forward that recomputes pi_old, when `recompute`): its data-parallel shards."""
+        lengths, ranks = sequence_lengths(rollouts), parallel_state.get_data_parallel_world_size()
+        mine = parallel_state.get_data_parallel_rank()
+        groups = self._minibatches(len(rollouts), step) + ([list(range(len(rollouts)))] if recompute else [])
+        return sorted({i for group in groups for i in balance_across_ranks(group, lengths, ranks)[mine]})
 
     def _report(self, parts: list[list[dict]]) -> dict:
         """The loss's figures (from the last stage, where the loss runs) and the routers', on every rank."""

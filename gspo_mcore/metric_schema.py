@@ -134,6 +134,9 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("routing_mismatch_fraction_older", "asynchronous modes: the same over the responses older weights "
            "routed (a response's routing is its last token's version: SGLang re-prefills a retracted request); "
            "the policy's change as well as the numerics; null in sync", update=True),
+    Metric("routing_mb_per_rank_max", "MB of the engine's routed experts the busiest trainer rank received this "
+           "step: each rank gets its own rollouts' rows for its own MoE layers (gspo_mcore.routing_delivery; "
+           "rollout.return_routed_experts; null otherwise)"),
     # ---- asynchronous modes (gspo_mcore.rollout.producer); null in sync
     Metric("staleness_mean", "mean over trained responses of (the step's weight version - the response's oldest "
            "token's version)", printed="| stale {:.2f}", asynchronous=True, figure="staleness",

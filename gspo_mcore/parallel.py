@@ -44,6 +44,20 @@ def broadcast_from_host(value, src: int = 0):
     return box[0]
 
 
+def gather_to_host(value, dst: int = 0) -> list | None:
+    """Every rank's Python object, in rank order, on rank `dst` (None elsewhere), over the host group."""
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(value, out, dst=dst, group=_HOST_GROUP)
+    return out
+
+
+def scatter_from_host(values: list | None, src: int = 0):
+    """values[r] (given on rank `src`) on each rank r, over the host group."""
+    box = [None]
+    dist.scatter_object_list(box, values, src=src, group=_HOST_GROUP)
+    return box[0]
+
+
 def world_size() -> int:
     """The number of trainer ranks, before or after the process group starts (torchrun's env; 1 under plain python)."""
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))

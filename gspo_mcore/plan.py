@@ -281,6 +281,23 @@ def disk_estimate(config: Config, arch: Qwen3MoeArch) -> dict[str, float]:
             "weight_sync_disk_gb": params * engine_bytes / DISK_GB if config.weight_sync.method == "disk" else 0.0}
 
 
+def routing_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int) -> dict[str, float]:
+    """The engine's routed experts (rollout.return_routed_experts), at full-length responses:
+    what rank 0's host holds (a batch and the requests in flight) and what the busiest trainer
+    rank receives per step (its data-parallel share of the batch, its pipeline stage's MoE
+    layers: gspo_mcore.routing_delivery). Expert ids travel in the smallest unsigned type."""
+    if not config.rollout.return_routed_experts:
+        return {}
+    t, pp = config.train, config.distributed.pipeline_parallel
+    itemsize = 1 if arch.num_experts <= 2**8 else 2
+    row = (prompt_tokens + response_tokens(config)) * arch.num_experts_per_tok * itemsize  # one layer of a response
+    sequences = t.rollout_batch_size * t.group_size
+    held = sequences + requests_in_flight_estimate(config, prompt_tokens)["requests_in_flight"]
+    stage_layers = -(-sum(arch.moe_layers) // pp)
+    return {"routing_rank0_host_gb": held * row * arch.num_layers / GB,
+            "routing_per_rank_gb": -(-sequences // layout.dp) * row * stage_layers / GB}
+
+
 def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> dict[str, float]:
     """Upper bound at full-length responses: generation 2N per token; training 6N per token
     per epoch (no old-policy forward: GSPO uses the engine's log-probs); attention included."""
@@ -327,7 +344,8 @@ def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu
               "params_total_b": counts["total"] / 1e9, "params_active_b": counts["active"] / 1e9,
               **memory, "estimate_tolerance": ESTIMATE_TOLERANCE, "gpu_memory_gb": gpu_memory_gb, "usable_gb": usable, "phases_gb": phases,
               "tightest_phase": tightest, "margin_gb": usable - phases[tightest],
-              **disk_estimate(config, arch), **flops_per_step(config, arch, prompt_tokens)}
+              **disk_estimate(config, arch), **flops_per_step(config, arch, prompt_tokens),
+              **routing_estimate(config, arch, layout, prompt_tokens)}
     check_fits(config, result)
     return result
 
@@ -361,6 +379,10 @@ def report(config: Config, result: dict, out) -> None:
       f"{r['requests_per_server']}: rollout.max_running_requests {config.rollout.max_running_requests}, KV room "
       f"(rollout.max_total_tokens {config.rollout.max_total_tokens:,}) for {r['kv_requests_per_server']} of "
       f"{r['request_tokens']:,} tokens; one per server kept for the sync check)")
+    if "routing_per_rank_gb" in r:
+        w(f"routed experts (rollout.return_routed_experts): up to {r['routing_rank0_host_gb']:.1f} GiB on rank 0's "
+          f"host (a batch and the requests in flight), {r['routing_per_rank_gb']:.2f} GiB a step to the busiest "
+          "trainer rank (its rollouts, its stage's layers)")
     t = config.train
     w(f"disk warning: each checkpoint ~{r['checkpoint_gb']:,.0f} GB (weights + fp32 master weights + 2 Adam "
       f"moments), written {f'every {t.save_every} steps and ' if t.save_every else ''}at the end, up to "

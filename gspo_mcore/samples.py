@@ -18,9 +18,10 @@ class Rollout:
     logprobs: list[float]  # the engine's log-prob of each response token: its behaviour policy's
     finish_reason: str  # "stop" | "length"
     weight_version: str  # the version of the response's last token
-    # The engine's routed experts (`rollout.return_routed_experts`): int32 [n, MoE layers,
-    # top-k], row t for the forward whose input is token t of prompt + response (the last
-    # token is never an input); global expert ids.
+    # The engine's routed experts (`rollout.return_routed_experts`): uint8 (or wider past 256
+    # experts) [n, layers, top-k], row t for the forward whose input is token t of prompt +
+    # response (the last token is never an input); global expert ids; a dense layer's entries
+    # unused. On a trainer rank: only its MoE layers (gspo_mcore.routing_delivery).
     routed_experts: np.ndarray | None = None
     # The weight version (the trainer step whose weights made it) of each response token; a
     # response continued across weight updates (asynchronous modes) spans several.

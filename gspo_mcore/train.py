@@ -51,6 +51,7 @@ from gspo_mcore.parallel import broadcast_from_host
 from gspo_mcore.preemption import Preempted, StopRequest
 from gspo_mcore.rollout.producer import make_producer
 from gspo_mcore.rollout.source import RolloutSource
+from gspo_mcore.routing_delivery import deliver_routing, take_routing
 from gspo_mcore.run_dir import clear_run
 from gspo_mcore.sample_log import write_samples
 from gspo_mcore.samples import Batch
@@ -166,11 +167,20 @@ class Trainer:
         config, timings = self.config, {}
         reset_peak()
         with timed(timings, "time_rollout_s"):
+            batch = self._rollout(step) if self.producer else None
+            routing = None
+            if batch is not None and config.rollout.return_routed_experts:
+                batch, routing = take_routing(batch)  # sent apart: each rank its own rows
             # The other ranks wait on the host (gspo_mcore.parallel.host_group), not in an NCCL kernel.
-            batch = broadcast_from_host(self._rollout(step) if self.producer else None)
+            batch = broadcast_from_host(batch)
             if batch is None:  # rank 0 abandoned the rollout for a signal (gspo_mcore.preemption)
                 raise Preempted()
             metrics = dict(batch.metrics)
+            metrics["routing_mb_per_rank_max"] = None
+            if config.rollout.return_routed_experts:
+                wanted = self.learner.routing_wanted(batch.rollouts, step, self._recompute(batch))
+                metrics["routing_mb_per_rank_max"] = deliver_routing(batch, routing, wanted,
+                                                                     self.learner.routers.layers)
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate and self.rank == 0:
                 self.engine.release_memory()
@@ -224,10 +234,15 @@ class Trainer:
         """The learner's update. A batch that spans weight versions (its `stale` marks): decoupled
         GSPO, pi_prox (this step's weights) from a forward of the batch (loss.proximal); else pi_old
         is the engine's log-probs (or recomputed: train.recompute_old_logprobs)."""
-        recompute = (self.config.train.recompute_old_logprobs if batch.stale is None
-                     else self.config.loss.proximal == "recompute")
-        old = self.learner.recompute_old_logprobs(batch.rollouts) if recompute else None
+        old = self.learner.recompute_old_logprobs(batch.rollouts) if self._recompute(batch) else None
         return self.learner.update(batch.rollouts, batch.advantages, step, old, batch.stale, batch.routed_by_older)
+
+    def _recompute(self, batch: Batch) -> bool:
+        """Whether the trainer forwards the batch before its update: pi_old recomputed
+        (train.recompute_old_logprobs) or, for a batch spanning versions, pi_prox (loss.proximal)."""
+        if batch.stale is None:
+            return self.config.train.recompute_old_logprobs
+        return self.config.loss.proximal == "recompute"
 
     def _push_and_check(self, step: int, batch: Batch) -> dict:
         """The new weights to the engine, tagged step-N (and, every `check_every` steps, the proof)."""

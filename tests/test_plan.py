@@ -255,3 +255,18 @@ def test_the_async_configs_keep_no_more_requests_in_flight_than_the_kv_cache_run
 def test_a_kv_budget_over_what_the_gpu_holds_is_refused():
     with pytest.raises(ConfigError, match=r"^rollout.max_total_tokens 9,000,000: more KV cache than an engine GPU"):
         _plan("qwen3_30b_a3b_gspo_async.yaml", ["rollout.max_total_tokens=9000000"], nodes=2)
+
+
+def test_routed_experts_are_counted_as_uint8_per_rank_share(capsys):
+    """Qwen3-30B-A3B's 128 experts fit a byte. At 512 responses of 512 + 8192 tokens, 48 layers,
+    top-8: rank 0 holds the batch and its requests in flight; each trainer rank gets its
+    data-parallel share (DP 8 on one node: 64 responses) of its stage's layers (PP 1: all 48)."""
+    assert "routing_per_rank_gb" not in _plan()
+    result = _plan(overrides=["rollout.return_routed_experts=true"])
+    row = (512 + 8192) * 8  # bytes per layer of a response
+    assert result["routing_per_rank_gb"] == pytest.approx(512 / result["data_parallel"] * row * 48 / GIB)
+    held = 512 + result["requests_in_flight"]
+    assert result["routing_rank0_host_gb"] == pytest.approx(held * row * 48 / GIB)
+    assert main(["--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "--hf-config", str(HF_30B),
+                 "rollout.return_routed_experts=true"]) == 0
+    assert "routed experts (rollout.return_routed_experts)" in capsys.readouterr().out

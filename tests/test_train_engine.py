@@ -37,10 +37,19 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
                                    "loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"], nproc=2)
         _train(tmp_path / "replay", [*common, f"rollout.urls=[{managed.url}]", "distributed.expert_parallel=2",
                                      "train.routing_replay=true"], nproc=2)
-    free, replay = _metrics(tmp_path / "free"), _metrics(tmp_path / "replay")
-    assert all(len(r["routing_mismatch_fraction_per_layer"]) == 4 for r in free + replay)
+        # Each stage gets its own layers' routing only (gspo_mcore.routing_delivery): replayed
+        # at the wrong layer, the second stage's routers would differ from the engine's.
+        _train(tmp_path / "replay_pp", [*common, f"rollout.urls=[{managed.url}]", "distributed.pipeline_parallel=2",
+                                        "train.routing_replay=true"], nproc=2)
+    free, replay, replay_pp = (_metrics(tmp_path / name) for name in ("free", "replay", "replay_pp"))
+    assert all(len(r["routing_mismatch_fraction_per_layer"]) == 4 for r in free + replay + replay_pp)
     assert 0 < sum(r["routing_mismatch_fraction"] for r in free) / len(free) < 0.2
-    assert all(r["routing_mismatch_fraction"] == 0 for r in replay)
+    assert all(r["routing_mismatch_fraction"] == 0 for r in replay + replay_pp)
+    # Every rank reads every rollout under TP; under EP (DP 2) and PP 2 the busiest rank about
+    # half (each run keeps its own groups: the exact shares are tests/test_routing_delivery.py's).
+    for free_row, ep_row, pp_row in zip(free, replay, replay_pp):
+        assert 0 < ep_row["routing_mb_per_rank_max"] < 0.8 * free_row["routing_mb_per_rank_max"]
+        assert 0 < pp_row["routing_mb_per_rank_max"] < 0.8 * free_row["routing_mb_per_rank_max"]
     for r in free:  # minibatches 2..4 clip at 2 x the mismatch minibatch 1 measured (mean over sequences)
         expected = max(0.0004, 2 * r["mismatch_abs_log_ratio_mean"])
         assert r["clip_band_high"] == pytest.approx(expected, rel=1e-9) and r["clip_band_high"] > 0.001

@@ -115,7 +115,40 @@ def save_hf_job(config, out_dir: Path, job: dict) -> None:
     save_hf_checkpoint(model, arch, config.model.spec, out_dir / "hf", config.model.hf_dir)
 
 
-JOBS = {"parity": parity_job, "train_step": train_step_job, "export_owned": export_owned_job,
+def routing_delivery_job(config, out_dir: Path, job: dict) -> None:
+    """Rank 0 holds every rollout's routed experts (rows of `lengths` tokens, 4 layers, top-2,
+    each entry (rollout, token, layer, k) coded as a uint8 the test recomputes; `lengths` and
+    `step` in batch_file); the
+    trainer's delivery (gspo_mcore.routing_delivery) gives each rank what its update reads. Each
+    rank saves what it got, the rollouts its update reads and its MoE layers to rank{R}.pt."""
+    import numpy as np
+
+    from gspo_mcore.routing_delivery import deliver_routing, take_routing
+    from gspo_mcore.samples import Batch
+
+    spec = torch.load(job["batch_file"])
+    learner = Learner(config)
+    rollouts = []
+    for i, n in enumerate(spec["lengths"]):
+        codes = (np.arange(n * 4 * 2).reshape(n, 4, 2) + 7 * i) % 251
+        rollouts.append(Rollout([1] * 2, [2] * (n - 1), [-0.5] * (n - 1), "stop", "v0",
+                                routed_experts=codes.astype(np.uint8)))
+    batch = Batch(rollouts, [1.0] * len(rollouts), {})
+    batch, routing = take_routing(batch)
+    if dist.get_rank() != 0:
+        routing = None
+    assert all(r.routed_experts is None for r in batch.rollouts)
+    wanted = learner.routing_wanted(batch.rollouts, spec["step"], recompute=False)
+    largest = deliver_routing(batch, routing, wanted, learner.routers.layers)
+    got = {i: torch.from_numpy(r.routed_experts) for i, r in enumerate(batch.rollouts) if r.routed_experts is not None}
+    reads = sorted({i for mini in learner._minibatches(len(rollouts), spec["step"])
+                    for mb in learner.microbatches(mini, batch.rollouts, [0.0] * len(rollouts))
+                    for i in mb["index"].tolist() if i >= 0})
+    torch.save({"got": got, "reads": reads, "layers": learner.routers.layers, "largest_mb": largest},
+               out_dir / f"rank{dist.get_rank()}.pt")
+
+
+JOBS = {"routing_delivery": routing_delivery_job, "parity": parity_job, "train_step": train_step_job, "export_owned": export_owned_job,
         "save_hf": save_hf_job}
 
 

@@ -2,7 +2,8 @@
 choice (`routing_mismatch_fraction`), or replayed (R3, megatron-core's RouterReplay).
 
 A microbatch carries `routing` [b, T, layers, top-k] (packing.input_aligned_routing: row t is
-the routing of input token t). Megatron runs tokens as [T, b] (sequence-major) and, under
+the routing of input token t), `layers` this rank's MoE layers only, in order (`RouterHooks.layers`:
+gspo_mcore.routing_delivery sends each rank those). Megatron runs tokens as [T, b] (sequence-major) and, under
 sequence parallelism, each TP rank holds a contiguous slice of T; a router sees its rank's
 tokens flattened in that order, so that is the order the targets are laid out in.
 """
@@ -18,8 +19,9 @@ from gspo_mcore.parallel import device
 
 
 def local_targets(routing: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer `layer`'s expert ids [T_local * b, top-k] in the order this rank's router sees
-    its tokens (sequence-major, this TP rank's sequence-parallel slice)."""
+    """The expert ids [T_local * b, top-k] of `routing`'s layer at position `layer` (of this
+    rank's layers), in the order this rank's router sees its tokens (sequence-major, this TP
+    rank's sequence-parallel slice)."""
     per_layer = routing[:, :, layer, :].transpose(0, 1)  # [T, b, k]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp > 1:  # sequence parallel: contiguous chunks of T per TP rank
@@ -43,7 +45,12 @@ class RouterHooks:
             if router is not None:
                 index = layer.layer_number - 1  # global layer number: the engine's row
                 self.routers[index] = router
-                router.register_forward_hook(self._hook(index))
+        # This rank's MoE layers (global numbers - 1, the engine's rows), in order: the layers of
+        # the routing it is sent, position by position.
+        self.layers = sorted(self.routers)
+        self.position = {index: i for i, index in enumerate(self.layers)}
+        for index, router in self.routers.items():
+            router.register_forward_hook(self._hook(index))
         num_layers = model.config.num_layers
         self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device())
         # Per layer: (differing, compared) over the sequences the trainer's own weights routed in
@@ -60,7 +67,7 @@ class RouterHooks:
                         "older": local_real_tokens(mb, "older_inputs"), "compare": compare}
         if self.replay:
             for index, router in self.routers.items():
-                router.router_replay.set_target_indices(local_targets(mb["routing"], index))
+                router.router_replay.set_target_indices(local_targets(mb["routing"], self.position[index]))
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def after_forward(self) -> None:
@@ -84,7 +91,7 @@ class RouterHooks:
                 self.load[index] += routing_map.sum(0).double()
             if self.current is None or not self.current["compare"]:
                 return
-            targets = local_targets(self.current["routing"], index).to(routing_map.device)
+            targets = local_targets(self.current["routing"], self.position[index]).to(routing_map.device)
             engine = torch.zeros_like(routing_map).scatter_(1, targets, True)
             real = self.current["real"].to(routing_map.device)
             older = self.current["older"].to(routing_map.device)

@@ -10,7 +10,10 @@ first word of the last turn is the value. The tokenizer is word-level (toy_task.
 256 words) and its vocabulary has the tool tokens and the JSON pieces as words: JSON allows
 whitespace between tokens, so the call above, decoded with single spaces, is Qwen3's format and
 parses exactly. Keys and tables are quoted words, in the prompt as in the call: the argument
-the model writes is the very token it must copy. Its chat template is Qwen3's, word by word.
+the model writes is the very token it must copy. Its chat template is Qwen3's, word by word,
+but for a tool's error (a malformed call's or a failed tool's message, words the vocabulary does
+not have): it renders as the word `error`, so a sample shows `<tool_response> error
+</tool_response>` where it showed an empty response.
 
 **A warm start, not a model that knows nothing.** A random tiny model never writes a 19-token
 call by chance; a user's pretrained instruct model knows the tool format already. So the writer
@@ -63,7 +66,7 @@ CHAT_TEMPLATE = (
     "{%- for m in messages %}"
     "{%- if m.role == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}user: {% endif %}"
-    "<tool_response> {{ m.content }} </tool_response> "
+    "<tool_response> {{ 'error' if m.content.startswith('error') else m.content }} </tool_response> "
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %} <eos> {% endif %}"
     "{%- else %}{{ m.role }}: {{ m.content }} <eos> {% endif %}"
     "{%- endfor %}"
@@ -75,6 +78,7 @@ def vocabulary() -> list[str]:
     words = [*SPECIALS, *TOOL_TOKENS, *JSON_WORDS]
     words += [f'"t_{i}"' for i in range(TABLES)] + [f'"k_{i}"' for i in range(KEYS)]
     words += [f"v_{i}" for i in range(VALUES)]
+    words += ["error"]  # a failed or malformed call's result (the chat template's rendering of it)
     words += [f"<unused_{i}>" for i in range(256 - len(words))]
     assert len(words) == 256
     return words

@@ -81,6 +81,28 @@ def test_the_tool_loop_splices_the_result_as_the_template_renders_the_whole_conv
     assert trajectory.prompt_ids + trajectory.token_ids == tokenizer.encode(whole, add_special_tokens=False)
 
 
+def test_a_malformed_call_shows_as_an_error_not_an_empty_response(tokenizer):
+    """The tool loop's message for a malformed call is English the toy vocabulary cannot spell;
+    it rendered as `<tool_response> </tool_response>` (every word unknown, dropped on decoding)."""
+    from gspo_mcore.rollout.engine_handle import EngineHandle, Task
+    from gspo_mcore.rollout.tool_loop import tool_loop
+    from gspo_mcore.tools.runner import ToolRunner
+
+    malformed = '<tool_call> { "name" : "lookup" , "arguments" : { "table" : "t_12" } } </tool_call>'  # no key
+    model = ScriptedModel(tokenizer, [malformed, "v_1"])
+    runner = ToolRunner(TOOLS, workers=1, timeout_s=30)
+    try:
+        engine = EngineHandle(model, tokenizer, 0, {"temperature": 1.0}, seed=0, tools=runner,
+                              config=SimpleNamespace(max_turns=2, max_trajectory_tokens=64, max_new_tokens=24))
+        trajectory = asyncio.run(tool_loop(Task([{"role": "user", "content": 'look up "k_3" in "t_12"'}], "v_2"),
+                                           engine))
+    finally:
+        runner.close()
+    assert trajectory.info["tool_errors"] == 1
+    assert tokenizer.decode(trajectory.segments[1].token_ids, skip_special_tokens=True).split() == [
+        "user:", "<tool_response>", "error", "</tool_response>", "assistant:"]
+
+
 def test_format_transcripts_call_the_prompts_table_and_relay_the_result(tokenizer):
     import random
 

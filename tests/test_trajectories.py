@@ -256,7 +256,9 @@ def test_the_tool_loop_calls_tools_and_splices_their_results_in_as_the_template_
         runner.close()
     assert [s.trainable for s in trajectory.segments] == [True, False, True, False, True]
     assert trajectory.text == "Italy" and trajectory.finish_reason == "stop"
-    assert trajectory.info == {"tool_calls": 2, "tool_errors": 1, "tool_timeouts": 0}
+    # Two calls: one ran (and answered), one malformed (never run).
+    assert trajectory.info == {"tool_calls": 2, "tool_errors": 1, "tool_timeouts": 0, "tool_runs": 1,
+                               "tool_failures": []}
     assert sum(s.trainable for s in trajectory.segments) == 3
     # Every turn's input is the prompt and every token so far: model tokens as sampled, never re-tokenized.
     assert model.inputs[2] == trajectory.prompt_ids + [t for s in trajectory.segments[:4] for t in s.token_ids]

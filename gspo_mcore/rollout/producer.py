@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from gspo_mcore.samples import Batch, Rollout
-from gspo_mcore.rollout.source import RolloutSource, round_metrics
+from gspo_mcore.rollout.source import RolloutSource
 from gspo_mcore.seeds import step_seed
 
 
@@ -223,8 +223,8 @@ class AsyncProducer(Overlapping):
             advantages += got_advantages
             rounds.append(figures)
             kept += figures["groups_kept"]
-        metrics = {**round_metrics(rounds), "sampling_rounds": len(rounds), **staleness_metrics(rollouts, step),
-                   "staleness_bound": self.max_staleness,
+        metrics = {**self.source.step_metrics(rounds), "sampling_rounds": len(rounds),
+                   **staleness_metrics(rollouts, step), "staleness_bound": self.max_staleness,
                    "trainer_wait_s": time.monotonic() - began, **self.meter.figures()}
         self.unfinished = None
         worst = metrics["staleness_max"]

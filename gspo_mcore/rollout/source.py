@@ -100,7 +100,7 @@ class RolloutSource:
             rollouts += kept
             advantages += kept_advantages
             rounds.append(figures)
-        return rollouts, advantages, round_metrics(rounds)
+        return rollouts, advantages, self.step_metrics(rounds)
 
     def round(self, wanted: int, num_prompts: int, seeds_base: int, weight_version: str | None = None,
               oldest_version: int | None = None) -> tuple[list, list, dict]:
@@ -137,6 +137,28 @@ class RolloutSource:
         }
         kept = [dataclasses.replace(rollouts[i], reward=rewards[i].item()) for i in selected]
         return kept, [advantages[i].item() for i in selected], figures
+
+    def step_metrics(self, rounds: list[dict]) -> dict:
+        """A step's rollout figures over its rounds; a step whose tool calls all failed (each
+        raised or crashed its worker) stops the run as the user's error, quoting the first (it
+        trained on nothing but error messages and looked like a run). Every failure is kept in
+        `error_log`'s directory, tool_errors.log."""
+        infos = [info for r in rounds for info in (r["turns"] or [])]
+        failures = [message for info in infos for message in info.get("tool_failures", ())]
+        if failures:
+            kept = ""
+            if self.error_log is not None:
+                path = self.error_log.parent / "tool_errors.log"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "a") as log:
+                    log.writelines(message.replace("\n", " ") + "\n" for message in failures)
+                kept = f"; all in {path}"
+            runs = sum(info.get("tool_runs", 0) for info in infos)
+            if len(failures) == runs:
+                tools = ", ".join(self.config.rollout.tools)
+                raise InputError(f"rollout.tools {tools}: all {runs} tool calls of this step failed; the first: "
+                                 f"{failures[0]}{kept}")
+        return round_metrics(rounds)
 
     def _check_rewards(self, stats, calls: int) -> None:
         """Failures are kept in `error_log`; too many stop the run as the user's error, quoting

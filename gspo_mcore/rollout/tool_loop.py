@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from gspo_mcore.rollout.engine_handle import EngineHandle, Task
-from gspo_mcore.tools.runner import parse_tool_calls, tool_messages
+from gspo_mcore.tools.runner import ToolCall, parse_tool_calls, tool_messages
 from gspo_mcore.trajectory import Trajectory
 
 
@@ -20,7 +20,9 @@ async def tool_loop(task: Task, engine: EngineHandle) -> Trajectory:
     config = engine.config
     prompt = engine.chat_ids(task.messages, tools=engine.tools.tools.schemas)
     trajectory = Trajectory(prompt_ids=prompt)
-    info = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0}
+    # tool_runs / tool_failures: the calls a worker ran, and what those that raised or crashed
+    # said (a tool failing on every call stops the run: RolloutSource.step_metrics).
+    info = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_runs": 0, "tool_failures": []}
     text = ""
     for _ in range(config.max_turns):
         left = config.max_trajectory_tokens - len(trajectory.token_ids)
@@ -34,6 +36,9 @@ async def tool_loop(task: Task, engine: EngineHandle) -> Trajectory:
         info["tool_calls"] += len(calls)
         info["tool_errors"] += sum(r.status == "error" for r in results)
         info["tool_timeouts"] += sum(r.status == "timeout" for r in results)
+        ran = [(c, r) for c, r in zip(calls, results) if isinstance(c, ToolCall)]
+        info["tool_runs"] += len(ran)
+        info["tool_failures"] += [r.content for _, r in ran if r.status == "error"]
         environment = engine.environment_ids(tool_messages(results), reply.response_ids)
         if len(trajectory.token_ids) + len(environment) >= config.max_trajectory_tokens:
             trajectory.finish_reason = "length"  # no room left for the model to answer

@@ -50,7 +50,7 @@ class Trajectory:
         return [t for s in self.segments for t in s.token_ids]
 
     def add_model(self, rollout: Rollout) -> None:
-        """A model turn as the engine returned it (gspo_mcore.engines.sglang.client.generate_one)."""
+        """A model turn as the engine returned it (gspo_mcore.engines.client.EngineClient.generate_one)."""
         self.segments.append(Segment(list(rollout.response_ids), True, list(rollout.logprobs), rollout.token_versions,
                                      rollout.routed_experts))
         self.weight_version, self.finish_reason = rollout.weight_version, rollout.finish_reason

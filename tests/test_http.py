@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO
 from gspo_mcore.errors import InputError
 from gspo_mcore.netaddr import free_port
-from gspo_mcore.engines.sglang.client import RetryableError, SGLangClient
+from gspo_mcore.engines.client import RetryableError
+from gspo_mcore.engines.sglang.client import SGLangClient
 from gspo_mcore.errors import WeightSyncError
 from gspo_mcore.engines.sglang.engine import SGLangEngine
 from gspo_mcore.http import ConnectionFailure, HTTPStatusError, get_json, post_json

@@ -347,7 +347,7 @@ def test_evaluation_requests_take_the_next_free_slot_before_waiting_training_one
     asynchronous producer had admitted; now it goes first."""
     import asyncio
 
-    from gspo_mcore.engines.sglang.client import Slots
+    from gspo_mcore.engines.client import Slots
 
     async def scenario():
         slots, order = Slots(1), []

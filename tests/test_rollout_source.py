@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gspo_mcore.config import load_config
-from gspo_mcore.engines.sglang.client import BusyClock
+from gspo_mcore.engines.client import BusyClock
 from gspo_mcore.samples import Rollout
 from gspo_mcore.toy_task import make_prompts, make_tokenizer
 from gspo_mcore.rollout.source import RolloutSource

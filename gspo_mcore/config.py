@@ -173,8 +173,12 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["sglang"] = "sglang"
-    """The inference engine (gspo_mcore/engines/<name>/): its servers, launch and weight transfer."""
+    engine: Literal["sglang", "vllm"] = "sglang"
+    """The inference engine (gspo_mcore/engines/<name>/): its servers, launch and weight transfer
+    (docs/12-engines.md compares them)."""
+    engine_python: str = ""
+    """The Python that runs a server the run starts (relative paths from the repository); empty:
+    this one. vLLM on CPU runs in its own venv: `.venv-vllm/bin/python` (make install-vllm)."""
     urls: list[str] = field(default_factory=list)
     """Running engine servers. Empty: the run starts `num_servers` itself (the CPU default, tests)."""
     num_servers: int = 1
@@ -204,11 +208,12 @@ class RolloutConfig:
     """Dynamic sampling: generation rounds per step until train.rollout_batch_size groups with
     signal are kept (DAPO); a step that still has fewer trains on those (metric groups_kept)."""
     engine_tp: int = 1
-    """GPUs (tensor parallel) per SGLang server; the planner and launch scripts place them."""
+    """GPUs (tensor parallel) per engine server; the planner and launch scripts place them."""
     engine_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """dtype of a server the run starts itself."""
     server_args: list[str] = field(default_factory=list)
-    """Extra `sglang.launch_server` arguments for a server the run starts itself."""
+    """Extra arguments of the engine's server (`sglang.launch_server`, vLLM's API server) for a
+    server the run starts itself."""
     max_total_tokens: int = 8192
     max_running_requests: int = 64
     max_new_tokens: int = 1024

@@ -18,6 +18,7 @@ from gspo_mcore import run_config
 from gspo_mcore.checkpointing import latest_checkpoint
 from gspo_mcore.config import Config, config_yaml, load_config
 from gspo_mcore.data.dataset import require_file
+from gspo_mcore.engines import engine_class
 from gspo_mcore.loss import load_loss_function
 from gspo_mcore.rewards import load_reward_fn, reward_arguments
 from gspo_mcore.rollout.functions import load_rollout_function
@@ -34,6 +35,7 @@ def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
     checked). The same errors their users raise later."""
     if resume:
         latest_checkpoint(output_dir)
+    engine_class(config.rollout.engine).check_config(config)
     load_loss_function(config.loss.function)  # every rank computes the loss
     if int(os.environ.get("RANK", 0)) != 0:
         return

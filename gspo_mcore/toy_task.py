@@ -32,7 +32,7 @@ from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 # The CPU tasks the shipped configs train, by the directory those configs read them from
 # (model/ and prompts.jsonl): a run that finds them missing is told the command that writes them.
 TASK_WRITERS = {"outputs/demo/toy": "gspo_mcore.toy_task", "outputs/long_task": "gspo_mcore.long_task",
-                "outputs/agent_task": "gspo_mcore.agent_task"}
+                "outputs/agent_task": "gspo_mcore.agent_task", "outputs/vllm_toy": "gspo_mcore.toy_task --head-dim 64"}
 CATEGORIES = ("color", "animal", "fruit", "number")
 EVAL_PROMPTS = 64
 WORDS_PER_CATEGORY = 60
@@ -80,26 +80,29 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
             f.write(json.dumps({"prompt": prompt, "answer": category}) + "\n")
 
 
-def make_model(model_dir: Path, seed: int, words: list[str] | None = None, chat_template: str = CHAT_TEMPLATE) -> None:
+def make_model(model_dir: Path, seed: int, words: list[str] | None = None, chat_template: str = CHAT_TEMPLATE,
+               head_dim: int | None = None) -> None:
     """A model directory: a random all-MoE tiny model and a word-level tokenizer (the toy's, or
-    another task's `words` and `chat_template`)."""
+    another task's `words` and `chat_template`). `head_dim`: other than the tiny model's 32 (vLLM's
+    CPU attention needs 64)."""
     # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see gspo_mcore.engines.sglang.server).
     make_tiny_checkpoint(model_dir, seed=seed, dtype=torch.float32, mlp_only_layers=[],
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+                         eos_token_id=1, pad_token_id=0, bos_token_id=None,
+                         **({"head_dim": head_dim} if head_dim else {}))
     make_tokenizer(model_dir, words, chat_template)
 
 
 def make_toy_task(out_dir, seed: int = 0, num_prompts: int = 1024, write_prompts=make_prompts,
-                  write_model=make_model) -> Path:
+                  write_model=make_model, head_dim: int | None = None) -> Path:
     """OUT_DIR/model (by `write_model(dir, seed)`: a random all-MoE tiny model + tokenizer, or
     another task's model) and OUT_DIR/prompts.jsonl (by `write_prompts(path, count, seed)`: this
     task's, or another task's), written to a temporary sibling first; an existing complete OUT_DIR
     is left as is. OUT_DIR/eval.jsonl: EVAL_PROMPTS held-out prompts (another seed) for the
-    evaluation."""
+    evaluation. `head_dim`: the model's, when not the tiny model's."""
     out_dir = Path(out_dir)
     if not (out_dir / "prompts.jsonl").is_file():
         with atomic_output(out_dir, directory=True) as tmp:
-            write_model(tmp / "model", seed)
+            write_model(tmp / "model", seed, **({"head_dim": head_dim} if head_dim else {}))
             write_prompts(tmp / "prompts.jsonl", num_prompts, seed)
     if not (out_dir / "eval.jsonl").is_file():  # held out: another seed's prompts (eval.datasets)
         with atomic_output(out_dir / "eval.jsonl") as tmp:
@@ -117,14 +120,20 @@ def check_task_written(config) -> None:
                              f"python -m {TASK_WRITERS[directory]} {directory}")
 
 
-def writer_cli(module: str, make, argv=None) -> None:
-    """`python -m MODULE OUT_DIR`: a task writer's command line (its module docstring's first line
-    is its help); prints the directory written."""
+def writer_cli(module: str, make, argv=None, head_dim: bool = False) -> None:
+    """`python -m MODULE [--head-dim N] OUT_DIR`: a task writer's command line (its module
+    docstring's first line is its help); prints the directory written. `head_dim`: the writer
+    takes --head-dim."""
     doc = (sys.modules[make.__module__].__doc__ or "").strip().splitlines()
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc[0] if doc else None)
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the task (model/, prompts.jsonl, eval.jsonl)")
-    print(make(parser.parse_args(argv).out_dir))
+    if head_dim:
+        parser.add_argument("--head-dim", type=int, default=None,
+                            help="the model's attention head size (default 32; vLLM on CPU needs 64: "
+                                 "configs/tiny_cpu_vllm.yaml's task is written with --head-dim 64)")
+    args = parser.parse_args(argv)
+    print(make(args.out_dir, **({"head_dim": args.head_dim} if head_dim and args.head_dim else {})))
 
 
 if __name__ == "__main__":
-    writer_cli("gspo_mcore.toy_task", make_toy_task)
+    writer_cli("gspo_mcore.toy_task", make_toy_task, head_dim=True)

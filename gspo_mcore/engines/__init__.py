@@ -15,7 +15,8 @@ from gspo_mcore.processes import ManagedServer
 
 # rollout.engine -> the class implementing it (imported when asked for: an engine's package may
 # import that engine's own heavy modules).
-ENGINES = {"sglang": "gspo_mcore.engines.sglang.engine:SGLangEngine"}
+ENGINES = {"sglang": "gspo_mcore.engines.sglang.engine:SGLangEngine",
+           "vllm": "gspo_mcore.engines.vllm.engine:VLLMEngine"}
 
 
 def engine_class(name: str) -> type[Engine]:

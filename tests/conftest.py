@@ -70,6 +70,27 @@ def server(toy, tmp_path_factory):
                        env=server_env()) as managed:
         yield managed.url
 
+@pytest.fixture(scope="session")
+def vllm_toy(tmp_path_factory):
+    """The toy task with attention heads of 64 (vLLM's CPU attention needs them), as
+    configs/tiny_cpu_vllm.yaml's writer command makes it."""
+    from gspo_mcore.toy_task import make_toy_task
+
+    return make_toy_task(tmp_path_factory.mktemp("vllm_toy") / "task", seed=0, head_dim=64)
+
+
+def vllm_server(model_dir, log, **options):
+    """A float32 vLLM server (.venv-vllm) of `model_dir`, as a run would start it."""
+    from gspo_mcore.engines.vllm.server import server_env, vllm_command
+    from gspo_mcore.netaddr import free_port
+    from gspo_mcore.processes import ManagedServer
+
+    port = free_port()
+    cmd = vllm_command(str(model_dir), port, python=str(REPO / ".venv-vllm" / "bin" / "python"), dtype="float32",
+                       **options)
+    return ManagedServer(cmd, f"http://127.0.0.1:{port}", log, env=server_env())
+
+
 def run_module(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run `python -m ...` (nproc 1) or `torchrun --nproc_per_node N -m ...`; fail with its log."""
     if nproc == 1:

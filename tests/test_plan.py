@@ -23,6 +23,7 @@ GPU_CONFIGS = {
     "qwen3_30b_a3b_gspo_async.yaml": (2, HF_30B),  # split: 8 trainer GPUs, 8 SGLang GPUs
     "qwen3_30b_a3b_gspo_async_1node.yaml": (1, HF_30B),  # split on one node: 4 + 4
     "qwen3_30b_a3b_gspo_tools.yaml": (1, HF_30B),  # multi-turn with a Python tool
+    "qwen3_30b_a3b_gspo_vllm.yaml": (1, HF_30B),  # vLLM, weights through disk
     "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
 }
 # What the shipped configs keep free on an H100 in their tightest phase: the estimates are
@@ -207,6 +208,7 @@ def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses(caps
     # --shell: KEY=value lines only on stdout (the scripts eval it), the plan on stderr
     code, out, err = _plan_cli([*args, "--shell"], capsys)
     assert code == 0 and all(line.startswith("GSPO_") for line in out.splitlines())
+    assert "GSPO_ENGINE=sglang" in out.splitlines()  # the scripts name the servers' logs after it
     assert "margin:" in err
     code, out, err = _plan_cli([*args, "--nodes", "3", "distributed.expert_parallel=16", "rollout.num_servers=6"],
                                capsys)
@@ -270,3 +272,8 @@ def test_routed_experts_are_counted_as_uint8_per_rank_share(capsys):
     assert main(["--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "--hf-config", str(HF_30B),
                  "rollout.return_routed_experts=true"]) == 0
     assert "routed experts (rollout.return_routed_experts)" in capsys.readouterr().out
+
+
+def test_an_engine_that_cannot_do_what_the_config_asks_is_refused_by_the_planner():
+    with pytest.raises(ConfigError, match="weight_sync.method: 'tensor' on rollout.engine vllm: only 'disk'"):
+        _plan(overrides=["rollout.engine=vllm"])

@@ -54,28 +54,51 @@ def test_async_on_vllm_spans_versions_within_the_bound_and_regenerates_nothing(v
     assert all(r["sync_check_median"] < 1e-4 for r in rows)
 
 
-def test_a_vllm_run_stopped_by_sigterm_resumes(vllm_toy, tmp_path):
-    """SIGTERM mid-run: the run saves, stops its server and exits; --resume continues from the
-    checkpoint to the end, one row per step."""
-    out = tmp_path / "run"
+def _start(out, args, log):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as output:
+        return subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", CONFIG, "--output-dir", str(out),
+                                 *args], cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
+
+
+def _wait_for_rows(proc, out, rows: int, log) -> None:
+    deadline = time.monotonic() + 400
+    while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= rows):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.3)
+
+
+def test_a_vllm_run_stopped_by_sigterm_and_killed_resumes(vllm_toy, tmp_path):
+    """SIGTERM mid-run: the run saves, stops its server and exits; --resume continues; SIGKILL
+    then: the vLLM server, its engine core and worker processes go with the trainer (nothing of
+    it left); --resume again finishes, one row per step."""
+    import psutil
+
+    out = tmp_path / "run"
     common = [*_task(vllm_toy), "train.export_hf=false", "train.save_every=2", "weight_sync.check_every=0"]
     log = tmp_path / "stopped.log"
-    with open(log, "w") as output:
-        proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", CONFIG, "--output-dir", str(out),
-                                 *common, "train.steps=200"], cwd=REPO, env=env, stdout=output,
-                                stderr=subprocess.STDOUT)
+    proc = _start(out, [*common, "train.steps=200"], log)
     try:
-        deadline = time.monotonic() + 400
-        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
+        _wait_for_rows(proc, out, 3, log)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
+        saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+        assert proc.returncode == 128 + signal.SIGTERM and saved >= 2, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = _start(out, ["--resume", *common, "train.steps=200"], log)
+    try:
+        _wait_for_rows(proc, out, saved + 3, log)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("vllm" in " ".join(c.cmdline()) for c in children)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
     finally:
         if proc.poll() is None:
             proc.kill()
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    assert saved >= 2, log.read_text()[-3000:]
     _train(out, [*common, f"train.steps={saved + 2}"], config=CONFIG, extra=["--resume"])
     assert [r["step"] for r in _metrics(out)] == list(range(1, saved + 3))

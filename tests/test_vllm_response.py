@@ -124,6 +124,10 @@ def test_the_launch_command(tmp_path, vllm_toy, toy):
                         ("--kv-cache-memory-bytes", str(2 * 4 * 2 * 64 * 4 * 8192))):  # K+V, 4 layers, 2 heads of 64, fp32
         assert cmd[cmd.index(flag) + 1] == value
     assert {"--enable-scale-out", "--no-enable-chunked-prefill", "--enforce-eager"} <= set(cmd)
+    # --kv-cache-memory-bytes is per GPU worker: at TP 2 each GPU holds one of the 2 KV heads.
+    cmd, _ = VLLMEngine.launch_command(load_config(REPO / "configs/tiny_cpu_vllm.yaml",
+                                                   [f"model.hf_dir={vllm_toy / 'model'}", "rollout.engine_tp=2"]), 8000)
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(2 * 4 * 1 * 64 * 4 * 8192)
     with pytest.raises(InputError, match=r"head_dim 32: vLLM's CPU attention needs head_dim >= 64 .*--head-dim 64"):
         VLLMEngine.launch_command(load_config(REPO / "configs/tiny_cpu_vllm.yaml", [f"model.hf_dir={toy / 'model'}"]),
                                   8000)
@@ -131,3 +135,37 @@ def test_the_launch_command(tmp_path, vllm_toy, toy):
         VLLMEngine.launch_command(load_config(REPO / "configs/tiny_cpu_vllm.yaml",
                                               [f"model.hf_dir={vllm_toy / 'model'}", "rollout.engine_python=nowhere/python"]),
                                   8000)
+
+
+def test_a_request_vllm_refuses_while_a_push_pauses_it_starts_over_without_an_attempt(monkeypatch):
+    """vLLM 0.33 answers HTTP 503 "Generation is paused" to a request sent while an abort-mode pause
+    holds the server (0.32 queued it). During our own push (rollout.partial: false) that is the
+    push's abort: the request starts over, using no attempt, until the server resumes; outside a
+    push it is a failure like any 5xx."""
+    import json
+
+    from gspo_mcore.engines.vllm import client as vllm_client
+    from gspo_mcore.http import HTTPStatusError
+
+    client = vllm_client.VLLMClient(["http://stand-in"], VOCAB, max_attempts=1)
+    monkeypatch.setattr(vllm_client, "PAUSED_RETRY_S", 0.01)
+    calls = []
+
+    async def post_bytes(session, url, data, timeout_s):
+        calls.append(url)
+        if len(calls) == 1:
+            client.interrupt()  # a push starts while this request is on its way
+        if len(calls) <= 3 or calls[0] == "after":
+            raise HTTPStatusError(503, "Generation is paused. Please retry after it resumes.")
+        client.end_interrupt()
+        return json.dumps(answer(spans=(("v", 0, 4),))).encode(), True
+
+    monkeypatch.setattr(vllm_client, "post_bytes", post_bytes)
+    try:
+        [rollout] = client.generate([PROMPT], {"max_new_tokens": 4, "temperature": 1.0})
+        assert rollout.response_ids == [61, 97, 118, 1] and len(calls) == 4 and client.requests_retried == 0
+        calls[:] = ["after"]  # no push under way: the refusal uses the only attempt
+        with pytest.raises(RolloutError, match="failed after 1 attempts.*HTTP 503"):
+            client.generate([PROMPT], {"max_new_tokens": 4, "temperature": 1.0})
+    finally:
+        client.close()

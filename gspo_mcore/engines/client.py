@@ -42,8 +42,8 @@ class LoopStopped(Exception):
 class Aborted(Exception):
     """The server aborted the generation (`generated`: the tokens it had made)."""
 
-    def __init__(self, generated: int = 0):
-        super().__init__("generation aborted by the server")
+    def __init__(self, generated: int = 0, why: str = "generation aborted by the server"):
+        super().__init__(why)
         self.generated = generated
 
 
@@ -182,7 +182,7 @@ class EngineClient(ABC):
         # requests start over from their prompt at once, without using an attempt.
         # A request restarted (or sent) while such a push is under way waits on the paused server,
         # where an abort-mode pause can abort it again (SGLang's pause_generation aborts every
-        # registered request each second until none runs): it starts over too.
+        # registered request each second until none runs; vLLM 0.33 refuses it): it starts over too.
         self.interruptions, self.tokens_regenerated, self.interrupting = 0, 0, False
         self.requests_retried = 0  # attempts that failed and were tried again (a timeout, a 5xx, a lost connection)
         self.count_lock = threading.Lock()

@@ -4,6 +4,7 @@ per-token log-probs, weight-version spans and routed experts out."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from gspo_mcore.engines.client import Aborted, EngineClient, RetryableError
@@ -14,6 +15,9 @@ from gspo_mcore.http_async import post_bytes
 from gspo_mcore.samples import Rollout
 
 GENERATE = "/inference/v1/generate"
+# What vLLM 0.33 answers (HTTP 503) to a request sent while a pause in abort mode holds the server.
+PAUSED = "Generation is paused"
+PAUSED_RETRY_S = 0.25
 
 
 def vllm_sampling_params(params: dict) -> dict:
@@ -48,6 +52,12 @@ class VLLMClient(EngineClient):
             raw, labelled_json = await post_bytes(self.loop_thread.session, f"{url}{GENERATE}",
                                                   json.dumps(body).encode(), self.request_timeout_s)
         except HTTPStatusError as err:
+            if err.status == 503 and PAUSED in err.detail:
+                # vLLM >= 0.33 refuses a request sent while an abort-mode pause holds the server
+                # (EngineCoreProc._reject_add_while_paused; 0.32 queued it until /resume): to the
+                # client, the push aborted it before its first token. Not at once: the push is on.
+                await asyncio.sleep(PAUSED_RETRY_S)
+                raise Aborted(0, f"refused while paused: HTTP 503: {err.detail}") from None
             if err.status >= 500:
                 raise RetryableError(f"HTTP {err.status}") from None
             raise RequestRefused(f"server {url} refused the request: {err}") from None

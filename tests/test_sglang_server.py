@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+from gspo_mcore.safetensors_io import HFCheckpointReader
 from gspo_mcore.netaddr import free_port
 from gspo_mcore.engines.sglang.client import SGLangClient
 from gspo_mcore.processes import ManagedServer
@@ -114,6 +115,30 @@ def test_weight_sync_distributed_twice_with_check(sglang_server, tmp_path):
     for push in pushes:
         assert push["sync_check_median"] < 0.03 and push["sync_check_within_0.1"] > 0.8, push
         assert push["bytes_sent_rank0"] > 0
+    assert "differ from the trainer's" in pushes[1]["stale"]
+    assert last_json_line(proc.stdout)["version"] == "step-2"
+    assert_close_logprobs(_engine_vs_forward(server.url, sources[1], "step-2"))
+
+
+def test_weight_sync_relayed_through_rank_0(sglang_server, tmp_path):
+    """An engine that takes weights from one sender (vLLM's transfer engine: src 0, one
+    communicator per worker): EP=2 and TP=2, rank 1's experts reach the server through rank 0
+    (point to point, then rank 0's group), twice; the check passes after each push and catches
+    the stale engine; rank 0 sent every byte of the model, rank 1 only its own experts."""
+    from conftest import last_json_line, run_module
+
+    server, _ = sglang_server
+    sources = [make_tiny_checkpoint(tmp_path / f"trainer-{seed}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
+               for seed in (41, 42)]
+    proc = run_module(["tests/workers/sync_push.py", "relayed", server.url, *map(str, sources),
+                       "distributed.expert_parallel=2", "distributed.tensor_parallel=2"], nproc=2, timeout=600)
+    pushes = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [p["version"] for p in pushes] == ["step-1", "step-2"]
+    reader = HFCheckpointReader(sources[1])
+    model_bytes = sum(reader[name].numel() * 2 for name in reader.keys())  # bf16
+    for push in pushes:
+        assert push["sync_check_median"] < 0.03 and push["sync_check_within_0.1"] > 0.8, push
+        assert push["bytes_sent_rank0"] == model_bytes, (push, model_bytes)
     assert "differ from the trainer's" in pushes[1]["stale"]
     assert last_json_line(proc.stdout)["version"] == "step-2"
     assert_close_logprobs(_engine_vs_forward(server.url, sources[1], "step-2"))

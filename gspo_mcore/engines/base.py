@@ -51,6 +51,10 @@ class Engine(ABC):
     # engine prefills the whole sequence again under the new weights (so all of a response's
     # routed experts are its last token's version's), False when each token keeps its own.
     reprefills_continued_requests: ClassVar[bool]
+    # The servers take a pushed weight from one trainer rank only (rank 0 of one group per server:
+    # vLLM's transfer engine broadcasts from src 0 and keeps one communicator), so the other
+    # owners' buckets reach the servers through trainer rank 0 (DistributedWeightSync relays them).
+    single_sender: ClassVar[bool] = False
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
         if not urls:

@@ -8,6 +8,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owns
 
 
 def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
@@ -49,3 +50,24 @@ def settle(tensor: torch.Tensor) -> None:
     server is told to read it."""
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def owned_rounds(model, arch, spec: str, bucket_bytes: int,
+                 dtype: torch.dtype) -> Iterator[tuple[list[list[tuple[str, tuple[int, ...]]]], list]]:
+    """The push in rounds, when one rank's bucket must reach others: each round every rank takes
+    one bucket of its full export stream (`export_hf_weights`) and keeps what it owns; yields
+    every rank's layout ((name, shape) each, ranks in order; empty: nothing this round) and this
+    rank's bucket (in `dtype`). The ranks of a TP group hold tensors of the same shapes in the
+    same order, so their buckets end at the same tensor and the TP gathers inside stay in step
+    (expert-TP 1: experts need no gather). Collective over all trainer ranks."""
+    stream = bucketed(export_hf_weights(model, arch, spec), bucket_bytes, dtype)
+    exhausted = False
+    while True:
+        taken = next(stream, None)
+        exhausted |= taken is None
+        bucket = [(name, t.to(dtype)) for name, t in taken or [] if owns(name)]
+        rounds = [None] * dist.get_world_size()
+        dist.all_gather_object(rounds, (exhausted, [(name, tuple(t.shape)) for name, t in bucket]))
+        if all(done for done, _ in rounds):
+            return
+        yield [layout for _, layout in rounds], bucket

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import torch
 import torch.distributed as dist
 
 from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan, owned_hf_weights
-from gspo_mcore.weight_sync.buckets import bucketed, settle, update_session
+from gspo_mcore.parallel import device
+from gspo_mcore.weight_sync.buckets import bucketed, owned_rounds, settle, update_session
 
 
 class DistributedWeightSync:
@@ -17,6 +19,8 @@ class DistributedWeightSync:
     Each trainer rank that owns tensors is rank 0 of one group per server (that server's TP
     workers are ranks 1..tp; the engine opens it: `Engine.open_weight_group`). Per bucket, the
     owner packs it in the engine's layout and sends it to every server (`Engine.send_bucket`).
+    An engine whose servers take weights from one sender only (`Engine.single_sender`: vLLM)
+    gets every bucket from rank 0, which receives the other owners' buckets first (relayed).
     Construction and `push` are collective over all trainer ranks.
     """
 
@@ -24,9 +28,10 @@ class DistributedWeightSync:
                  master_address: str, bucket_bytes: int, dtype: torch.dtype, group_timeout_s: float = 600.0):
         self.model, self.arch, self.spec, self.engine = model, arch, spec, engine
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
-        self.owner = bool(owned_hf_plan(model, arch, spec))
-        self.groups: list[tuple[str, str, object]] = []  # (url, name, group) per server, on owner ranks
-        if self.owner:
+        self.relayed = engine.single_sender
+        self.sender = dist.get_rank() == 0 if self.relayed else bool(owned_hf_plan(model, arch, spec))
+        self.groups: list[tuple[str, str, object]] = []  # (url, name, group) per server, on sender ranks
+        if self.sender:
             rank, run = dist.get_rank(), uuid.uuid4().hex[:12]
             for index, url in enumerate(engine.urls):
                 # Unique per run: a long-lived server keeps the groups of earlier runs
@@ -52,11 +57,37 @@ class DistributedWeightSync:
         settle(flat)
         self.engine.send_bucket(self.groups, bucket, flat)
 
+    def _relay(self, src: int, layout: list[tuple[str, tuple[int, ...]]], bucket: list) -> int:
+        """Rank `src`'s bucket (names and shapes `layout`; the tensors `bucket` on `src`) to rank 0
+        (point to point), which sends it to every server. Returns the bytes this rank sent."""
+        rank = dist.get_rank()
+        if rank not in (0, src):
+            return 0
+        size = sum(math.prod(shape) for _, shape in layout) * self.dtype.itemsize
+        if rank == src:
+            flat = self.engine.pack_bucket(bucket)
+            settle(flat)  # the TP gathers that built it (see _send), before rank 0 can wait on it
+            if src != 0:
+                dist.send(flat, dst=0)
+                return size
+        else:
+            flat = torch.empty(size, dtype=torch.uint8, device=device())
+            dist.recv(flat, src=src)
+            settle(flat)  # landed before the servers are told to read it
+        # The engine reads names, dtypes and shapes off the bucket; the bytes travel in `flat`.
+        described = [(name, torch.empty(shape, dtype=self.dtype, device="meta")) for name, shape in layout]
+        self.engine.send_bucket(self.groups, described, flat)
+        return size
+
     def push(self, weight_version: str) -> int:
         """Send every weight; afterwards the servers generate with them, tagged `weight_version`.
-        Returns the bytes this rank sent (per server)."""
+        Returns the bytes this rank sent (per server; relayed: to rank 0, or rank 0's to the servers)."""
         sent = 0
         with update_session(self.engine, weight_version):
+            if self.relayed:
+                for layouts, bucket in owned_rounds(self.model, self.arch, self.spec, self.bucket_bytes, self.dtype):
+                    sent += sum(self._relay(src, layout, bucket) for src, layout in enumerate(layouts) if layout)
+                return sent
             # Every rank iterates: the export gathers TP shards collectively.
             for bucket in bucketed(owned_hf_weights(self.model, self.arch, self.spec), self.bucket_bytes, self.dtype):
                 self._send(bucket)

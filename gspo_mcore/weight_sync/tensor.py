@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owns
 from gspo_mcore.netaddr import local_addresses
 from gspo_mcore.parallel import device
-from gspo_mcore.weight_sync.buckets import bucketed, settle, update_session
+from gspo_mcore.weight_sync.buckets import owned_rounds, settle, update_session
 
 
 def _host_addresses(host: str) -> set[str]:
@@ -68,10 +67,8 @@ class TensorWeightSync:
     them) and reads each bucket from the copy of the trainer rank with that LOCAL_RANK on that
     host (`Engine.shared_payload` / `load_shared`; CUDA IPC on GPUs, shared
     memory files on CPU). NCCL cannot do this: a communicator refuses two ranks on one GPU.
-    Every trainer rank needs every bucket, so each is first broadcast from its owner. Each round every rank takes one bucket of its
-    full export stream (`export_hf_weights`) and keeps what it owns: the ranks of a TP group
-    hold tensors of the same shapes in the same order, so their buckets end at the same
-    tensor and the TP gathers inside stay in step (expert-TP 1: experts need no gather).
+    Every trainer rank needs every bucket, so each is first broadcast from its owner, round by
+    round (`owned_rounds`).
     Construction and `push` are collective over all trainer ranks."""
 
     def __init__(self, model, arch, spec: str, engine, *, bucket_bytes: int, dtype: torch.dtype):
@@ -103,18 +100,10 @@ class TensorWeightSync:
     def push(self, weight_version: str) -> int:
         """Send every weight; afterwards the servers generate with them, tagged `weight_version`.
         Returns the bytes this rank owned."""
-        sent, exhausted = 0, False
+        sent = 0
         with update_session(self.engine, weight_version):
-            stream = bucketed(export_hf_weights(self.model, self.arch, self.spec), self.bucket_bytes, self.dtype)
-            while True:
-                taken = next(stream, None)
-                exhausted |= taken is None
-                bucket = [(name, t.to(self.dtype)) for name, t in taken or [] if owns(name)]
-                rounds = [None] * dist.get_world_size()
-                dist.all_gather_object(rounds, (exhausted, [(name, tuple(t.shape)) for name, t in bucket]))
-                if all(done for done, _ in rounds):
-                    break
-                sent += sum(self._share(src, layout, bucket) for src, (_, layout) in enumerate(rounds) if layout)
+            for layouts, bucket in owned_rounds(self.model, self.arch, self.spec, self.bucket_bytes, self.dtype):
+                sent += sum(self._share(src, layout, bucket) for src, layout in enumerate(layouts) if layout)
         return sent
 
     def close(self) -> None:

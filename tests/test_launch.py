@@ -519,3 +519,19 @@ def test_the_smoke_memory_check_holds_the_planner_to_its_stated_tolerance():
     script = (REPO / "launch" / "smoke_1gpu.sh").read_text()
     assert 'max(peaks) <= planned * tolerance' in script and 'plan["estimate_tolerance"]' in script
     assert "27 GB" not in script and ESTIMATE_TOLERANCE == 1.5
+
+
+def test_the_image_carries_vllm_in_its_own_python_and_the_vllm_configs_name_it():
+    """vLLM 0.33 pins another torch, fastapi and xgrammar than SGLang's image: its own environment
+    (/opt/vllm), which every GPU config on vLLM names as rollout.engine_python."""
+    import re
+
+    import yaml
+
+    docker = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG VLLM_VERSION=0\.33\.\d+$", docker, re.M) and "/opt/vllm/bin/python" in docker
+    vllm_configs = [p for p in (REPO / "configs").glob("qwen3_*.yaml")
+                    if (yaml.safe_load(p.read_text()).get("rollout") or {}).get("engine") == "vllm"]
+    assert len(vllm_configs) >= 2
+    for path in vllm_configs:
+        assert yaml.safe_load(path.read_text())["rollout"]["engine_python"] == "/opt/vllm/bin/python", path

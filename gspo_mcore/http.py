@@ -21,7 +21,8 @@ import urllib.error
 import urllib.request
 
 DETAIL_CHARS = 2000  # of a body that is not an error message (an HTML page); a message is quoted whole
-API_KEY_ENV = "GSPO_SGLANG_API_KEY"
+API_KEY_ENV = "GSPO_ENGINE_API_KEY"
+LEGACY_API_KEY_ENV = "GSPO_SGLANG_API_KEY"  # its name while SGLang was the only engine (job scripts may export it)
 
 
 class HTTPRequestError(Exception):
@@ -56,7 +57,7 @@ def error_detail(raw: bytes) -> str:
 
 def api_key_from_env() -> str | None:
     """The servers' API key the launch scripts hand a run (None: servers without one)."""
-    return os.environ.get(API_KEY_ENV) or None
+    return os.environ.get(API_KEY_ENV) or os.environ.get(LEGACY_API_KEY_ENV) or None
 
 
 def request_json(url: str, body: dict | None = None, timeout_s: float = 600.0, *, method: str = "POST",

@@ -6,7 +6,7 @@
 # Environment (set by the sbatch template): GSPO_NODES (all hostnames, space-separated, trainer
 # nodes first), GSPO_TRAINER_NODES (how many of them train), GSPO_NODE_RANK (this node's
 # index; default SLURM_NODEID), MASTER_ADDR, MASTER_PORT, GSPO_PYTHON, GSPO_BASE_PORT (30000), GSPO_SERVER_TIMEOUT,
-# GSPO_SGLANG_API_KEY (made per job by the template: the servers listen on all interfaces and
+# GSPO_ENGINE_API_KEY (made per job by the template: the servers listen on all interfaces and
 # take requests, weight loads included, only with it); GLOO_SOCKET_IFNAME and OMP_NUM_THREADS
 # (default: set by gspo_mcore.torchrun, see launch/README.md).
 # Rollout nodes (index >= GSPO_TRAINER_NODES) serve SGLang on all their GPUs; with no rollout
@@ -31,8 +31,10 @@ trap gspo_teardown EXIT INT TERM
 # Slurm's time-limit warning reaches every node (srun passes it on): the trainer nodes pass it to
 # their trainer (below); a rollout node keeps serving until training has ended.
 trap 'gspo_log "SIGUSR1: serving until the trainer has saved and stopped"' USR1
-if [[ -z ${GSPO_SGLANG_API_KEY:-} ]]; then
-    gspo_log "error: GSPO_SGLANG_API_KEY is not set (the sbatch template makes one per job): servers other nodes reach need it"
+GSPO_ENGINE_API_KEY=${GSPO_ENGINE_API_KEY:-${GSPO_SGLANG_API_KEY:-}}  # the key's name before vLLM, still read
+export GSPO_ENGINE_API_KEY
+if [[ -z ${GSPO_ENGINE_API_KEY:-} ]]; then
+    gspo_log "error: GSPO_ENGINE_API_KEY is not set (the sbatch template makes one per job): servers other nodes reach need it"
     exit 2
 fi
 

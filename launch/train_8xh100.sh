@@ -34,8 +34,8 @@ timeout=${GSPO_SERVER_TIMEOUT:-900}
 trap gspo_teardown EXIT INT TERM
 trap 'gspo_log "SIGUSR1 before training started: stopping"; exit 138' USR1
 # The servers take requests only with this run's key (the trainer sends it).
-GSPO_SGLANG_API_KEY=${GSPO_SGLANG_API_KEY:-$("$py" -c 'import secrets; print(secrets.token_hex(16))')}
-export GSPO_SGLANG_API_KEY
+GSPO_ENGINE_API_KEY=${GSPO_ENGINE_API_KEY:-$("$py" -c 'import secrets; print(secrets.token_hex(16))')}
+export GSPO_ENGINE_API_KEY
 
 # The planner's breakdown goes to stderr (this log); a refused plan stops here with its one-line error.
 plan=$("$py" -m gspo_mcore.plan --config "$config" --gpus-per-node "$gpus" --shell "$@")

@@ -74,7 +74,7 @@ def test_multi_node_sbatch_takes_config_output_and_overrides_as_arguments(tmp_pa
     assert srun["args"] == ["--kill-on-bad-exit=1", f"--output={out}/logs/node-%n-%j.out", "launch/node.sh",
                             "configs/qwen3_30b_a3b_gspo_2node.yaml", str(out), "train.steps=10"]
     assert srun["env"]["GSPO_NODES"] == "gpu-a gpu-b gpu-c" and srun["env"]["GSPO_TRAINER_NODES"] == "2"
-    assert srun["env"]["MASTER_ADDR"] == "gpu-a" and len(srun["env"]["GSPO_SGLANG_API_KEY"]) == 32
+    assert srun["env"]["MASTER_ADDR"] == "gpu-a" and len(srun["env"]["GSPO_ENGINE_API_KEY"]) == 32
     # Network names are the cluster's: none guessed (ib0 / mlx5 missed DGX H100's ibp* names).
     for name in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "GLOO_SOCKET_IFNAME"):
         assert name not in srun["env"] or srun["env"][name] == os.environ.get(name), name
@@ -271,7 +271,7 @@ def test_multi_node_split_rollout_node_stops_when_training_ends(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1 localhost",
            "GSPO_TRAINER_NODES": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "GSPO_BASE_PORT": str(free_port()), "GSPO_SERVER_TIMEOUT": "300", "GSPO_SGLANG_API_KEY": "split-key",
+           "GSPO_BASE_PORT": str(free_port()), "GSPO_SERVER_TIMEOUT": "300", "GSPO_ENGINE_API_KEY": "split-key",
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     args = ["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
             f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "train.steps=1", "train.save_every=0", "train.export_hf=false",
@@ -296,7 +296,7 @@ def test_multi_node_script_reports_the_planners_own_error(tmp_path, tiny_hf_dir)
     surface later as 'unbound variable')."""
     env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1",
            "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
-           "GSPO_SGLANG_API_KEY": "k", "PYTHONPATH": str(REPO)}
+           "GSPO_ENGINE_API_KEY": "k", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(tmp_path / "run"),
                            f"model.hf_dir={tiny_hf_dir}"], capture_output=True,
                           text=True, cwd=REPO, env=env, timeout=120)
@@ -343,7 +343,7 @@ def test_colocated_launch_refuses_an_exclusive_process_gpu(tmp_path, tiny_hf_dir
     env = {**_stand_in(tmp_path, "nvidia-smi", "    Compute Mode                          : Exclusive_Process"),
            "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "PYTHONPATH": str(REPO), "GSPO_NODES": "127.0.0.1",
            "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
-           "GSPO_SGLANG_API_KEY": "k"}
+           "GSPO_ENGINE_API_KEY": "k"}
     out = tmp_path / "run"
     proc = subprocess.run([f"launch/{script}", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={tiny_hf_dir}",
                            "weight_sync.colocate=true", "weight_sync.method=tensor"], capture_output=True, text=True,
@@ -535,3 +535,17 @@ def test_the_image_carries_vllm_in_its_own_python_and_the_vllm_configs_name_it()
     assert len(vllm_configs) >= 2
     for path in vllm_configs:
         assert yaml.safe_load(path.read_text())["rollout"]["engine_python"] == "/opt/vllm/bin/python", path
+
+
+def test_the_api_key_is_the_engines_and_its_old_name_is_still_read(monkeypatch):
+    """GSPO_ENGINE_API_KEY (either engine); a job script of an earlier version exporting
+    GSPO_SGLANG_API_KEY still reaches the run; the new name wins when both are set."""
+    from gspo_mcore.http import api_key_from_env
+
+    monkeypatch.delenv("GSPO_ENGINE_API_KEY", raising=False)
+    monkeypatch.setenv("GSPO_SGLANG_API_KEY", "old")
+    assert api_key_from_env() == "old"
+    monkeypatch.setenv("GSPO_ENGINE_API_KEY", "new")
+    assert api_key_from_env() == "new"
+    for script in ("launch/train_8xh100.sh", "launch/node.sh", "launch/slurm/gspo_multi_node.sbatch"):
+        assert "GSPO_ENGINE_API_KEY" in (REPO / script).read_text(), script

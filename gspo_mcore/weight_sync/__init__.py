@@ -6,7 +6,8 @@ bounded size, streamed. One interface, `WeightSync` (`push(version)`, `close()`)
 per path to the engine (gspo_mcore.engines: each speaks the engine's own endpoints and layout),
 chosen by `weight_sync.method` in `build`:
 - `DistributedWeightSync`: each rank that owns tensors broadcasts its buckets to the servers
-  over its own process group (NCCL on GPUs, gloo on CPU) inside the engine's weight-update session;
+  over its own process group (NCCL on GPUs, gloo on CPU) inside the engine's weight-update session
+  (an engine that takes one sender, vLLM: every bucket through rank 0);
 - `TensorWeightSync` (colocated): each server TP rank reads every bucket from the trainer rank
   on its own GPU (CUDA IPC);
 - `DiskWeightSync`: an HF checkpoint on a shared file system that every server loads.

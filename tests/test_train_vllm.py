@@ -42,9 +42,13 @@ def test_the_cpu_default_on_vllm_learns(vllm_toy, tmp_path):
 
 def test_async_on_vllm_spans_versions_within_the_bound_and_regenerates_nothing(vllm_toy, tmp_path):
     """200-token responses: a push lands while groups are generating; their requests keep their
-    tokens (pause keep), continue under the new weights and carry each token's version."""
+    tokens (pause keep), continue under the new weights and carry each token's version. At most
+    32 run at once, so a batch takes longer to generate than a step to train and requests are in
+    flight at every push (with 128 at once a loaded machine trained slower than the server
+    generated: no push met a request)."""
     out = tmp_path / "run"
     _train(out, [*_task(vllm_toy), "rollout.mode=async", "rollout.max_new_tokens=200", "train.steps=3",
+                 "rollout.max_running_requests=32",
                  "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=1", "reward.norm=group",
                  "train.max_tokens_per_microbatch=4096"], config=CONFIG, timeout=900)
     rows = _metrics(out)

@@ -81,6 +81,21 @@ def test_the_sync_checks_probe_is_the_models_prompt_logprobs(engine, models):
     assert max(abs(x - y) for x, y in zip(values, reference(a, PROMPTS[0]))) < 1e-5
 
 
+def _wait_until_running(url: str, requests: int) -> None:
+    """Until the server decodes `requests` requests (its Prometheus gauge vllm:num_requests_running)."""
+    import re
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        running = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+        if running and float(running.group(1)) >= requests:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{url}: fewer than {requests} requests running after 60 s")
+
+
 def test_a_response_across_a_load_is_each_tokens_version_token_by_token(engine, models):
     """Requests in flight when the weights change (pause keeping their tokens, a load, resume):
     the tokens answered before the pause are version 0's, the rest version 1's, computed again
@@ -95,8 +110,9 @@ def test_a_response_across_a_load_is_each_tokens_version_token_by_token(engine, 
         PROMPTS, {"max_new_tokens": 300, "temperature": 1.0}, seeds=[4, 5, 6], oldest_version=0)))
     try:
         worker.start()
-        time.sleep(0.4)  # some tokens out (~2.5 ms a token here)
-        engine.pause(keep_tokens=True)
+        _wait_until_running(engine.urls[0], len(PROMPTS))
+        time.sleep(0.05)  # some tokens out (~2.5 ms a token here; a fixed 0.4 s from the start was
+        engine.pause(keep_tokens=True)  # too late under the suite's load: all 300 before the pause)
         engine.load_from_disk(b, "step-1")
         engine.resume()
         worker.join(timeout=120)

@@ -148,9 +148,11 @@ class Engine(ABC):
         """One bucket of (name, tensor) in the engine's dtype, packed as `flat` (`pack_bucket`, its
         data landed), to every server of `groups` ((url, name, group) each), over the groups."""
 
-    @abstractmethod
     def pack_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """The bucket as the one flat byte tensor the engine reads (a colocated push shares it)."""
+        """The bucket as the one flat byte tensor the engine reads (a colocated push shares it):
+        the tensors' bytes, concatenated in order, which both engines read (SGLang's
+        "flattened_bucket", vLLM's packed format: packed_tensor.pack_tensors)."""
+        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
 
     @abstractmethod
     def prepare_sharing(self, on_gpu: bool) -> None:

@@ -210,10 +210,6 @@ class SGLangEngine(Engine):
                 dist.broadcast(flat, group_src=0, group=group)
                 answer.result()
 
-    def pack_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """SGLang's "flattened_bucket" layout: the tensors' bytes, concatenated in order."""
-        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
-
     def prepare_sharing(self, on_gpu: bool) -> None:
         if on_gpu:
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions

@@ -277,10 +277,6 @@ class VLLMEngine(Engine):
                 nccl.broadcast(comm, flat)
                 answer.result()
 
-    def pack_bucket(self, bucket) -> torch.Tensor:
-        """The packed wire format (packed_tensor.pack_tensors): each tensor's bytes, in order."""
-        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
-
     # ---------------------------------------------------------------- CUDA IPC (colocated)
     def prepare_sharing(self, on_gpu: bool) -> None:
         if not on_gpu:

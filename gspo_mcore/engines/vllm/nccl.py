@@ -43,7 +43,10 @@ def library() -> str | None:
     """The libnccl this trainer's torch loads (the nvidia-nccl wheel), for the servers to load the
     same (VLLM_NCCL_SO_PATH: NCCL refuses to connect ranks of different versions); None if torch
     carries no such wheel."""
-    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except ModuleNotFoundError:  # no nvidia namespace package at all
+        return None
     for folder in (spec.submodule_search_locations or []) if spec else []:
         path = Path(folder) / "lib" / "libnccl.so.2"
         if path.is_file():

@@ -35,7 +35,8 @@ def run(engine: str, out: Path, steps: int, smoke: bool) -> dict:
     config, head_dim = ENGINES[engine]
     task = make_toy_task(out / f"{engine}_toy", seed=0, head_dim=head_dim)
     overrides = [f"model.hf_dir={task / 'model'}", f"data.path={task / 'prompts.jsonl'}", f"train.steps={steps}",
-                 "train.save_every=0", "train.export_hf=false", "train.log_samples_every=0"]
+                 "train.save_every=0", "train.save_final=false", "train.export_hf=false",
+                 "train.log_samples_every=0"]
     if smoke:
         overrides.append("eval.datasets=[]")
     else:

@@ -91,14 +91,17 @@ def vllm_server(model_dir, log, **options):
     return ManagedServer(cmd, f"http://127.0.0.1:{port}", log, env=server_env())
 
 
-def run_module(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run `python -m ...` (nproc 1) or `torchrun --nproc_per_node N -m ...`; fail with its log."""
+def run_module(args: list[str], nproc: int = 1, timeout: int = 300, warnings: bool = False) -> subprocess.CompletedProcess:
+    """Run `python -m ...` (nproc 1) or `torchrun --nproc_per_node N -m ...`; fail with its log.
+    `warnings`: Python's own warning display, as a user runs it (else PYTHONWARNINGS=ignore)."""
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if warnings:
+        del env["PYTHONWARNINGS"]
     # Output through files, not pipes: a daemon the job leaves behind (torch_shm_manager, kept
     # by a server that mapped shared tensors) would hold a pipe open and block the read.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:

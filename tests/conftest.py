@@ -79,8 +79,9 @@ def vllm_toy(tmp_path_factory):
     return make_toy_task(tmp_path_factory.mktemp("vllm_toy") / "task", seed=0, head_dim=64)
 
 
-def vllm_server(model_dir, log, **options):
-    """A float32 vLLM server (.venv-vllm) of `model_dir`, as a run would start it."""
+def vllm_server(model_dir, log, env: dict | None = None, **options):
+    """A float32 vLLM server (.venv-vllm) of `model_dir`, as a run would start it; `env`: variables
+    added to its environment."""
     from gspo_mcore.engines.vllm.server import server_env, vllm_command
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
@@ -88,7 +89,7 @@ def vllm_server(model_dir, log, **options):
     port = free_port()
     cmd = vllm_command(str(model_dir), port, python=str(REPO / ".venv-vllm" / "bin" / "python"), dtype="float32",
                        **options)
-    return ManagedServer(cmd, f"http://127.0.0.1:{port}", log, env=server_env())
+    return ManagedServer(cmd, f"http://127.0.0.1:{port}", log, env={**server_env(), **(env or {})})
 
 
 def run_module(args: list[str], nproc: int = 1, timeout: int = 300, warnings: bool = False) -> subprocess.CompletedProcess:

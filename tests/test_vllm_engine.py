@@ -31,8 +31,12 @@ def models(vllm_toy, tmp_path_factory):
 def engine(models, tmp_path_factory):
     from gspo_mcore.engines.vllm.engine import VLLMEngine
 
+    # Decoding at least 50 ms a step (tests/slow_decode.py, no CPU spent): the token-by-token test's
+    # pause lands mid-response however loaded the machine (at ~2.5 ms a token, all 300 tokens of a
+    # response once came before it in the suite).
     with vllm_server(models[0], tmp_path_factory.mktemp("vllm_logs") / "vllm.log", max_running_requests=16,
-                     max_total_tokens=8192) as managed:
+                     max_total_tokens=8192, extra_args=("--logits-processors", "tests.slow_decode:SlowDecode"),
+                     env={"SLOW_DECODE_DELAY_S": "0.05"}) as managed:
         yield VLLMEngine([managed.url], timeout_s=120)
 
 
@@ -111,8 +115,8 @@ def test_a_response_across_a_load_is_each_tokens_version_token_by_token(engine, 
     try:
         worker.start()
         _wait_until_running(engine.urls[0], len(PROMPTS))
-        time.sleep(0.05)  # some tokens out (~2.5 ms a token here; a fixed 0.4 s from the start was
-        engine.pause(keep_tokens=True)  # too late under the suite's load: all 300 before the pause)
+        time.sleep(0.3)  # some tokens out (>= 50 ms a token: the module's server decodes slowly)
+        engine.pause(keep_tokens=True)
         engine.load_from_disk(b, "step-1")
         engine.resume()
         worker.join(timeout=120)

@@ -11,6 +11,7 @@ import time
 
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
+
 class SlowDecode(LogitsProcessor):
     def __init__(self, vllm_config, device, is_pin_memory) -> None:
         self.delay_s = float(os.environ.get("SLOW_DECODE_DELAY_S", "0.4"))  # per decoding step of the batch

@@ -308,6 +308,15 @@ class TrainConfig:
     """Token budget per microbatch per GPU (padded length x sequences); a longer sequence goes alone."""
     recompute_old_logprobs: bool = False
     """Comparison runs: pi_old from a trainer forward instead of the engine's log-probs."""
+    strict_exactness: Literal["auto", "true", "false"] = "auto"
+    """Stop the run when a sequence's train-inference mismatch at theta_old (per-sequence
+    |log s_i| over the tokens the current weights generated) exceeds
+    `strict_exactness_tolerance`, writing the offending sequences to
+    OUTPUT_DIR/logs/exactness_*.json. `auto`: on when the engine and the trainer both compute in
+    float32 (rollout.engine_dtype and model.dtype), where the two agree to ~1e-6; `true` forces
+    it (a bf16 engine's mismatch is ~1e-3: it fires); `false` off. On, every step forwards the
+    whole batch once at theta_old (none more when pi_old or pi_prox is recomputed anyway)."""
+    strict_exactness_tolerance: float = 1e-4
     routing_replay: bool = False
     """Comparison runs (R3): the trainer's MoE routers take the engine's routed experts in
     forward and backward (megatron-core's RouterReplay) instead of routing freely. Needs
@@ -443,6 +452,8 @@ class Config:
                 raise ConfigError(f"loss.{name}: must be >= 0")
         if self.rollout.temperature <= 0:
             raise ConfigError("rollout.temperature: must be > 0 (greedy decoding has no log-probs to train on)")
+        if self.train.strict_exactness_tolerance <= 0:
+            raise ConfigError("train.strict_exactness_tolerance: must be > 0")
         if self.train.keep_checkpoints < 0:
             raise ConfigError("train.keep_checkpoints: must be >= 0")
         return self
@@ -453,6 +464,13 @@ class Config:
         if self.weight_sync.check_tolerance is not None:
             return self.weight_sync.check_tolerance
         return {"float32": 0.01, "bfloat16": 0.2}[self.rollout.engine_dtype]
+
+    @property
+    def strict(self) -> bool:
+        """train.strict_exactness resolved: `auto` is on where both sides compute in float32."""
+        if self.train.strict_exactness == "auto":
+            return self.model.dtype == "float32" and self.rollout.engine_dtype == "float32"
+        return self.train.strict_exactness == "true"
 
     @property
     def horizon(self) -> int:
@@ -473,6 +491,8 @@ def _convert(tp, value, where: str):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(tp, value, where)
     if origin is Literal:
+        if isinstance(value, bool) and str(value).lower() in args:  # YAML's true/false for "true"/"false"
+            value = str(value).lower()
         if value not in typing.get_args(tp):
             raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
         return value

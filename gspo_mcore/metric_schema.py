@@ -112,6 +112,9 @@ SCHEMA: tuple[Metric, ...] = (
           counted_by="mismatch_num_sequences"),
     _loss("mismatch_abs_log_ratio_max", "max", "largest per-sequence mismatch there", scope="first",
           counted_by="mismatch_num_sequences"),
+    Metric("exactness_abs_log_ratio_max", "train.strict_exactness: the largest per-sequence mismatch over the "
+           "whole batch at theta_old (fresh tokens, float64 on the host; past train.strict_exactness_tolerance the "
+           "run stops); null when the check is off", update=True),
     _loss("mismatch_token_abs_log_ratio_mean", "tokens", "per-token mismatch there", scope="first",
           counted_by="mismatch_num_tokens"),
     _loss("mismatch_out_of_band_fraction", "sequences", "share of sequences whose engine ratio is outside the "

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gspo_mcore import engines, plan, run_config, weight_sync
+from gspo_mcore import engines, exactness, plan, run_config, weight_sync
 from gspo_mcore.checkpointing import Checkpointer, FunctionState, MegatronState, SchedulerState
 from gspo_mcore.config import Config
 from gspo_mcore.errors import EngineError, InputError
@@ -178,7 +178,8 @@ class Trainer:
             metrics = dict(batch.metrics)
             metrics["routing_mb_per_rank_max"] = None
             if config.rollout.return_routed_experts:
-                wanted = self.learner.routing_wanted(batch.rollouts, step, self._recompute(batch))
+                # Every rollout when the batch is forwarded whole first (pi_old / pi_prox, the strict check).
+                wanted = self.learner.routing_wanted(batch.rollouts, step, self._recompute(batch) or config.strict)
                 metrics["routing_mb_per_rank_max"] = deliver_routing(batch, routing, wanted,
                                                                      self.learner.routers.layers)
         with timed(timings, "time_train_s"):
@@ -233,9 +234,19 @@ class Trainer:
     def _update(self, batch: Batch, step: int) -> dict:
         """The learner's update. A batch that spans weight versions (its `stale` marks): decoupled
         GSPO, pi_prox (this step's weights) from a forward of the batch (loss.proximal); else pi_old
-        is the engine's log-probs (or recomputed: train.recompute_old_logprobs)."""
+        is the engine's log-probs (or recomputed: train.recompute_old_logprobs). Strict exactness
+        (Config.strict): that forward, or one of its own, compared with the engine's log-probs
+        first (gspo_mcore.exactness: every rank the same verdict, rank 0 writes the evidence)."""
         old = self.learner.recompute_old_logprobs(batch.rollouts) if self._recompute(batch) else None
-        return self.learner.update(batch.rollouts, batch.advantages, step, old, batch.stale, batch.routed_by_older)
+        strict = {}
+        if self.config.strict:  # before the update: theta_old
+            at_old = old if old is not None else self.learner.recompute_old_logprobs(batch.rollouts)
+            strict["exactness_abs_log_ratio_max"] = exactness.check(
+                batch.rollouts, at_old, batch.stale, step=step, version=self.version,
+                tolerance=self.config.train.strict_exactness_tolerance, log_dir=self.output_dir / "logs",
+                write=self.rank == 0)
+        return {**self.learner.update(batch.rollouts, batch.advantages, step, old, batch.stale,
+                                      batch.routed_by_older), **strict}
 
     def _recompute(self, batch: Batch) -> bool:
         """Whether the trainer forwards the batch before its update: pi_old recomputed

@@ -28,6 +28,7 @@ class Segment:
     # The engine's routed experts for this turn's whole request (rollout.return_routed_experts):
     # every token before the turn's last, the earlier turns and environment tokens included.
     routed_experts: np.ndarray | None = None
+    origin: tuple[str, ...] = ()  # the request of a model segment (Rollout.origin)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Trajectory:
     def add_model(self, rollout: Rollout) -> None:
         """A model turn as the engine returned it (gspo_mcore.engines.client.EngineClient.generate_one)."""
         self.segments.append(Segment(list(rollout.response_ids), True, list(rollout.logprobs), rollout.token_versions,
-                                     rollout.routed_experts))
+                                     rollout.routed_experts, rollout.origin))
         self.weight_version, self.finish_reason = rollout.weight_version, rollout.finish_reason
 
     def add_environment(self, token_ids: list[int]) -> None:
@@ -77,7 +78,8 @@ def to_rollout(trajectory: Trajectory, name: str = "") -> Rollout:
         raise RolloutError(f"trajectory {name}: no model tokens")
     return Rollout(list(trajectory.prompt_ids), response, logprobs, trajectory.finish_reason, trajectory.weight_version,
                    routed_experts=_routing(trajectory, len(trajectory.prompt_ids) + len(response), name),
-                   token_versions=_fill_versions(versions) if tagged else (), loss_mask=tuple(mask))
+                   token_versions=_fill_versions(versions) if tagged else (), loss_mask=tuple(mask),
+                   origin=tuple(o for s in trajectory.segments for o in s.origin))
 
 
 def _routing(trajectory: Trajectory, num_tokens: int, name: str) -> np.ndarray | None:

@@ -170,7 +170,7 @@ def test_generate_client_errors(url):
 
 def test_engine_control_errors(url):
     control = SGLangEngine([url], timeout_s=5)
-    assert control.call(url, "/flush_cache") == {}
+    assert control.call(url, "/flush_cache") == {"text": "Cache flushed.\n"}
     assert control.tp_size(url) == 2
     with pytest.raises(WeightSyncError, match=f"^server {url}/refused: HTTP 400: outside a weight-update session$"):
         control.call(url, "/refused")

@@ -15,13 +15,9 @@ from test_train import _metrics, _toy_overrides, _train
 pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
 
 
-def test_engine_routing_compared_and_replayed(toy, tmp_path):
-    """A bf16 engine returns each token's routed experts. Compared with the trainer's free router
-    on the first minibatch (TP=2 + sequence parallel: each rank compares its slice of the
-    sequence), a few (token, layer) pairs differ: bf16 rounding flips near-ties, a wrong token
-    order would differ almost everywhere. Replayed (EP=2), the routers take the engine's choice:
-    none differ. The free run also sizes its later minibatches' band from the mismatch it
-    measured on the first (loss.band_from_mismatch), which a bf16 engine puts far above 4e-4."""
+@pytest.fixture(scope="module")
+def bf16_server(toy, tmp_path_factory):
+    """A bf16 engine of the toy model that returns each token's routed experts."""
     from gspo_mcore.netaddr import free_port
     from gspo_mcore.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
@@ -30,17 +26,56 @@ def test_engine_routing_compared_and_replayed(toy, tmp_path):
     port = free_port()
     cmd = sglang_command(str(toy / "model"), port, dtype="bfloat16", max_running_requests=128,
                          extra_args=("--disable-radix-cache", "--enable-return-routed-experts"))
+    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("bf16") / "sglang.log",
+                       env=server_env()) as managed:
+        yield managed.url
+
+
+@pytest.mark.xdist_group("bf16_server")
+def test_strict_exactness_stops_a_bf16_engine_run_with_its_evidence(toy, bf16_server, tmp_path):
+    """train.strict_exactness forced on with a bf16 engine (its mismatch ~1e-3 per sequence, past
+    the 1e-4 tolerance): the first step stops the run before its update, with one line (exit 3,
+    no traceback) naming the step, the worst sequence's requests and the evidence file, which
+    holds every offending sequence's tokens, both sides' log-probs and requests."""
+    import os
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
+                           "--output-dir", str(out), *_toy_overrides(toy), f"rollout.urls=[{bf16_server}]",
+                           "rollout.engine_dtype=bfloat16", "train.strict_exactness=true", "train.steps=2",
+                           "train.save_every=0", "weight_sync.check_every=0"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    evidence = out / "logs" / "exactness_step_000001.json"
+    assert last.startswith("error: strict exactness") and "step 1:" in last and str(evidence) in last, last
+    assert f"from {bf16_server} rid=" in last and "Traceback" not in proc.stderr
+    found = json.loads(evidence.read_text())
+    assert found["step"] == 1 and found["trained_version"] == "step-0" and found["sequences"]
+    for seq in found["sequences"]:
+        assert seq["abs_log_ratio"] > 1e-4 and len(seq["requests"]) == 1 and seq["requests"][0].startswith(bf16_server)
+        assert len(seq["engine_logprobs"]) == len(seq["trainer_logprobs"]) == len(seq["response_ids"])
+    assert not (out / "checkpoints").exists()  # stopped before any update
+
+
+@pytest.mark.xdist_group("bf16_server")
+def test_engine_routing_compared_and_replayed(toy, bf16_server, tmp_path):
+    """A bf16 engine returns each token's routed experts. Compared with the trainer's free router
+    on the first minibatch (TP=2 + sequence parallel: each rank compares its slice of the
+    sequence), a few (token, layer) pairs differ: bf16 rounding flips near-ties, a wrong token
+    order would differ almost everywhere. Replayed (EP=2), the routers take the engine's choice:
+    none differ. The free run also sizes its later minibatches' band from the mismatch it
+    measured on the first (loss.band_from_mismatch), which a bf16 engine puts far above 4e-4."""
     common = [*_toy_overrides(toy), "rollout.return_routed_experts=true", "train.steps=1", "train.save_every=0",
-              "train.export_hf=false", "weight_sync.check_every=0"]
-    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "sglang.log", env=server_env()) as managed:
-        _train(tmp_path / "free", [*common, f"rollout.urls=[{managed.url}]", "distributed.tensor_parallel=2",
-                                   "loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"], nproc=2)
-        _train(tmp_path / "replay", [*common, f"rollout.urls=[{managed.url}]", "distributed.expert_parallel=2",
-                                     "train.routing_replay=true"], nproc=2)
-        # Each stage gets its own layers' routing only (gspo_mcore.routing_delivery): replayed
-        # at the wrong layer, the second stage's routers would differ from the engine's.
-        _train(tmp_path / "replay_pp", [*common, f"rollout.urls=[{managed.url}]", "distributed.pipeline_parallel=2",
-                                        "train.routing_replay=true"], nproc=2)
+              "train.export_hf=false", "weight_sync.check_every=0", f"rollout.urls=[{bf16_server}]",
+              "rollout.engine_dtype=bfloat16"]
+    _train(tmp_path / "free", [*common, "distributed.tensor_parallel=2",
+                               "loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"], nproc=2)
+    _train(tmp_path / "replay", [*common, "distributed.expert_parallel=2", "train.routing_replay=true"], nproc=2)
+    # Each stage gets its own layers' routing only (gspo_mcore.routing_delivery): replayed
+    # at the wrong layer, the second stage's routers would differ from the engine's.
+    _train(tmp_path / "replay_pp", [*common, "distributed.pipeline_parallel=2", "train.routing_replay=true"], nproc=2)
     free, replay, replay_pp = (_metrics(tmp_path / name) for name in ("free", "replay", "replay_pp"))
     assert all(len(r["routing_mismatch_fraction_per_layer"]) == 4 for r in free + replay + replay_pp)
     assert 0 < sum(r["routing_mismatch_fraction"] for r in free) / len(free) < 0.2

@@ -4,7 +4,9 @@ bytes by gspo_mcore.engines.sglang.response)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import uuid
 
 from gspo_mcore.engines.client import Aborted, EngineClient, RetryableError
 from gspo_mcore.engines.sglang.response import decode_generate_body, parse_generate_response
@@ -25,16 +27,22 @@ class SGLangClient(EngineClient):
 
     async def request(self, url: str, index, prompt_ids: list[int], sampling_params: dict,
                       weight_version: str | None, oldest_version: int | None) -> Rollout:
+        # Our own request id (one per attempt: SGLang refuses a duplicate in flight), so a response
+        # can be found in the server's log (Rollout.origin).
+        rid = uuid.uuid4().hex
         body = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True,
-                "logprob_start_len": -1}
+                "logprob_start_len": -1, "rid": rid}
         if self.routing_shape is not None:
             body["return_routed_experts"] = True
         payload = await self._post(url, body)
         meta = payload.get("meta_info", {})
         if (meta.get("finish_reason") or {}).get("type") == "abort":
             raise Aborted(int(meta.get("completion_tokens") or 0))
-        return parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version,
-                                       self.routing_shape, oldest_version)
+        rollout = parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version,
+                                          self.routing_shape, oldest_version)
+        origin = (f"{url} rid={rid} retractions={meta.get('num_retractions', '?')} "
+                  f"cached_tokens={meta.get('cached_tokens', '?')}")
+        return dataclasses.replace(rollout, origin=(origin,))
 
     async def _post(self, url: str, body: dict) -> dict:
         try:

@@ -22,6 +22,10 @@ from gspo_mcore.netaddr import address_towards, listening_store
 GB = 2**30
 
 
+def _status_ok(answer: dict) -> bool:
+    return answer.get("status") == "ok"
+
+
 class SGLangEngine(Engine):
     name = "sglang"
     # A request paused in "retract" mode is prefilled again under the new weights when it continues
@@ -51,13 +55,21 @@ class SGLangEngine(Engine):
 
     # ---------------------------------------------------------------- HTTP
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
-        """POST `body` as JSON to url+path; the answer as a dict ({} for a plain-text 200)."""
+        """POST `body` as JSON to url+path; the answer as a dict ({"text": ...} for a plain-text 200)."""
         answer = self._request(url, path, body, "POST")
         if isinstance(answer, str):
-            return {}  # /flush_cache answers with text
+            return {"text": answer}  # /flush_cache answers with text
         if isinstance(answer, dict) and answer.get("success") is False:
             raise WeightSyncError(f"server {url}{path}: {answer.get('message', answer)}")
         return answer if isinstance(answer, dict) else {"result": answer}
+
+    def on_all_checked(self, path: str, body: dict | None, accepted, expected: str) -> None:
+        """`on_all`, where each server's answer is a precondition of exactness: an answer that
+        `accepted` refuses is an error naming the server and what it said (a refusal SGLang
+        answers with 200, e.g. a flush skipped for pending requests, must not pass silently)."""
+        for url, answer in zip(self.urls, self.on_all(path, body)):
+            if not accepted(answer):
+                raise WeightSyncError(f"server {url}{path}: {expected}, answered {str(answer)[:300]!r}")
 
     def on_all(self, path: str, body: dict | None = None) -> list[dict]:
         """The same call on every server at once (a weight-update step must reach all of them)."""
@@ -137,12 +149,16 @@ class SGLangEngine(Engine):
         open. Otherwise they are aborted (mode `abort`: TokenizerManager.pause_generation aborts
         all and waits until none runs) and the client starts them over. Either way weight loads
         then need no wait."""
-        self.on_all("/pause_generation", {"mode": "retract" if keep_tokens else "abort"})
+        # SGLang 0.5.23 (entrypoints/http_server.py pause_generation / continue_generation) answers
+        # {"message": ..., "status": "ok"} once the scheduler has retracted (or aborted) everything.
+        self.on_all_checked("/pause_generation", {"mode": "retract" if keep_tokens else "abort"}, _status_ok,
+                            "expected status ok (generation paused)")
 
     def resume(self) -> None:
         """Retracted requests are prefilled again (prompt + the tokens so far, under the new
         weights; the earlier tokens keep their log-probs) and continue."""
-        self.on_all("/continue_generation", {"torch_empty_cache": False})
+        self.on_all_checked("/continue_generation", {"torch_empty_cache": False}, _status_ok,
+                            "expected status ok (generation continued)")
 
     # ---------------------------------------------------------------- colocated memory
     def release_memory(self) -> None:
@@ -157,10 +173,21 @@ class SGLangEngine(Engine):
         self.on_all("/begin_weight_update")
 
     def end_update(self, weight_version: str) -> None:
-        self.on_all("/end_weight_update")
-        # Only between rollouts: never abort requests (there are none when the trainer syncs).
-        self.on_all("/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
-        self.on_all("/flush_cache")  # KV/prefix cache entries of the old weights
+        """Close the session, tag what comes next `weight_version`, drop the prefix cache: each
+        answer checked, each a precondition of the engine's log-probs being the new weights'
+        (SGLang 0.5.23: end_weight_update {"success": true}; update_weight_version {"success": true,
+        "new_version": V}; /flush_cache's text "Cache flushed..." with 200, 400 when
+        Scheduler.flush_cache found requests running, which `_request` raises)."""
+        self.on_all_checked("/end_weight_update", None, lambda a: a.get("success") is True,
+                            "expected success true (weight-update session closed)")
+        # Requests in flight (asynchronous modes: paused, retracted) keep going: never abort them.
+        self.on_all_checked("/update_weight_version", {"new_version": weight_version, "abort_all_requests": False},
+                            lambda a: a.get("success") is True and a.get("new_version") == weight_version,
+                            f"expected success true and new_version {weight_version!r}")
+        # Cached prefixes hold KV of the old weights. While paused (retract mode) SGLang flushes
+        # with retracted requests waiting (Scheduler.is_fully_idle(ignore_waiting=paused)).
+        self.on_all_checked("/flush_cache", None, lambda a: a.get("text", "").startswith("Cache flushed"),
+                            "expected 'Cache flushed'")
 
     def load_from_disk(self, hf_dir, weight_version: str) -> None:
         """The load flushes the server's cache and tags what it generates from now on."""

@@ -20,7 +20,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS} \
     MAX_JOBS=16
 
-RUN apt-get update && apt-get install -y --no-install-recommends curl git shellcheck \
+RUN apt-get update && apt-get install -y --no-install-recommends curl git shellcheck bubblewrap libseccomp2 \
     && rm -rf /var/lib/apt/lists/*
 
 # Transformer Engine, built against the image's torch (grouped GEMM for the MoE experts). Its

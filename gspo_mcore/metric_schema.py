@@ -66,23 +66,35 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("trainable_tokens", "response tokens the loss trains on (the model's; a multi-turn trajectory's "
            "environment tokens are not)"),
     Metric("env_token_fraction", "share of the tokens after the prompt an environment inserted (multi-turn)"),
-    Metric("turns_mean", "model turns per trajectory (multi-turn rollout functions; null otherwise)"),
+    Metric("turns_mean", "model turns per trajectory (multi-turn rollout functions; null otherwise)",
+           printed="turns {:.1f}"),
     Metric("tool_calls_mean", "tool calls per trajectory (rollout.tools)"),
-    Metric("tool_errors", "tool calls that raised, returned no text or were malformed"),
+    Metric("tool_errors", "tool calls that raised, returned no text or were malformed", printed="tool errors {:.0f}"),
     Metric("tool_timeouts", "tool calls stopped at rollout.tool_timeout_s"),
     Metric("reward_errors", "responses whose reward raised (scored 0)"),
     Metric("reward_timeouts", "responses whose reward exceeded reward.timeout_s (scored 0)"),
+    # ---- the code reward (gspo_mcore.rewards.code; null for other rewards)
+    Metric("code_tests_run", "tests run in the sandbox this step (every round, hack checks included)"),
+    Metric("code_sandbox_s", "seconds in the sandbox this step, summed over the reward workers"),
+    Metric("code_tests_per_s", "tests per second of sandbox time (one worker's throughput)"),
+    Metric("code_infrastructure_errors", "responses whose sandbox failed (never a pass; counted in reward_errors)"),
+    Metric("code_timeouts", "tests stopped at their time limit"),
+    Metric("code_no_program", "responses without a fenced code block (scored 0)"),
+    Metric("code_hack_rate", "of the responses checked (1/8 of those that pass their training subset), the share "
+           "that fails another test; null when none was checked"),
     Metric("samples", "responses trained on this step"),
     Metric("tokens_generated", "response tokens generated for this step, every round, groups kept or not"),
     # ---- the loss's figures, combined exactly over microbatches and ranks
-    _loss("loss", "sum", "the GSPO loss (+ KL, - entropy bonus), mean over the step's optimizer steps",
-          scope="per_step"),
+    _loss("loss", "sum", "the policy loss of loss.function (+ KL, - entropy bonus), mean over the step's optimizer "
+          "steps", scope="per_step"),
     _loss("kl", "sum", "the KL term (before its coefficient), mean over optimizer steps; null when off",
           scope="per_step"),
     _loss("entropy", "tokens", "policy entropy per response token; null unless loss.log_entropy or entropy_coef"),
     _loss("num_tokens", "sum", "response tokens in the loss, summed over optimizer steps"),
     _loss("num_sequences", "sum", "sequences with response tokens in the loss, summed over optimizer steps"),
-    _loss("clip_fraction", "tokens", "share of response tokens whose ratio the clip stopped", printed="clip {:.3f}",
+    _loss("clip_fraction", "tokens", "share of response tokens whose ratio the clip stopped (gmpo: its log-space "
+          "token clip; cispo: whose importance weight was truncated, its gradient kept; sapo: null, no clip)",
+          printed="clip {:.3f}",
           figure="clip_fraction", label="clipped share of response tokens"),
     _loss("clip_fraction_low", "tokens", "... below 1 - clip_low (negative advantage)"),
     _loss("clip_fraction_high", "tokens", "... above 1 + clip_high (positive advantage)"),
@@ -117,8 +129,18 @@ SCHEMA: tuple[Metric, ...] = (
            "run stops); null when the check is off", update=True),
     _loss("mismatch_token_abs_log_ratio_mean", "tokens", "per-token mismatch there", scope="first",
           counted_by="mismatch_num_tokens"),
+    _loss("mismatch_kl", "tokens", "KL(pi_engine || pi_trainer) per response token there (k3 estimate on the "
+          "engine's samples)", scope="first", counted_by="mismatch_num_tokens"),
     _loss("mismatch_out_of_band_fraction", "sequences", "share of sequences whose engine ratio is outside the "
           "configured clip band there", scope="first", counted_by="mismatch_num_sequences"),
+    # loss.mismatch_correction's figures, from its weights pi_trainer(theta_old) / pi_engine (sync only).
+    _loss("mismatch_weight_mean", "tokens", "mean importance weight of loss.mismatch_correction over response "
+          "tokens, first minibatch; null when off", scope="first", counted_by="mismatch_num_tokens"),
+    _loss("mismatch_truncated_fraction", "tokens", "token_tis: share of response tokens whose weight was truncated "
+          "at loss.mismatch_threshold; null otherwise", scope="first", counted_by="mismatch_num_tokens"),
+    _loss("mismatch_masked_fraction", "sequences", "sequence_mis: share of sequences masked (their ratio outside "
+          "[1/C, C], C = loss.mismatch_threshold); null otherwise", scope="first",
+          counted_by="mismatch_num_sequences"),
     _loss("behavior_weight_mean", "sequences", "asynchronous modes: mean per-sequence behaviour weight "
           "pi_prox / pi_engine over stale tokens (decoupled GSPO); null in sync"),
     _loss("behavior_weight_truncated_fraction", "sequences", "... share of sequences whose weight hit "
@@ -154,8 +176,8 @@ SCHEMA: tuple[Metric, ...] = (
            asynchronous=True),
     Metric("version_span_max", "the most weight versions one response spans", asynchronous=True),
     Metric("trainer_wait_s", "time the trainer waited for its batch", asynchronous=True),
-    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="| idle: trainer {:.2f}",
-           asynchronous=True, figure="idle", label="idle share of the step: trainer"),
+    Metric("trainer_idle_fraction", "trainer_wait_s / time_step_s", printed="| trainer idle {:.2f}",
+           asynchronous=True, figure="idle", label="trainer"),
     Metric("engine_idle_fraction", "1 - the servers' mean time with a request in flight (not paused) / wall time "
            "since the previous batch", printed="engine idle {:.2f}", figure="idle", label="engine"),
     Metric("tokens_regenerated", "tokens generated, then thrown away because a push aborted their request "

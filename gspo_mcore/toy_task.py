@@ -32,7 +32,8 @@ from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 # The CPU tasks the shipped configs train, by the directory those configs read them from
 # (model/ and prompts.jsonl): a run that finds them missing is told the command that writes them.
 TASK_WRITERS = {"outputs/demo/toy": "gspo_mcore.toy_task", "outputs/long_task": "gspo_mcore.long_task",
-                "outputs/agent_task": "gspo_mcore.agent_task", "outputs/vllm_toy": "gspo_mcore.toy_task --head-dim 64"}
+                "outputs/agent_task": "gspo_mcore.agent_task", "outputs/vllm_toy": "gspo_mcore.toy_task --head-dim 64",
+                "outputs/code_task": "gspo_mcore.code_task"}
 CATEGORIES = ("color", "animal", "fruit", "number")
 EVAL_PROMPTS = 64
 WORDS_PER_CATEGORY = 60

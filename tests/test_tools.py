@@ -146,6 +146,13 @@ def test_a_hung_tool_times_out_and_its_worker_is_replaced(runner):
     assert runner.take_stats() == ToolStats(calls=5, timeouts=1)
 
 
+def test_tool_workers_run_in_sessions_of_their_own(runner):
+    """Out of reach of the terminal's Ctrl-C to the trainer's process group (the trainer stops them)."""
+    import os
+
+    assert runner._live and all(os.getsid(w.process.pid) == w.process.pid != os.getsid(0) for w in runner._live)
+
+
 def test_a_worker_that_died_is_replaced(runner):
     for worker in list(runner._live):  # between calls (killed, out of memory)
         worker.process.kill()
@@ -273,7 +280,7 @@ def test_the_python_tool_runs_code_with_limits_and_no_environment(monkeypatch):
     assert get_json_schema(tool.python)["function"]["parameters"]["required"] == ["code"]
     assert tool.python("print(sum(range(10)))") == "45"
     monkeypatch.setenv("GSPO_ENGINE_API_KEY", "s3cret")
-    assert tool.python("import os; print(sorted(os.environ))") in ("[]", "['LC_CTYPE']")
+    assert set(eval(tool.python("import os; print(sorted(os.environ))"))) <= {"LC_CTYPE", "PWD"}  # bwrap's cwd
     assert "ZeroDivisionError" in tool.python("1/0")
     assert tool.python("x = 1") == "(no output: use print())"
     assert tool.python("print('a' * 10000)").endswith("...[truncated 6000 chars]")
@@ -281,3 +288,13 @@ def test_the_python_tool_runs_code_with_limits_and_no_environment(monkeypatch):
     assert "MemoryError" in tool.python("x = bytearray(1024**3)")
     monkeypatch.setattr(tool, "CPU_SECONDS", 1)
     assert "killed by signal" in tool.python("while True: pass")
+
+
+def test_the_python_tool_runs_in_the_sandbox(tmp_path):
+    from gspo_mcore.tools import python as tool
+
+    secret = tmp_path / "key"
+    secret.write_text("s3cret")
+    assert "FileNotFoundError" in tool.python(f"print(open({str(secret)!r}).read())")  # the host's files
+    assert "PermissionError" in tool.python("import socket; socket.create_connection(('1.1.1.1', 80))")
+    assert tool.python("import os; print(os.getuid() != 0)") == "True"

@@ -9,7 +9,8 @@ by naming it as a parameter (read from its signature):
 With `reward.batched` it scores a prompt's whole group in one call:
 `reward(responses: list[str], answers: list[str], **the same as lists; url as is) -> list[float]`.
 
-Built in: `math` (final \\boxed{} answer, equivalence checked by math-verify) and `exact_match`."""
+Built in: `math` (final \\boxed{} answer, equivalence checked by math-verify), `exact_match`, and
+`code` / `code_all` (the last code block run on the problem's tests in the sandbox: gspo_mcore.rewards.code)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,35 @@ from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
 from gspo_mcore.rewards.answers import exact_match_reward, math_reward
 
+
+# The code rewards are imported at their first call, not here: `python -m gspo_mcore.rewards.code`
+# (the scoring command) must not find its module already imported by this package.
+def code_reward(response: str, answer: str) -> float:
+    """gspo_mcore.rewards.code.code_reward: the training subset of the problem's tests."""
+    from gspo_mcore.rewards import code
+
+    return code.code_reward(response, answer)
+
+
+def code_all_reward(response: str, answer: str) -> float:
+    """gspo_mcore.rewards.code.code_all_reward: every test of the problem."""
+    from gspo_mcore.rewards import code
+
+    return code.code_all_reward(response, answer)
+
+
+def _code_metrics() -> dict:
+    from gspo_mcore.rewards import code
+
+    return code.reward_metrics()
+
+
+code_reward.reward_metrics = code_all_reward.reward_metrics = _code_metrics  # the counts a worker reports
+
+
 RewardFn = Callable[..., float]
-BUILT_IN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match_reward}
+BUILT_IN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match_reward, "code": code_reward,
+                                 "code_all": code_all_reward}
 CONTEXT = ("prompt", "messages", "extra")  # what a reward may ask for about the prompt's record
 
 

@@ -2,7 +2,8 @@
 the reward is batched).
 
 A reward that raises or runs past the limit scores 0 and is counted: math checkers can hang
-on adversarial output, and a stuck reward must not stop training. The limit counts the reward
+on adversarial output, and a stuck reward must not stop training (the rollout source stops the
+run when more than reward.max_error_fraction of a round's calls fail). The limit counts the reward
 call only: workers (gspo_mcore/rewards/worker.py) import just the reward function, and are
 started, and waited for, before any response is timed; a stuck one is killed and replaced."""
 
@@ -11,14 +12,13 @@ from __future__ import annotations
 import json
 import os
 import select
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gspo_mcore.errors import InputError
-from gspo_mcore.processes import die_with_parent, in_main_thread, kill_worker, read_json_reply
+from gspo_mcore.processes import kill_worker, read_json_reply, start_worker
 from gspo_mcore.rewards import call_arguments, load_reward_fn, reward_arguments
 
 STARTUP_TIMEOUT_S = 300.0  # importing a heavy reward (a math checker, a tokenizer) on a busy node
@@ -31,6 +31,8 @@ class RewardStats:
     # What each failure said ("response i: <exception>"), in order: the run quotes the first
     # and keeps them all in its logs.
     messages: list[str] = field(default_factory=list)
+    # The reward module's own counts (its reward_metrics(), gspo_mcore.rewards.worker), summed over calls.
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class _Worker:
@@ -42,8 +44,7 @@ class _Worker:
         path = os.pathsep.join([str(Path.cwd()), *filter(None, sys.path)])
         env = {**os.environ, "PYTHONPATH": path}
         argv = [sys.executable, "-m", "gspo_mcore.rewards.worker", reward_name, *(["--batched"] if batched else [])]
-        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                        env=env, preexec_fn=die_with_parent if in_main_thread() else None)
+        self.process = start_worker(argv, env)
         self.reward_name = reward_name
         self.busy_with: list[int] | None = None  # the responses it is scoring
         self.started = 0.0  # when it got them
@@ -138,6 +139,8 @@ class RewardRunner:
             if worker.process.stdout in readable:
                 reply = worker.read(0)
                 worker.busy_with = None
+                for key, value in (reply.get("metrics") or {}).items() if isinstance(reply, dict) else ():
+                    stats.metrics[key] = stats.metrics.get(key, 0) + value
                 if reply is not None and "rewards" in reply:
                     for i, value in zip(job, reply["rewards"]):
                         rewards[i] = value

@@ -28,6 +28,11 @@ def main() -> int:
         protocol.write(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
         return 2
     batched = sys.argv[2:] == ["--batched"]
+    # A reward may count things per call (the code reward's tests, sandbox time, ...): a
+    # `reward_metrics() -> {name: number}` attribute of the function or of its module, the counts
+    # since its last call, sent with each reply.
+    counts = getattr(reward_fn, "reward_metrics", None) or getattr(
+        sys.modules.get(getattr(reward_fn, "__module__", ""), None), "reward_metrics", None)
     protocol.write('"ready"\n')
     for line in sys.stdin:
         args, kwargs = json.loads(line)
@@ -35,6 +40,8 @@ def main() -> int:
             reply = {"rewards": call(reward_fn, args, kwargs, batched)}
         except Exception as err:
             reply = {"error": f"{type(err).__name__}: {err}"}
+        if counts is not None:
+            reply["metrics"] = counts()
         protocol.write(json.dumps(reply) + "\n")
     return 0
 

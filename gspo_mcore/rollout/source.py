@@ -20,6 +20,7 @@ from gspo_mcore.config import Config
 from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
 from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
+from gspo_mcore.rewards.code import step_figures
 from gspo_mcore.rewards.runner import RewardRunner
 from gspo_mcore.rollout.generation import Generator
 from gspo_mcore.samples import Rollout
@@ -132,7 +133,7 @@ class RolloutSource:
             "rewards": rewards, "lengths": torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32),
             "truncated": sum(r.truncated for r in rollouts), "groups_kept": len(kept_groups),
             "groups_total": len(samples), "requests": len(rollouts),
-            "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
+            "reward_errors": stats.errors, "reward_timeouts": stats.timeouts, "reward_counts": stats.metrics,
             "trainable": sum(sum(r.mask) for r in rollouts), "turns": generated.infos,
         }
         kept = [dataclasses.replace(rollouts[i], reward=rewards[i].item()) for i in selected]
@@ -207,7 +208,16 @@ def round_metrics(rounds: list[dict]) -> dict:
         "trainable_tokens": int(sum(r["trainable"] for r in rounds)),
         "env_token_fraction": 1.0 - sum(r["trainable"] for r in rounds) / max(1.0, lengths.sum().item()),
         **_turn_metrics([info for r in rounds for info in (r["turns"] or [])]),
+        **step_figures(_summed([r.get("reward_counts") or {} for r in rounds])),
     }
+
+
+def _summed(counts: list[dict]) -> dict:
+    total: dict = {}
+    for part in counts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def _turn_metrics(infos: list[dict]) -> dict:

@@ -1,31 +1,25 @@
 """`python`: run a Python program for the model (rollout.tools: [gspo_mcore.tools.python:python]).
 
-The code runs in a fresh interpreter (`python -I`: no user site, no PYTHON* variables), in an
-empty temporary directory, with an empty environment (no secrets, no proxies), a CPU-time limit
-(RLIMIT_CPU), an address-space limit (RLIMIT_AS), no core files, and a wall-clock timeout; what
-it prints comes back (stdout, then stderr), cut to a few thousand characters. This is resource
-isolation, not a sandbox: the code can read what the user running the trainer can read and
-reach the network. Untrusted code (a model's, during RL) belongs in a container or a VM without
-credentials: run the trainer's tool workers there.
+The code runs in the sandbox (gspo_mcore.sandbox, docs/13-code-rl.md): a bubblewrap boundary with
+no network, no view of the host's files but the interpreter's (read-only) and a private tmpfs,
+no environment, its own non-root uid, a seccomp filter, and limits on CPU time (CPU_SECONDS),
+memory (MEMORY_BYTES), processes and the wall clock; what it prints comes back (stdout, then
+stderr), cut to OUTPUT_CHARS. It cannot read the trainer's keys or checkpoints or reach the
+network. Where the sandbox cannot start, importing this tool stops the run with one line saying
+why (GSPO_SANDBOX_UNSAFE_NO_ISOLATION=1 is the explicit, unsafe, rlimits-only way round).
+Each call is a fresh sandbox: nothing persists between calls.
 """
 
 from __future__ import annotations
 
-import resource
-import subprocess
-import sys
-import tempfile
+from gspo_mcore.sandbox import Limits, SandboxError, Session, check_sandbox
 
 CPU_SECONDS = 10
 WALL_SECONDS = 20
 MEMORY_BYTES = 2 * 1024**3
 OUTPUT_CHARS = 4000
 
-
-def _limits() -> None:  # in the child, before exec
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS))
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+check_sandbox()  # at import: the trainer's load_tools and each tool worker refuse to start without it
 
 
 def python(code: str) -> str:
@@ -34,14 +28,18 @@ def python(code: str) -> str:
     Args:
         code: The complete program, e.g. "print(sum(range(10)))".
     """
-    with tempfile.TemporaryDirectory(prefix="gspo-python-") as cwd:
-        try:
-            done = subprocess.run([sys.executable, "-I", "-c", code], cwd=cwd, env={}, capture_output=True, text=True,
-                                  timeout=WALL_SECONDS, preexec_fn=_limits)
-        except subprocess.TimeoutExpired:
-            return f"error: the program ran longer than {WALL_SECONDS} s"
-    out = done.stdout + (f"\n{done.stderr}" if done.stderr else "")
-    if done.returncode < 0:
-        out += f"\nerror: the program was killed by signal {-done.returncode} (CPU {CPU_SECONDS} s / memory limits)"
+    limits = Limits(cpu_s=CPU_SECONDS, wall_s=WALL_SECONDS, memory_bytes=MEMORY_BYTES, output_bytes=4 * OUTPUT_CHARS)
+    try:
+        with Session(code, limits=limits) as session:
+            run = session.run("")
+    except SandboxError as err:
+        return f"error: the sandbox failed ({err})"
+    out = run.stdout + (f"\n{run.stderr}" if run.stderr else "")
+    if run.status == "timeout":
+        out += f"\nerror: the program ran longer than {WALL_SECONDS} s"
+    elif run.status == "output_limit":
+        out += "\nerror: the program printed too much"
+    elif run.signal is not None:
+        out += f"\nerror: the program was killed by signal {run.signal} (CPU {CPU_SECONDS} s / memory limits)"
     out = out.strip() or "(no output: use print())"
     return out if len(out) <= OUTPUT_CHARS else out[:OUTPUT_CHARS] + f"...[truncated {len(out) - OUTPUT_CHARS} chars]"

@@ -1,0 +1,412 @@
+"""`reward.name: code`: the response's last fenced code block, run on the problem's tests in the
+sandbox (gspo_mcore.sandbox), judged on the host.
+
+The tests come from the record's `answer`, which `python -m gspo_mcore.data.prepare_code` writes
+(`{"kind", "func_name", "tolerance", "tests": [[input, output], ...]}`) from the public formats that
+`problem_from_record` reads: LiveCodeBench `code_generation_lite` (`public_test_cases`,
+`private_test_cases`, the latter also as released: base64 -> zlib -> pickle of a JSON string,
+decoded by an unpickler that admits a str and nothing else), TACO / APPS `input_output`,
+CodeContests `public_tests` / `private_tests` / `generated_tests`, PrimeIntellect
+`verification_info`.
+
+Scoring: 1 when every test run passes, else 0 (`fraction`: the share passed). `code` (training)
+runs a deterministic subset of at most MAX_TRAIN_TESTS tests (the first in an order fixed by
+each input's hash) and stops at the first failure; `code_all` (evaluation)
+runs every test. No code block: 0, counted. An infrastructure error raises (the reward runner
+counts it as a reward error, scores 0, and stops the run past reward.max_error_fraction): it is
+never a pass. A share of the responses that pass the training subset also run the rest: the
+ones that then fail are the hack rate.
+
+    python -m gspo_mcore.rewards.code --input F.jsonl [--output G.jsonl] [--references] [--all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import hashlib
+import io
+import json
+import pickle
+import re
+import sys
+import zlib
+from dataclasses import dataclass, field
+
+from gspo_mcore.errors import InputError, run_cli
+from gspo_mcore.sandbox import Judgement, Limits, Problem, SandboxError, Test, check_sandbox, judge
+from gspo_mcore.sandbox.judge import judge_programs
+
+MAX_TRAIN_TESTS = 16
+HACK_CHECK_SHARE = 0.125  # of the responses that pass the training subset: also run every other test
+FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+# ---- reading the public formats
+
+class _StrOnly(pickle.Unpickler):
+    def find_class(self, module, name):  # every global (a class, a function: code to run) is refused
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+def decode_lcb_tests(text: str, where: str) -> list:
+    """LiveCodeBench's test cases: a JSON list, or the released base64 -> zlib -> pickle -> JSON
+    string. The pickle may hold a str only: anything else is refused before it is built."""
+    text = text.strip()
+    if not text.startswith("["):
+        try:
+            raw = zlib.decompress(base64.b64decode(text, validate=True))
+            decoded = _StrOnly(io.BytesIO(raw)).load()
+        except (ValueError, zlib.error, pickle.UnpicklingError, EOFError) as err:
+            raise InputError(f"{where}: not a JSON list nor base64-zlib-pickle of one ({err})") from None
+        if type(decoded) is not str:
+            raise InputError(f"{where}: its pickle holds a {type(decoded).__name__}, not a str (refused)")
+        text = decoded
+    try:
+        cases = json.loads(text)
+    except ValueError as err:
+        raise InputError(f"{where}: not JSON ({err})") from None
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and {"input", "output"} <= set(c) for c in cases):
+        raise InputError(f"{where}: expected a list of {{input, output, testtype}}")
+    return cases
+
+
+def _as_json(value, where: str):
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as err:
+            raise InputError(f"{where}: not JSON ({err})") from None
+    return value
+
+
+def _lines(value) -> str:
+    return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _lcb(record: dict, where: str) -> Problem:
+    cases = []
+    for key in ("public_test_cases", "private_test_cases"):
+        if record.get(key):
+            cases += decode_lcb_tests(record[key], f"{where}: field '{key}'")
+    functional = any(c.get("testtype") == "functional" for c in cases)
+    if not functional:
+        return Problem("stdin", tuple(Test(str(c["input"]), str(c["output"])) for c in cases))
+    metadata = _as_json(record.get("metadata") or "{}", f"{where}: field 'metadata'")
+    if not isinstance(metadata, dict) or not metadata.get("func_name"):
+        raise InputError(f"{where}: field 'metadata': functional tests need metadata.func_name")
+    tests = []
+    for case in cases:  # one JSON value per line: the call's arguments
+        try:
+            arguments = [json.loads(line) for line in str(case["input"]).split("\n") if line.strip()]
+        except ValueError as err:
+            raise InputError(f"{where}: field 'public_test_cases'/'private_test_cases': a functional input "
+                             f"is not JSON lines ({err})") from None
+        tests.append(Test(json.dumps(arguments), str(case["output"])))
+    return Problem("functional", tuple(tests), metadata["func_name"])
+
+
+def _taco(record: dict, where: str) -> Problem:
+    spec = _as_json(record["input_output"], f"{where}: field 'input_output'")
+    if not isinstance(spec, dict) or not isinstance(spec.get("inputs"), list) \
+            or not isinstance(spec.get("outputs"), list) or len(spec["inputs"]) != len(spec["outputs"]):
+        raise InputError(f"{where}: field 'input_output': expected {{inputs: [...], outputs: [...]}} of equal length")
+    if spec.get("fn_name"):
+        tests = tuple(Test(json.dumps(i if isinstance(i, list) else [i]), json.dumps(o))
+                      for i, o in zip(spec["inputs"], spec["outputs"]))
+        return Problem("functional", tests, spec["fn_name"])
+    return Problem("stdin", tuple(Test(_lines(i), _lines(o)) for i, o in zip(spec["inputs"], spec["outputs"])))
+
+
+def _code_contests(record: dict, where: str) -> Problem:
+    tests = []
+    for key in ("public_tests", "private_tests", "generated_tests"):
+        block = _as_json(record.get(key) or {"input": [], "output": []}, f"{where}: field '{key}'")
+        if not isinstance(block, dict) or len(block.get("input", [])) != len(block.get("output", [])):
+            raise InputError(f"{where}: field '{key}': expected {{input: [...], output: [...]}} of equal length")
+        tests += [Test(str(i), str(o)) for i, o in zip(block["input"], block["output"])]
+    return Problem("stdin", tuple(tests))
+
+
+def _verification_info(record: dict, where: str) -> Problem:
+    info = _as_json(record["verification_info"], f"{where}: field 'verification_info'")
+    cases = info.get("test_cases") if isinstance(info, dict) else None
+    if not isinstance(cases, list) or not cases:
+        raise InputError(f"{where}: field 'verification_info': no test_cases")
+    kinds = {c.get("type") for c in cases if isinstance(c, dict)}
+    if kinds == {"stdin_stdout"}:
+        return Problem("stdin", tuple(Test(_lines(c["input"]), _lines(c["output"])) for c in cases))
+    if kinds == {"function_call"} and len({c.get("fn_name") for c in cases}) == 1 and cases[0].get("fn_name"):
+        tests = []
+        for case in cases:
+            arguments = _as_json(case["input"], f"{where}: field 'verification_info'")
+            tests.append(Test(json.dumps(arguments if isinstance(arguments, list) else [arguments]),
+                              json.dumps(_as_json(case["output"], f"{where}: field 'verification_info'"))))
+        return Problem("functional", tuple(tests), cases[0]["fn_name"])
+    raise InputError(f"{where}: field 'verification_info': test_cases of types {sorted(map(str, kinds))} "
+                     "(expected all stdin_stdout, or all function_call of one fn_name)")
+
+
+FORMATS = (("public_test_cases", _lcb), ("private_test_cases", _lcb), ("input_output", _taco),
+           ("public_tests", _code_contests), ("verification_info", _verification_info))
+
+
+def problem_from_record(record: dict, where: str) -> Problem:
+    """The record's tests, in whichever public format it has; `answer` as prepare_code writes it
+    first. One-line InputError naming the row and the field otherwise."""
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: expected an object")
+    if isinstance(record.get("answer"), str) and record["answer"].lstrip().startswith("{"):
+        return problem_from_answer(record["answer"], where)
+    for key, read in FORMATS:
+        if record.get(key):
+            try:
+                problem = read(record, where)
+            except (KeyError, TypeError, AttributeError) as err:
+                raise InputError(f"{where}: field '{key}': malformed ({type(err).__name__}: {err})") from None
+            if not problem.tests:
+                raise InputError(f"{where}: field '{key}': no tests")
+            return _with_judging_fields(problem, record, where)
+    raise InputError(f"{where}: no tests: none of the fields answer, {', '.join(k for k, _ in FORMATS)}")
+
+
+def _with_judging_fields(problem: Problem, record: dict, where: str) -> Problem:
+    """A record's own `checker` (Python source of `check(input, output, expected) -> bool`) and
+    `tolerance` (numbers compared within it), whatever its format."""
+    checker, tolerance = record.get("checker"), record.get("tolerance")
+    if checker is not None and (not isinstance(checker, str) or "def check(" not in checker):
+        raise InputError(f"{where}: field 'checker': Python source defining check(input, output, expected)")
+    if checker is not None and problem.kind != "stdin":
+        raise InputError(f"{where}: field 'checker': for stdin problems only")
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                  or not 0 <= tolerance < 1):
+        raise InputError(f"{where}: field 'tolerance': a number in [0, 1)")
+    return dataclasses.replace(problem, checker=checker, tolerance=tolerance)
+
+
+def answer_from_problem(problem: Problem) -> str:
+    return json.dumps({"kind": problem.kind, "func_name": problem.func_name, "tolerance": problem.tolerance,
+                       "checker": problem.checker, "tests": [[t.input, t.output] for t in problem.tests]})
+
+
+def problem_from_answer(answer: str, where: str = "answer") -> Problem:
+    try:
+        spec = json.loads(answer)
+        tests = tuple(Test(str(i), str(o)) for i, o in spec["tests"])
+        problem = Problem(spec["kind"], tests, spec.get("func_name"), spec.get("tolerance"), spec.get("checker"))
+    except (ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{where}: field 'answer': not a code problem as prepare_code writes it ({err})") from None
+    if problem.kind not in ("stdin", "functional") or not tests or (problem.kind == "functional" and not problem.func_name):
+        raise InputError(f"{where}: field 'answer': kind stdin|functional (with func_name) and at least one test")
+    return problem
+
+
+# ---- scoring
+
+def last_code_block(response: str) -> str | None:
+    """The last fenced block (```python ...```, any language tag or none), or None."""
+    blocks = FENCE.findall(response)
+    return blocks[-1][1] if blocks else None
+
+
+def _order(problem: Problem) -> list[Test]:
+    """Every test, in the deterministic order the training subset is cut from."""
+    return sorted(problem.tests, key=lambda t: hashlib.sha1(t.input.encode("utf-8", "surrogateescape")).digest())
+
+
+def training_tests(problem: Problem, max_tests: int = MAX_TRAIN_TESTS) -> list[Test]:
+    return _order(problem)[:max_tests]
+
+
+@dataclass
+class CodeStats:
+    """Running totals in this process (a reward worker): take_stats() per step."""
+    responses: int = 0
+    no_program: int = 0
+    tests_run: int = 0
+    sandbox_s: float = 0.0
+    infrastructure_errors: int = 0
+    timeouts: int = 0
+    hack_checked: int = 0
+    hacks: int = 0  # passed the training subset, failed another test
+
+
+STATS = CodeStats()
+
+
+def take_stats() -> CodeStats:
+    global STATS
+    stats, STATS = STATS, CodeStats()
+    return stats
+
+
+def step_figures(counts: dict) -> dict:
+    """A step's code figures (metric_schema's code_* rows) from the sums of its calls'
+    reward_metrics(); all null when the reward reported none (not a code reward)."""
+    tests, seconds, checked = counts.get("code_tests_run"), counts.get("code_sandbox_s"), counts.get("code_hack_checked")
+    return {"code_tests_run": tests, "code_sandbox_s": seconds,
+            "code_tests_per_s": tests / seconds if tests is not None and seconds else None,
+            "code_infrastructure_errors": counts.get("code_infrastructure_errors"),
+            "code_timeouts": counts.get("code_timeouts"), "code_no_program": counts.get("code_no_program"),
+            "code_hack_rate": counts["code_hacks"] / checked if checked else None}
+
+
+def reward_metrics() -> dict[str, float]:
+    """This worker's counts since the last call, by metric_schema's names (sums over a step's
+    calls; code_tests_per_s and code_hack_rate are derived from them per step)."""
+    stats = take_stats()
+    return {"code_tests_run": stats.tests_run, "code_sandbox_s": stats.sandbox_s,
+            "code_infrastructure_errors": stats.infrastructure_errors, "code_timeouts": stats.timeouts,
+            "code_no_program": stats.no_program, "code_hack_checked": stats.hack_checked, "code_hacks": stats.hacks}
+
+
+@dataclass
+class CodeScore:
+    reward: float
+    passed: bool
+    verdicts: list[str] = field(default_factory=list)
+    no_program: bool = False
+    infrastructure_error: str | None = None
+
+
+def _count(judgement: Judgement) -> None:
+    STATS.tests_run += sum(v != "infrastructure" for v in judgement.verdicts)
+    STATS.sandbox_s += judgement.sandbox_s
+    STATS.timeouts += judgement.verdicts.count("timeout")
+    STATS.infrastructure_errors += judgement.infrastructure_error is not None
+
+
+def score(response: str, problem: Problem, every_test: bool = False, fraction: bool = False,
+          max_tests: int = MAX_TRAIN_TESTS, limits: Limits = Limits()) -> CodeScore:
+    return score_group([response], problem, every_test, fraction, max_tests, limits)[0]
+
+
+def score_group(responses: list[str], problem: Problem, every_test: bool = False, fraction: bool = False,
+                max_tests: int = MAX_TRAIN_TESTS, limits: Limits = Limits()) -> list[CodeScore]:
+    """The responses to one problem (a prompt's group), their programs judged in one sandbox."""
+    STATS.responses += len(responses)
+    programs = [last_code_block(response) for response in responses]
+    STATS.no_program += programs.count(None)
+    ordered = _order(problem)
+    tests = ordered if every_test else ordered[:max_tests]
+    present = [program for program in programs if program is not None]
+    judged = iter(judge_programs(present, problem, tests, stop_at_first_failure=not (every_test or fraction),
+                                 limits=limits) if present else [])
+    scores = []
+    for response, program in zip(responses, programs):
+        if program is None:
+            scores.append(CodeScore(0.0, False, no_program=True))
+            continue
+        judgement = next(judged)
+        _count(judgement)
+        if judgement.infrastructure_error is not None:
+            scores.append(CodeScore(0.0, False, judgement.verdicts, infrastructure_error=judgement.infrastructure_error))
+            continue
+        passed = judgement.passed and len(judgement.verdicts) == len(tests)
+        if passed and not every_test and len(ordered) > len(tests) and _hack_check(response):
+            rest = judge(program, problem, ordered[len(tests):], stop_at_first_failure=True, limits=limits)
+            _count(rest)
+            if rest.infrastructure_error is None:
+                STATS.hack_checked += 1
+                STATS.hacks += not rest.passed
+        reward = 1.0 if passed else (judgement.verdicts.count("passed") / len(tests) if fraction else 0.0)
+        scores.append(CodeScore(reward, passed, judgement.verdicts))
+    return scores
+
+
+def _hack_check(response: str) -> bool:
+    return hashlib.sha1(response.encode("utf-8", "surrogateescape")).digest()[0] < 256 * HACK_CHECK_SHARE
+
+
+def _rewards(responses: list[str], answers: list[str], every_test: bool) -> list[float]:
+    """A group's rewards (one problem: a batched reward gets a prompt's group)."""
+    check_sandbox()  # once per worker: the one-line refusal where the sandbox cannot run
+    if len(set(answers)) != 1:
+        return [value for r, a in zip(responses, answers) for value in _rewards([r], [a], every_test)]
+    results = score_group(responses, problem_from_answer(answers[0]), every_test=every_test)
+    failed = next((r.infrastructure_error for r in results if r.infrastructure_error is not None), None)
+    if failed is not None:
+        raise SandboxError(failed)  # counted apart, never a pass
+    return [r.reward for r in results]
+
+
+def code_reward(response: str, answer: str) -> float:
+    """Training: 1.0 if the last code block passes the problem's training subset of tests."""
+    return _rewards([response], [answer], every_test=False)[0]
+
+
+def code_all_reward(response: str, answer: str) -> float:
+    """Evaluation: 1.0 if the last code block passes every test of the problem."""
+    return _rewards([response], [answer], every_test=True)[0]
+
+
+def code_group_reward(responses: list[str], answers: list[str]) -> list[float]:
+    """`code` for reward.batched: true: a prompt's group judged in one sandbox (one start for
+    the group; each program still runs each test in a fresh process, the tmpfs emptied between
+    programs)."""
+    return _rewards(responses, answers, every_test=False)
+
+
+# ---- the scoring command
+
+def reference_solutions(record: dict) -> list[str]:
+    """A dataset's own Python solutions, as responses (fenced): TACO/APPS `solutions`,
+    CodeContests `solutions` (language 3: Python 3), PrimeIntellect `gold_standard_solution`."""
+    solutions = record.get("solutions")
+    if isinstance(solutions, str):
+        try:
+            solutions = json.loads(solutions)
+        except ValueError:
+            solutions = [solutions]
+    if isinstance(solutions, dict):  # CodeContests: {language: [...], solution: [...]}
+        solutions = [s for lang, s in zip(solutions.get("language", []), solutions.get("solution", [])) if lang == 3]
+    found = [f"```python\n{s}\n```" for s in solutions or [] if isinstance(s, str)]
+    if isinstance(record.get("gold_standard_solution"), str):
+        found.append(record["gold_standard_solution"])
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Score responses to code problems in the sandbox.")
+    parser.add_argument("--input", required=True, help=".jsonl: a problem in any supported format + `response`")
+    parser.add_argument("--output", help=".jsonl to write (default: stdout)")
+    parser.add_argument("--references", action="store_true",
+                        help="score the dataset's own reference solutions instead of `response`")
+    parser.add_argument("--subset", action="store_true", help="the training subset (stop at the first failure); "
+                        "default: every test")
+    args = parser.parse_args()
+    from gspo_mcore.data.dataset import _records, require_file
+    from gspo_mcore.files import atomic_output
+
+    rows = []
+    for where, record in _records(require_file(args.input)):  # every row read before anything runs
+        problem = problem_from_record(record, where)
+        responses = reference_solutions(record) if args.references else [record.get("response")]
+        if not responses or not all(isinstance(r, str) for r in responses):
+            raise InputError(f"{where}: field '{'solutions' if args.references else 'response'}': "
+                             "missing or not text")
+        rows.append((where, problem, responses))
+    check_sandbox()
+    lines = []
+    for where, problem, responses in rows:
+        for index, response in enumerate(responses):
+            result = score(response, problem, every_test=not args.subset)
+            lines.append(json.dumps({"row": where, **({"solution": index} if args.references else {}),
+                                     "reward": result.reward, "passed": result.passed, "verdicts": result.verdicts,
+                                     "no_program": result.no_program,
+                                     "infrastructure_error": result.infrastructure_error}))
+    text = "".join(line + "\n" for line in lines)
+    if args.output:
+        with atomic_output(args.output) as tmp:
+            with open(tmp, "w") as out:
+                out.write(text)
+    else:
+        sys.stdout.write(text)
+    passed = sum(json.loads(line)["passed"] for line in lines)
+    print(f"{passed}/{len(lines)} passed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

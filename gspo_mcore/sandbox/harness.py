@@ -1,0 +1,335 @@
+"""The harness inside the sandbox: runs one program on test inputs, one forked process per test,
+and reports what it printed or returned. Standard library only (it runs on the base interpreter
+with `-I -S`, nothing of the project importable); trusted, but it never sees an expected output.
+
+Protocol: messages framed by a 4-byte big-endian length, marshal-encoded plain dicts (builtin
+modules only: importing json costs more than starting the interpreter). The host writes our stdin
+and reads our stdout, which no test process holds: what a program prints travels inside a report's
+string field, never as protocol.
+  host -> {"program", "kind": "stdin" | "functional", "func_name", "uid", "limits": {...}, "pid_namespace"}
+  harness -> {"ready": True}
+  host -> {"input": str, "program"?: str}  (functional: a JSON list of the call's arguments; a
+            "program": from this test on, another program's tests, /tmp emptied first)
+  harness -> {"status": "exited" | "signaled" | "timeout" | "output_limit", "exit_code", "signal",
+              "stdout", "stderr", "result" (functional: the JSON the test process wrote), "wall_s", "cpu_s"}
+End of input ends the harness.
+
+A test process: a new session, stdin/stdout/stderr on pipes to us (functional: fd 3 for the
+return value), every other descriptor closed, our uid dropped to `uid` (the kernel enforces
+RLIMIT_NPROC only for non-root users, and a different uid cannot signal, ptrace or read the
+/proc fds of this harness), then rlimits, then the program. When the test process ends or its
+time is up, every process we may signal is killed (kill(-1): this is a fresh PID namespace), so
+nothing a test left running survives into the next test.
+"""
+
+import marshal
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+# A functional program's namespace starts with these (LiveCodeBench's functional problems use
+# typing names such as List without importing them); imported once, before the first fork, by a
+# functional harness only (a stdin harness starts faster without them: ~50 ms on a loaded core).
+PRELUDE = ("from typing import *\nfrom collections import *\nfrom heapq import *\nfrom bisect import *\n"
+           "from itertools import *\nfrom functools import *\nfrom math import *\nimport math, collections, "
+           "heapq, bisect, itertools, functools, re, string, sys\n")
+RESULT_FD = 3
+STDERR_KEPT = 2000
+
+
+def strict_encode(value, _type=type, _isfinite=__import__("math").isfinite, depth=0):
+    """JSON-ready copy of `value` built only from the exact builtin types (a subclass of int, a
+    class with its own __eq__ or __str__ is refused): the host compares plain data."""
+    if depth > 100:
+        raise TypeError("nested deeper than 100")
+    kind = _type(value)
+    if value is None or kind is bool or kind is int or kind is str:
+        return value
+    if kind is float:
+        if not _isfinite(value):
+            raise TypeError("returned a non-finite float")
+        return value
+    if kind is list or kind is tuple:
+        return [strict_encode(item, depth=depth + 1) for item in value]
+    if kind is dict:
+        out = {}
+        for key, item in value.items():
+            if _type(key) is not str:
+                raise TypeError(f"a dict key of type {_type(key).__name__}")
+            out[key] = strict_encode(item, depth=depth + 1)
+        return out
+    raise TypeError(f"returned {kind.__name__}, not a builtin value")
+
+
+def _set_limits(limits):
+    def both(which, value):
+        resource.setrlimit(which, (value, value))
+
+    both(resource.RLIMIT_CPU, int(limits["cpu_s"]) + 1)  # whole seconds, rounded up; the kernel kills at it
+    both(resource.RLIMIT_AS, limits["memory_bytes"])
+    both(resource.RLIMIT_FSIZE, limits["file_bytes"])
+    both(resource.RLIMIT_NOFILE, limits["open_files"])
+    both(resource.RLIMIT_NPROC, limits["processes"])
+    both(resource.RLIMIT_CORE, 0)
+    stack = min(limits["memory_bytes"] // 4, 256 * 1024 * 1024)  # deep recursion needs the C stack
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    resource.setrlimit(resource.RLIMIT_STACK, (stack if hard == resource.RLIM_INFINITY else min(stack, hard), hard))
+
+
+def _child(request, fds, _exit=os._exit):
+    """In the forked test process: never returns (`_exit` bound here: the program may replace os._exit)."""
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.closerange(len(fds), 1 << 16)
+        uid = request.get("uid")
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        _set_limits(request["limits"])
+        os.chdir("/tmp")
+        sys.setrecursionlimit(100000)
+        sys.stdin = open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)
+        sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+    except BaseException as err:  # setting up the test process: the harness's fault, said on the test's stderr
+        os.write(2, f"harness: test process set-up failed: {err!r}\n".encode())
+        _exit(1)
+    try:
+        namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+        if request["kind"] == "functional":
+            exec(PRELUDE, namespace)
+        try:
+            exec(compile(request["program"], "<solution>", "exec"), namespace)
+            if request["kind"] == "functional":
+                import json  # preloaded by a functional harness: free here
+                arguments = json.loads(sys.stdin.read())
+                solution = namespace.get("Solution")
+                target = getattr(solution(), request["func_name"]) if solution is not None \
+                    else namespace[request["func_name"]]
+                value = target(*arguments)
+                try:
+                    payload = json.dumps({"value": strict_encode(value)})
+                except (TypeError, ValueError, RecursionError) as err:
+                    payload = json.dumps({"unencodable": str(err)[:200]})
+                with open(RESULT_FD, "w", closefd=False) as out:
+                    out.write(payload)
+            code = 0
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                code = code or 1
+    finally:
+        try:
+            _exit(int(code) & 0xFF)
+        except BaseException:  # int() itself replaced: still never return into the harness's code
+            _exit(1)
+
+
+def _kill_all(request, pid):
+    """Every process the test left. In our own PID namespace: every one we may signal but us and
+    PID 1 (a test's child that made its own session is caught too); outside one (the unsafe
+    mode), kill(-1) would reach the host's processes: the test's process group only."""
+    try:
+        if request.get("pid_namespace"):
+            os.kill(-1, signal.SIGKILL)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _wait_until_alone(deadline):
+    """In our PID namespace: until only PID 1 (bwrap, which reaps orphans) and we are left. The
+    kernel counts a uid's processes until they are reaped: a test's killed fork bomb must not make
+    the next test's forks fail."""
+    me = str(os.getpid())
+    while time.monotonic() < deadline:
+        if not [pid for pid in os.listdir("/proc") if pid.isdigit() and pid not in ("1", me)]:
+            return
+        time.sleep(0.001)
+
+
+def clear_tmp():
+    """Empty our private /tmp between programs (one sandbox may judge a group's programs in turn)."""
+    for root, dirs, files in os.walk("/tmp", topdown=False):
+        for name in files:
+            os.unlink(os.path.join(root, name))
+        for name in dirs:
+            path = os.path.join(root, name)
+            os.unlink(path) if os.path.islink(path) else os.rmdir(path)
+
+
+class _Exchange:
+    """A running test's pipes: its input written as it reads, its output read up to the cap, until
+    it has exited and every writer of its pipes is gone, or the deadline."""
+
+    def __init__(self, request, pid, writer, data, readers, stderr_fd):
+        self.request, self.pid, self.data, self.readers, self.stderr_fd = request, pid, data, readers, stderr_fd
+        self.cap = request["limits"]["output_bytes"]
+        self.poll, self.open = select.poll(), set()
+        self.pidfd = os.pidfd_open(pid)
+        self.writer, self.exited, self.status = writer, False, None
+        os.set_blocking(writer, False)
+        if data:
+            self._watch(writer, select.POLLOUT)
+        else:
+            self._close_writer()
+        for fd in [*readers, self.pidfd]:
+            self._watch(fd, select.POLLIN)
+
+    def _watch(self, fd, events):
+        self.poll.register(fd, events)
+        self.open.add(fd)
+
+    def _forget(self, fd):
+        self.poll.unregister(fd)
+        self.open.discard(fd)
+
+    def run(self, deadline):
+        while not (self.exited and not self.open) and self.status is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.status = "timeout"
+                break
+            for fd, _ in self.poll.poll(max(1, int(left * 1000))):
+                if fd not in self.open:  # closed earlier in this same batch
+                    continue
+                if fd == self.writer:
+                    self._write()
+                elif fd == self.pidfd:
+                    self._forget(self.pidfd)
+                    self.exited = True
+                    self._close_writer()  # it may have ended without reading all its input
+                    _kill_all(self.request, self.pid)  # what it left behind; its pipes' writers go with it
+                else:
+                    self._read(fd)
+        return self.status
+
+    def _write(self):
+        try:
+            sent = os.write(self.writer, self.data[:65536])
+        except BlockingIOError:
+            sent = 0
+        except BrokenPipeError:  # the test stopped reading: the rest is dropped
+            sent = len(self.data)
+        self.data = self.data[sent:]
+        if not self.data:
+            self._close_writer()
+
+    def _read(self, fd):
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            self._forget(fd)
+            return
+        buffer = self.readers[fd]
+        buffer += chunk
+        if fd == self.stderr_fd:
+            del buffer[:-STDERR_KEPT]
+        elif len(buffer) > self.cap:
+            del buffer[self.cap:]
+            self.status = "output_limit"
+
+    def _close_writer(self):
+        if self.writer >= 0:
+            if self.writer in self.open:
+                self._forget(self.writer)
+            os.close(self.writer)
+            self.writer = -1
+
+    def close(self):
+        self._close_writer()
+        for fd in list(self.readers) + [self.pidfd]:
+            os.close(fd)
+
+
+def run_test(request, test_input):
+    functional = request["kind"] == "functional"
+    pipes = [os.pipe() for _ in range(4 if functional else 3)]  # stdin, stdout, stderr[, result]
+    started, cpu_before = time.monotonic(), os.times()
+    pid = os.fork()
+    if pid == 0:
+        _child(request, [pipes[0][0]] + [w for _, w in pipes[1:]])
+    for index, (r, w) in enumerate(pipes):
+        os.close(r if index == 0 else w)
+    outputs = [r for r, _ in pipes[1:]]
+    exchange = _Exchange(request, pid, pipes[0][1], test_input.encode("utf-8", "surrogateescape"),
+                         {fd: bytearray() for fd in outputs}, outputs[1])
+    status = exchange.run(started + request["limits"]["wall_s"])
+    _kill_all(request, pid)
+    _, wait_status = os.waitpid(pid, 0)
+    if request.get("pid_namespace"):
+        _wait_until_alone(time.monotonic() + 2.0)
+    exchange.close()
+    cpu_after = os.times()
+    texts = [exchange.readers[fd].decode("utf-8", "replace") for fd in outputs]
+    return {
+        "status": status or ("signaled" if os.WIFSIGNALED(wait_status) else "exited"),
+        "exit_code": os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else None,
+        "signal": os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None,
+        "stdout": texts[0], "stderr": texts[1], "result": texts[2] if functional else None,
+        "wall_s": round(time.monotonic() - started, 6),
+        "cpu_s": round((cpu_after.children_user + cpu_after.children_system)
+                       - (cpu_before.children_user + cpu_before.children_system), 6),
+    }
+
+
+def read_message(fd):
+    """One framed message from `fd`, or None at its end."""
+    def exactly(count):
+        data = bytearray()
+        while len(data) < count:
+            chunk = os.read(fd, count - len(data))
+            if not chunk:
+                return None
+            data += chunk
+        return bytes(data)
+
+    head = exactly(4)
+    body = exactly(int.from_bytes(head, "big")) if head is not None else None
+    return marshal.loads(body) if body is not None else None
+
+
+def write_message(fd, message):
+    body = marshal.dumps(message)
+    data = len(body).to_bytes(4, "big") + body
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def main():
+    if os.geteuid() != 0:  # tests keep our uid (a user namespace): close our /proc fds and memory to them
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    reports = os.dup(1)
+    os.dup2(2, 1)  # our own stray prints must not reach the protocol
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a test closing its stdin early is the test's business
+    request = read_message(0)
+    if request["kind"] == "functional":
+        exec(PRELUDE, {})
+        import json  # noqa: F401 (for the test processes: loaded once, before they fork)
+    write_message(reports, {"ready": True})
+    program = request["program"]
+    while (message := read_message(0)) is not None:
+        if message.get("program", program) != program:  # the next program of a group
+            program = message["program"]
+            if request.get("pid_namespace"):  # our own tmpfs (outside a sandbox, /tmp is the host's)
+                clear_tmp()
+        write_message(reports, run_test({**request, "program": program}, message["input"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""How a sandbox starts: bubblewrap's command line, the per-slot uid, and the refusal where
+bubblewrap cannot run.
+
+The boundary (bwrap 0.8, Debian's `bubblewrap`): new PID, network, IPC, UTS and cgroup
+namespaces; a root filesystem that holds only the interpreter's directories (read-only), the
+harness file (read-only), a fresh /proc and /dev and a small private tmpfs at /tmp; an empty
+environment; `--new-session` (no controlling terminal to push keystrokes into);
+`--die-with-parent`; the seccomp filter of gspo_mcore.sandbox.seccomp for everything inside.
+
+Started by root (CI, most containers), bwrap makes no user namespace: the harness keeps only
+CAP_SETUID, CAP_SETGID and CAP_KILL and drops each test to the slot's own non-root uid, which
+the kernel holds to RLIMIT_NPROC (it never does for uid 0, even in a user namespace) and which
+cannot signal or inspect the harness. Started by another user, bwrap makes a user namespace
+(unprivileged user namespaces must be enabled) and the program keeps that user's uid there: the
+harness then sets PR_SET_DUMPABLE 0 (its /proc fds and memory closed to the tests), and a program
+that kills the harness is an infrastructure error, never a pass."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from gspo_mcore.errors import EngineError
+from gspo_mcore.sandbox.seccomp import SeccompUnavailable, filter_bpf
+
+HARNESS = Path(__file__).with_name("harness.py")
+INSIDE_HARNESS = "/sandbox/harness.py"
+SLOT_DIR = Path("/tmp/gspo-sandbox-slots")  # one lock file per slot uid, shared by every process of the host
+UNSAFE_VARIABLE = "GSPO_SANDBOX_UNSAFE_NO_ISOLATION"
+
+
+class SandboxUnavailable(EngineError):
+    """The sandbox cannot start on this machine: the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class SandboxSettings:
+    slot_uid_base: int = 61000
+    """Slot i runs its programs as uid slot_uid_base + i (root only): uids no file belongs to."""
+    slots: int = 64
+    """How many sandboxes may run at once on this host (each holds one slot uid)."""
+    tmpfs_bytes: int = 64 * 1024 * 1024
+    unsafe_no_isolation: bool = False
+    """Rlimits only, no bubblewrap or seccomp: the program reads what the trainer's user reads and
+    reaches the network. For a machine where bwrap cannot run and the programs are trusted."""
+
+    @classmethod
+    def from_env(cls) -> "SandboxSettings":
+        return cls(unsafe_no_isolation=os.environ.get(UNSAFE_VARIABLE, "") == "1")
+
+
+class Slot:
+    """A slot uid held (flock on its lock file) until `release`, across processes and threads."""
+
+    def __init__(self, settings: SandboxSettings):
+        SLOT_DIR.mkdir(mode=0o755, exist_ok=True)
+        for index in range(settings.slots):
+            fd = os.open(SLOT_DIR / f"{index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.fd, self.uid = fd, settings.slot_uid_base + index
+            return
+        raise EngineError(f"sandbox: all {settings.slots} slots are in use on this host (SandboxSettings.slots)")
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # drops the lock
+            self.fd = -1
+
+
+def interpreter() -> tuple[str, str]:
+    """(the base Python's executable, its prefix): the harness runs on the interpreter without a
+    virtual environment's packages (it needs the standard library only)."""
+    executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    return executable, os.path.realpath(sys.base_prefix)
+
+
+def _root_entries() -> list[str]:
+    """/usr read-only, and the top-level links and directories the loader needs (/lib64 on
+    x86_64), as this host lays them out."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = Path("/") / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), str(path)]
+    return args
+
+
+def _traversable_parents(path: str) -> list[str]:
+    """Its ancestors made world-traversable inside (bwrap copies a parent's mode: under /root,
+    0700, and the slot uid could not reach the interpreter's modules)."""
+    args, parts = [], Path(path).parts[1:-1]
+    for depth in range(1, len(parts) + 1):
+        args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:depth])]
+    return args
+
+
+def bwrap_argv(seccomp_fd: int, settings: SandboxSettings) -> list[str]:
+    executable, prefix = interpreter()
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxUnavailable("sandbox: bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap; "
+                                 f"`make sandbox`), or set {UNSAFE_VARIABLE}=1 to run untrusted code "
+                                 "with rlimits only (unsafe)")
+    args = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
+    if os.geteuid() == 0:  # no user namespace: the harness switches each test to the slot's uid
+        args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL"]
+    else:
+        args += ["--unshare-user", "--disable-userns"]
+    args += _root_entries()
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    bound = ["/usr"]
+    for path in (prefix, stdlib):  # pyenv, conda, a source build: bind it where it is
+        if not any(path == b or path.startswith(b + "/") for b in bound):
+            args += _traversable_parents(path) + ["--ro-bind", path, path]
+            bound.append(path)
+    args += ["--ro-bind", str(HARNESS), INSIDE_HARNESS, "--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(settings.tmpfs_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
+             "--seccomp", str(seccomp_fd), "--", executable, "-I", "-S", INSIDE_HARNESS]
+    return args
+
+
+def unsafe_argv() -> list[str]:
+    executable, _ = interpreter()
+    return [executable, "-I", "-S", str(HARNESS)]
+
+
+_warned = False
+
+
+def start_harness(settings: SandboxSettings) -> subprocess.Popen:
+    """The harness process, in its own process group (the host kills the group), pipes on its
+    stdin / stdout / stderr."""
+    global _warned
+    popen = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    if settings.unsafe_no_isolation:
+        if not _warned:  # on stderr, once per process: a warnings filter must not hide it
+            print(f"WARNING: sandbox: {UNSAFE_VARIABLE}=1: untrusted programs run with rlimits only, no bubblewrap "
+                  "or seccomp: they can read this user's files and reach the network", file=sys.stderr, flush=True)
+            _warned = True
+        return subprocess.Popen(unsafe_argv(), env={}, cwd="/tmp", **popen)
+    try:
+        bpf = filter_bpf()
+    except SeccompUnavailable as err:
+        raise SandboxUnavailable(f"sandbox: {err}") from None
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, bpf)  # a few hundred bytes: fits the pipe's buffer
+        os.close(write_end)
+        write_end = -1
+        return subprocess.Popen(bwrap_argv(read_end, settings), pass_fds=(read_end,), **popen)
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+
+
+def explain_failure(stderr: str) -> str:
+    """One line for a bwrap that did not start: what it said and what to enable."""
+    said = stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
+    hint = ""
+    if "namespace" in said or "Operation not permitted" in said or "clone" in said:
+        hint = ("; enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+                "user.max_user_namespaces > 0, or an AppArmor profile for bwrap) or run the reward workers as root")
+    return (f"sandbox: bubblewrap could not start ({said}){hint}; or set {UNSAFE_VARIABLE}=1 for rlimits "
+            "only (unsafe)")

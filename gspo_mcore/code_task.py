@@ -29,7 +29,7 @@ import random
 from pathlib import Path
 
 from gspo_mcore.rewards.code import answer_from_problem, code_group_reward
-from gspo_mcore.rewards.code import reward_metrics  # noqa: F401 (what a reward worker reports for this task)
+from gspo_mcore.rewards.code import reward_metrics, reward_options  # noqa: F401 (a reward worker's hooks)
 from gspo_mcore.sandbox import Problem, Test
 from gspo_mcore.toy_task import make_model, make_toy_task, writer_cli
 

@@ -10,6 +10,7 @@ chance that at least one of j samples is correct, a response being correct when 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -61,7 +62,9 @@ class Evaluator:
         for d in config.eval.datasets:
             dataset = PromptDataset.load(d.path, data.prompt_key, data.messages_key, data.answer_key)
             samples = [dataset[i] for i in range(min(len(dataset), d.max_prompts or len(dataset)))]
-            runner = RewardRunner(d.reward or reward.name, reward.timeout_s, reward.workers)
+            # reward.code's limits as training's (masking aside: every evaluation response is scored).
+            runner = RewardRunner(d.reward or reward.name, reward.timeout_s, reward.workers,
+                                  options=dataclasses.asdict(reward.code))
             self.datasets.append((d, samples, runner))
         self.owns_generator = generator is None
         self.generator = generator or Generator(config, tokenizer)

@@ -77,7 +77,8 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("code_tests_run", "tests run in the sandbox this step (every round, hack checks included)"),
     Metric("code_sandbox_s", "seconds in the sandbox this step, summed over the reward workers"),
     Metric("code_tests_per_s", "tests per second of sandbox time (one worker's throughput)"),
-    Metric("code_infrastructure_errors", "responses whose sandbox failed (never a pass; counted in reward_errors)"),
+    Metric("code_infrastructure_errors", "responses whose sandbox failed (never a pass: scored 0 or masked from the batch, as "
+           "reward.code.infrastructure_errors says)"),
     Metric("code_timeouts", "tests stopped at their time limit"),
     Metric("code_no_program", "responses without a fenced code block (scored 0)"),
     Metric("code_hack_rate", "of the responses checked (1/8 of those that pass their training subset), the share "

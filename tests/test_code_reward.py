@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import zlib
@@ -18,7 +19,8 @@ from gspo_mcore.errors import InputError
 from gspo_mcore.rewards import load_reward_fn
 from gspo_mcore.rewards.code import (answer_from_problem, code_reward, last_code_block, problem_from_record, score,
                                      take_stats, training_tests)
-from gspo_mcore.sandbox import Problem, Test
+from gspo_mcore.rewards.code_config import CodeRewardConfig
+from gspo_mcore.sandbox import Limits, Problem, Test
 
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 WRONG = "```python\nprint(0)\n```"
@@ -112,11 +114,12 @@ def test_the_last_fenced_block_is_the_program():
 def test_training_subset_all_tests_and_fraction(monkeypatch):
     from gspo_mcore.rewards import code
 
-    monkeypatch.setattr(code, "HACK_CHECK_SHARE", 1.0)  # every response that passes its subset is checked
+    # every response that passes its subset is checked
+    monkeypatch.setattr(code, "SETTINGS", CodeRewardConfig(hack_check_share=1.0))
     tests = tuple(Test(f"{i} {i}\n", f"{2 * i}\n") for i in range(40))
     problem = Problem("stdin", tests)
-    subset = training_tests(problem, 16)
-    assert len(subset) == 16 and subset == training_tests(problem, 16)  # deterministic
+    subset = training_tests(problem)
+    assert len(subset) == 16 and subset == training_tests(problem)  # deterministic
     cheat = "```python\na, b = map(int, input().split())\nprint(a + b if (a, b) in %r else -1)\n```" % (
         [tuple(map(int, t.input.split())) for t in subset])
     take_stats()
@@ -207,3 +210,131 @@ def test_a_checker_accepts_any_valid_answer_and_a_tolerance_any_close_number():
     assert score("```python\nprint(1/3)\n```", close).passed
     with pytest.raises(InputError, match="t:3: field 'checker'"):
         problem_from_record({**record, "checker": "print(1)"}, "t:3")
+
+
+# ---- reward.code: infrastructure errors, limits, settings
+
+DIVISOR_CHECKER = ("def check(input, output, expected):\n    n, d = int(input), int(output)\n"
+                   "    return 1 < d < n and n % d == 0\n")
+
+
+def broken_checker_answer() -> str:
+    """A problem whose checker raises: judging an output that is not the listed one is an
+    infrastructure error (the grader failed, not the program)."""
+    record = {"input_output": {"inputs": ["12\n"], "outputs": ["2\n"]},
+              "checker": "def check(i, o, e):\n    raise ValueError('checker bug')\n"}
+    return answer_from_problem(problem_from_record(record, "t:1"))
+
+
+@pytest.mark.parametrize("mode", ["zero", "mask"])
+def test_an_infrastructure_error_scores_zero_or_is_masked_as_reward_code_says(mode):
+    """It raised before: the runner counted it as a reward error and scored 0 (and a batched
+    group lost every other response's score with it)."""
+    from gspo_mcore.rewards.runner import RewardRunner
+
+    answers = [broken_checker_answer(), answer_from_problem(Problem("stdin", (Test("1 2\n", "3\n"),)))]
+    responses = ["```python\nprint(3)\n```", ADD]
+    runner = RewardRunner("code", timeout_s=60.0, workers=1, options={"infrastructure_errors": mode},
+                          masking=mode == "mask")
+    try:
+        rewards, stats = runner.score(responses, answers)
+    finally:
+        runner.close()
+    assert rewards == [None if mode == "mask" else 0.0, 1.0]
+    assert (stats.errors, stats.masked) == (0, 1 if mode == "mask" else 0)
+    assert stats.metrics["code_infrastructure_errors"] == 1  # counted apart from wrong answers either way
+
+    group = RewardRunner("gspo_mcore.rewards.code:code_group_reward", timeout_s=60.0, workers=1, batched=True,
+                         options={"infrastructure_errors": mode}, masking=True)
+    try:  # a prompt's group: the other responses keep their scores
+        rewards, stats = group.score(["```python\nprint(2)\n```", "```python\nprint(3)\n```"],
+                                     [answers[0]] * 2, groups=[0, 0])
+    finally:
+        group.close()
+    assert rewards == [1.0, None if mode == "mask" else 0.0] and stats.errors == 0
+    if mode == "mask":  # a runner that does not mask (evaluation: pass@k needs every sample) scores it 0
+        evaluation = RewardRunner("code_all", timeout_s=60.0, workers=1, options={"infrastructure_errors": mode})
+        try:
+            rewards, stats = evaluation.score(responses, answers)
+        finally:
+            evaluation.close()
+        assert rewards == [0.0, 1.0] and stats.masked == 1
+
+
+def test_a_masked_response_leaves_its_group_before_the_advantages(tmp_path):
+    """reward.code.infrastructure_errors: mask: a response the reward returned None for neither
+    scores 0 nor trains; the rest of its group is normalised without it."""
+    from test_rollout_source import GROUP, source_for
+
+    from gspo_mcore.toy_task import make_prompts, make_tokenizer
+
+    make_tokenizer(tmp_path / "tokenizer")
+    make_prompts(tmp_path / "prompts.jsonl", 64, seed=0)
+    source, _ = source_for(tmp_path, "reward.code.infrastructure_errors=mask", "reward.max_error_fraction=0.5",
+                           rollout_batch_size=2)
+    real = source.rewards.score
+
+    def one_infrastructure_error_per_group(*args):  # the code reward's None, on a toy task's rewards
+        rewards, stats = real(*args)
+        stats.masked += sum(1 for i in range(len(rewards)) if i % GROUP == 1)
+        return [None if i % GROUP == 1 else r for i, r in enumerate(rewards)], stats
+
+    source.rewards.score = one_infrastructure_error_per_group
+    try:
+        kept, advantages, figures = source.round(wanted=8, num_prompts=8, seeds_base=0)
+    finally:
+        source.close()
+    assert figures["requests"] == 8 * GROUP and len(figures["rewards"]) == 8 * (GROUP - 1)
+    assert figures["groups_kept"] >= 1 and len(kept) == figures["groups_kept"] * (GROUP - 1)
+    for start in range(0, len(kept), GROUP - 1):  # a color group: members 0, 2 right, 3 wrong; 1 masked
+        rewards = [r.reward for r in kept[start:start + GROUP - 1]]
+        assert rewards == [1.0, 1.0, 0.0]
+        assert sum(advantages[start:start + GROUP - 1]) == pytest.approx(0.0, abs=1e-5)
+        assert advantages[start] > 0 > advantages[start + 2]
+
+
+def test_limits_come_from_reward_code_and_the_datasets_own_time_limits():
+    from gspo_mcore.rewards.code import limits_for, reward_options, time_limit
+
+    settings = CodeRewardConfig(cpu_s=2.0, wall_s=6.0, memory_mb=256, dataset_time_factor=1.5)
+    plain = Problem("stdin", (Test("1 2\n", "3\n"),))
+    assert limits_for(plain, settings) == Limits(cpu_s=2.0, wall_s=6.0, memory_bytes=256 * 1024**2)
+    contest = {"description": "x", "public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
+               "time_limit": {"seconds": 1, "nanos": 500000000}}
+    problem = problem_from_record(contest, "cc:1")
+    assert problem.time_limit_s == 1.5
+    assert problem_from_record({"answer": answer_from_problem(problem)}, "cc:1") == problem  # prepare_code keeps it
+    assert limits_for(problem, settings) == Limits(cpu_s=2.25, wall_s=6.75, memory_bytes=256 * 1024**2)
+    assert limits_for(problem, CodeRewardConfig(dataset_time_limits=False)).cpu_s == 4.0
+    for value, seconds in (("2 seconds", 2.0), ("1.5 seconds", 1.5), ("500 ms", 0.5), ("None", None), (None, None),
+                           (3, 3.0)):
+        assert time_limit({"time_limit": value}, "taco:1") == seconds
+    with pytest.raises(InputError, match="^taco:2: field 'time_limit': seconds per test"):
+        time_limit({"time_limit": "fast"}, "taco:2")
+    with pytest.raises(InputError, match="^taco:3: field 'time_limit_s'"):
+        time_limit({"time_limit_s": -1}, "taco:3")
+
+    # A program past the problem's own limit (0.5 s of CPU; the default is 4 s) is a timeout.
+    quick = problem_from_record({**contest, "time_limit_s": 0.5}, "cc:2")
+    spin = "```python\nimport time\nt = time.process_time()\nwhile time.process_time() - t < 1.3:\n    pass\nprint(3)\n```"
+    assert score(spin, quick, settings=CodeRewardConfig()).verdicts == ["timeout"]
+    assert score(spin, quick, settings=CodeRewardConfig(dataset_time_limits=False)).verdicts == ["passed"]
+    with pytest.raises(InputError, match=r"^reward.code.wall_s: must be >= cpu_s \(4\)$"):
+        reward_options({"wall_s": 2.0})
+
+
+@pytest.mark.parametrize("override, said", [
+    ("reward.code.infrastructure_errors=drop", "reward.code.infrastructure_errors: 'drop' is not one of"),
+    ("reward.code.max_train_tests=0", "reward.code.max_train_tests: must be >= 1"),
+    ("reward.code.hack_check_share=1.5", "reward.code.hack_check_share: must be in [0, 1]"),
+    ("reward.code.cpu_s=0", "reward.code.cpu_s: must be > 0"),
+    ("reward.code.wall_s=1", "reward.code.wall_s: must be >= cpu_s (4)"),
+    ("reward.code.memory_mb=16", "reward.code.memory_mb: must be >= 64"),
+    ("reward.code.dataset_time_factor=0", "reward.code.dataset_time_factor: must be > 0"),
+    ("reward.code.scoring=best", "reward.code.scoring: 'best' is not one of"),
+])
+def test_bad_reward_code_values_are_one_line(override, said):
+    from gspo_mcore.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="^" + re.escape(said)):
+        load_config(None, [override]).validate()

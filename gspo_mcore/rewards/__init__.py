@@ -44,7 +44,15 @@ def _code_metrics() -> dict:
     return code.reward_metrics()
 
 
-code_reward.reward_metrics = code_all_reward.reward_metrics = _code_metrics  # the counts a worker reports
+def _code_options(options: dict) -> None:
+    from gspo_mcore.rewards import code
+
+    code.reward_options(options)
+
+
+# A reward worker's hooks (gspo_mcore.rewards.worker): the counts it reports, reward.code's settings.
+code_reward.reward_metrics = code_all_reward.reward_metrics = _code_metrics
+code_reward.reward_options = code_all_reward.reward_options = _code_options
 
 
 RewardFn = Callable[..., float]

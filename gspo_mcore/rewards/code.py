@@ -9,13 +9,16 @@ decoded by an unpickler that admits a str and nothing else), TACO / APPS `input_
 CodeContests `public_tests` / `private_tests` / `generated_tests`, PrimeIntellect
 `verification_info`.
 
-Scoring: 1 when every test run passes, else 0 (`fraction`: the share passed). `code` (training)
-runs a deterministic subset of at most MAX_TRAIN_TESTS tests (the first in an order fixed by
-each input's hash) and stops at the first failure; `code_all` (evaluation)
-runs every test. No code block: 0, counted. An infrastructure error raises (the reward runner
-counts it as a reward error, scores 0, and stops the run past reward.max_error_fraction): it is
-never a pass. A share of the responses that pass the training subset also run the rest: the
-ones that then fail are the hack rate.
+Settings: `reward.code` (gspo_mcore.rewards.code_config.CodeRewardConfig), handed to each
+reward worker by `reward_options`; the defaults elsewhere (the scoring command, evaluation).
+Scoring: 1 when every test run passes, else 0 (`scoring: fraction`: the share passed). `code`
+(training) runs a deterministic subset of at most `max_train_tests` tests (the first in an order
+fixed by each input's hash) and stops at the first failure; `code_all` (evaluation) runs every
+test. No code block: 0, counted. An infrastructure error is never a pass: counted, and scored 0 or
+returned as None (masked from the batch by the rollout source), as `infrastructure_errors` says.
+A share (`hack_check_share`) of the responses that pass the training subset also run the rest:
+the ones that then fail are the hack rate. Each test runs under `cpu_s` / `wall_s` /
+`memory_mb`, or the problem's own time limit where its dataset gives one.
 
     python -m gspo_mcore.rewards.code --input F.jsonl [--output G.jsonl] [--references] [--all]
 """
@@ -35,11 +38,11 @@ import zlib
 from dataclasses import dataclass, field
 
 from gspo_mcore.errors import InputError, run_cli
-from gspo_mcore.sandbox import Judgement, Limits, Problem, SandboxError, Test, check_sandbox, judge
+from gspo_mcore.rewards.code_config import CodeRewardConfig
+from gspo_mcore.sandbox import Judgement, Limits, Problem, Test, check_sandbox, judge
 from gspo_mcore.sandbox.judge import judge_programs
 
-MAX_TRAIN_TESTS = 16
-HACK_CHECK_SHARE = 0.125  # of the responses that pass the training subset: also run every other test
+SETTINGS = CodeRewardConfig()  # this process's reward.code (a reward worker's, from reward_options)
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -171,9 +174,36 @@ def problem_from_record(record: dict, where: str) -> Problem:
     raise InputError(f"{where}: no tests: none of the fields answer, {', '.join(k for k, _ in FORMATS)}")
 
 
+TIME_LIMIT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|milliseconds?|s|secs?|seconds?)?\s*", re.IGNORECASE)
+
+
+def time_limit(record: dict, where: str) -> float | None:
+    """A row's time limit per test in seconds: `time_limit_s` (a number), or `time_limit` as
+    CodeContests gives it (`{seconds, nanos}`) or TACO (`"2 seconds"`, `"1.5 seconds"`; `"None"`);
+    None when it gives none."""
+    if record.get("time_limit_s") is not None:
+        value, key = record["time_limit_s"], "time_limit_s"
+    else:
+        value, key = record.get("time_limit"), "time_limit"
+        if isinstance(value, str) and value.strip() in ("", "None", "null"):
+            value = None
+        if isinstance(value, str) and TIME_LIMIT.fullmatch(value):
+            number, unit = TIME_LIMIT.fullmatch(value).groups()
+            value = float(number) / (1000 if unit and unit.lower().startswith("m") else 1)
+        elif isinstance(value, dict) and set(value) <= {"seconds", "nanos"}:
+            seconds = value.get("seconds") or 0
+            value = seconds + (value.get("nanos") or 0) / 1e9 if seconds or value.get("nanos") else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 3600:
+        raise InputError(f"{where}: field '{key}': seconds per test (a number, {{seconds, nanos}} or "
+                         f"'N seconds'), got {str(value)[:80]!r}")
+    return float(value)
+
+
 def _with_judging_fields(problem: Problem, record: dict, where: str) -> Problem:
-    """A record's own `checker` (Python source of `check(input, output, expected) -> bool`) and
-    `tolerance` (numbers compared within it), whatever its format."""
+    """A record's own `checker` (Python source of `check(input, output, expected) -> bool`),
+    `tolerance` (numbers compared within it) and time limit, whatever its format."""
     checker, tolerance = record.get("checker"), record.get("tolerance")
     if checker is not None and (not isinstance(checker, str) or "def check(" not in checker):
         raise InputError(f"{where}: field 'checker': Python source defining check(input, output, expected)")
@@ -182,19 +212,22 @@ def _with_judging_fields(problem: Problem, record: dict, where: str) -> Problem:
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not 0 <= tolerance < 1):
         raise InputError(f"{where}: field 'tolerance': a number in [0, 1)")
-    return dataclasses.replace(problem, checker=checker, tolerance=tolerance)
+    return dataclasses.replace(problem, checker=checker, tolerance=tolerance,
+                               time_limit_s=time_limit(record, where))
 
 
 def answer_from_problem(problem: Problem) -> str:
     return json.dumps({"kind": problem.kind, "func_name": problem.func_name, "tolerance": problem.tolerance,
-                       "checker": problem.checker, "tests": [[t.input, t.output] for t in problem.tests]})
+                       "checker": problem.checker, "time_limit_s": problem.time_limit_s,
+                       "tests": [[t.input, t.output] for t in problem.tests]})
 
 
 def problem_from_answer(answer: str, where: str = "answer") -> Problem:
     try:
         spec = json.loads(answer)
         tests = tuple(Test(str(i), str(o)) for i, o in spec["tests"])
-        problem = Problem(spec["kind"], tests, spec.get("func_name"), spec.get("tolerance"), spec.get("checker"))
+        problem = Problem(spec["kind"], tests, spec.get("func_name"), spec.get("tolerance"), spec.get("checker"),
+                          time_limit(spec, where))
     except (ValueError, KeyError, TypeError) as err:
         raise InputError(f"{where}: field 'answer': not a code problem as prepare_code writes it ({err})") from None
     if problem.kind not in ("stdin", "functional") or not tests or (problem.kind == "functional" and not problem.func_name):
@@ -215,8 +248,31 @@ def _order(problem: Problem) -> list[Test]:
     return sorted(problem.tests, key=lambda t: hashlib.sha1(t.input.encode("utf-8", "surrogateescape")).digest())
 
 
-def training_tests(problem: Problem, max_tests: int = MAX_TRAIN_TESTS) -> list[Test]:
-    return _order(problem)[:max_tests]
+def training_tests(problem: Problem, settings: CodeRewardConfig | None = None) -> list[Test]:
+    return _order(problem)[:(settings or SETTINGS).max_train_tests]
+
+
+def limits_for(problem: Problem, settings: CodeRewardConfig | None = None) -> Limits:
+    """A test's limits: reward.code's, the CPU time from the problem's own limit where its dataset
+    gives one (and dataset_time_limits), the wall clock in the settings' ratio to it."""
+    settings = settings or SETTINGS
+    cpu_s = settings.cpu_s
+    if settings.dataset_time_limits and problem.time_limit_s is not None:
+        cpu_s = problem.time_limit_s * settings.dataset_time_factor
+    return Limits(cpu_s=cpu_s, wall_s=cpu_s * settings.wall_s / settings.cpu_s,
+                  memory_bytes=settings.memory_mb * 1024 * 1024)
+
+
+def reward_options(options: dict) -> None:
+    """reward.code's settings for this process (gspo_mcore.rewards.worker calls it at start)."""
+    global SETTINGS
+    try:
+        settings = CodeRewardConfig(**options)
+    except TypeError as err:
+        raise InputError(f"reward.code: {err}") from None
+    if settings.problem() is not None:
+        raise InputError(f"reward.code.{settings.problem()}")
+    SETTINGS = settings
 
 
 @dataclass
@@ -277,19 +333,23 @@ def _count(judgement: Judgement) -> None:
     STATS.infrastructure_errors += judgement.infrastructure_error is not None
 
 
-def score(response: str, problem: Problem, every_test: bool = False, fraction: bool = False,
-          max_tests: int = MAX_TRAIN_TESTS, limits: Limits = Limits()) -> CodeScore:
-    return score_group([response], problem, every_test, fraction, max_tests, limits)[0]
+def score(response: str, problem: Problem, every_test: bool = False, fraction: bool | None = None,
+          settings: CodeRewardConfig | None = None) -> CodeScore:
+    return score_group([response], problem, every_test, fraction, settings)[0]
 
 
-def score_group(responses: list[str], problem: Problem, every_test: bool = False, fraction: bool = False,
-                max_tests: int = MAX_TRAIN_TESTS, limits: Limits = Limits()) -> list[CodeScore]:
-    """The responses to one problem (a prompt's group), their programs judged in one sandbox."""
+def score_group(responses: list[str], problem: Problem, every_test: bool = False, fraction: bool | None = None,
+                settings: CodeRewardConfig | None = None) -> list[CodeScore]:
+    """The responses to one problem (a prompt's group), their programs judged in one sandbox.
+    `settings`: reward.code (default: this process's); `fraction` None: its `scoring`."""
+    settings = settings or SETTINGS
+    fraction = settings.scoring == "fraction" if fraction is None else fraction
+    limits = limits_for(problem, settings)
     STATS.responses += len(responses)
     programs = [last_code_block(response) for response in responses]
     STATS.no_program += programs.count(None)
     ordered = _order(problem)
-    tests = ordered if every_test else ordered[:max_tests]
+    tests = ordered if every_test else ordered[:settings.max_train_tests]
     present = [program for program in programs if program is not None]
     judged = iter(judge_programs(present, problem, tests, stop_at_first_failure=not (every_test or fraction),
                                  limits=limits) if present else [])
@@ -304,7 +364,7 @@ def score_group(responses: list[str], problem: Problem, every_test: bool = False
             scores.append(CodeScore(0.0, False, judgement.verdicts, infrastructure_error=judgement.infrastructure_error))
             continue
         passed = judgement.passed and len(judgement.verdicts) == len(tests)
-        if passed and not every_test and len(ordered) > len(tests) and _hack_check(response):
+        if passed and not every_test and len(ordered) > len(tests) and _hack_check(response, settings):
             rest = judge(program, problem, ordered[len(tests):], stop_at_first_failure=True, limits=limits)
             _count(rest)
             if rest.infrastructure_error is None:
@@ -315,33 +375,37 @@ def score_group(responses: list[str], problem: Problem, every_test: bool = False
     return scores
 
 
-def _hack_check(response: str) -> bool:
-    return hashlib.sha1(response.encode("utf-8", "surrogateescape")).digest()[0] < 256 * HACK_CHECK_SHARE
+def _hack_check(response: str, settings: CodeRewardConfig) -> bool:
+    return hashlib.sha1(response.encode("utf-8", "surrogateescape")).digest()[0] < 256 * settings.hack_check_share
 
 
-def _rewards(responses: list[str], answers: list[str], every_test: bool) -> list[float]:
-    """A group's rewards (one problem: a batched reward gets a prompt's group)."""
+def _rewards(responses: list[str], answers: list[str], every_test: bool) -> list[float | None]:
+    """A group's rewards (one problem: a batched reward gets a prompt's group). A response whose
+    program met an infrastructure error (counted in STATS) scores 0, or None (`mask`: the rollout
+    source drops it from its group), never a pass; its reason goes to stderr (the trainer's)."""
     check_sandbox()  # once per worker: the one-line refusal where the sandbox cannot run
     if len(set(answers)) != 1:
         return [value for r, a in zip(responses, answers) for value in _rewards([r], [a], every_test)]
     results = score_group(responses, problem_from_answer(answers[0]), every_test=every_test)
-    failed = next((r.infrastructure_error for r in results if r.infrastructure_error is not None), None)
-    if failed is not None:
-        raise SandboxError(failed)  # counted apart, never a pass
-    return [r.reward for r in results]
+    masked = SETTINGS.infrastructure_errors == "mask"
+    for result in results:
+        if result.infrastructure_error is not None:
+            print(f"code reward: infrastructure error ({'masked' if masked else 'scored 0'}): "
+                  f"{result.infrastructure_error}", file=sys.stderr, flush=True)
+    return [None if masked and r.infrastructure_error is not None else r.reward for r in results]
 
 
-def code_reward(response: str, answer: str) -> float:
+def code_reward(response: str, answer: str) -> float | None:
     """Training: 1.0 if the last code block passes the problem's training subset of tests."""
     return _rewards([response], [answer], every_test=False)[0]
 
 
-def code_all_reward(response: str, answer: str) -> float:
+def code_all_reward(response: str, answer: str) -> float | None:
     """Evaluation: 1.0 if the last code block passes every test of the problem."""
     return _rewards([response], [answer], every_test=True)[0]
 
 
-def code_group_reward(responses: list[str], answers: list[str]) -> list[float]:
+def code_group_reward(responses: list[str], answers: list[str]) -> list[float | None]:
     """`code` for reward.batched: true: a prompt's group judged in one sandbox (one start for
     the group; each program still runs each test in a fresh process, the tmpfs emptied between
     programs)."""

@@ -28,6 +28,7 @@ STARTUP_TIMEOUT_S = 300.0  # importing a heavy reward (a math checker, a tokeniz
 class RewardStats:
     errors: int = 0
     timeouts: int = 0
+    masked: int = 0  # responses the reward could not score (it returned None): None with `masking`, else 0
     # What each failure said ("response i: <exception>"), in order: the run quotes the first
     # and keeps them all in its logs.
     messages: list[str] = field(default_factory=list)
@@ -38,12 +39,13 @@ class RewardStats:
 class _Worker:
     """One worker process and its private request/reply pipe pair."""
 
-    def __init__(self, reward_name: str, batched: bool = False):
+    def __init__(self, reward_name: str, batched: bool = False, options: dict | None = None):
         # The repository and the trainer's sys.path (a reward named `tests.x:f` or a module
         # beside the config), so the worker imports what the trainer could.
         path = os.pathsep.join([str(Path.cwd()), *filter(None, sys.path)])
         env = {**os.environ, "PYTHONPATH": path}
-        argv = [sys.executable, "-m", "gspo_mcore.rewards.worker", reward_name, *(["--batched"] if batched else [])]
+        argv = [sys.executable, "-m", "gspo_mcore.rewards.worker", reward_name, *(["--batched"] if batched else []),
+                *(["--options", json.dumps(options)] if options is not None else [])]
         self.process = start_worker(argv, env)
         self.reward_name = reward_name
         self.busy_with: list[int] | None = None  # the responses it is scoring
@@ -71,18 +73,21 @@ class _Worker:
 
 class RewardRunner:
     """`score(responses, answers, contexts, groups) -> (rewards, stats)` over `workers` processes,
-    started once. `batched`: the reward takes a group's lists in one call (gspo_mcore.rewards)."""
+    started once. `batched`: the reward takes a group's lists in one call (gspo_mcore.rewards).
+    `options`: handed to the reward's `reward_options` hook in each worker (reward.code's
+    settings). `masking`: a response the reward returned None for (could not score) keeps None
+    (the rollout source drops it from its group); otherwise it scores 0. Counted either way."""
 
     def __init__(self, reward_name: str, timeout_s: float = 10.0, workers: int = 2, batched: bool = False,
-                 url: str | None = None):
+                 url: str | None = None, options: dict | None = None, masking: bool = False):
         # Fail fast on a bad name or signature, in this process.
         self.wanted = reward_arguments(load_reward_fn(reward_name), reward_name, url)
         self.reward_name, self.timeout_s, self.workers = reward_name, timeout_s, workers
-        self.batched, self.url = batched, url
+        self.batched, self.url, self.options, self.masking = batched, url, options, masking
         self._pool: list[_Worker] = []
 
     def _start(self, count: int) -> list[_Worker]:
-        started = [_Worker(self.reward_name, self.batched) for _ in range(count)]
+        started = [_Worker(self.reward_name, self.batched, self.options) for _ in range(count)]
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for worker in started:
             worker.ready(deadline)
@@ -106,7 +111,7 @@ class RewardRunner:
         return [[[responses[i] for i in job], [answers[i] for i in job]], lists]
 
     def score(self, responses: list[str], answers: list[str], contexts: list[dict] | None = None,
-              groups: list[int] | None = None) -> tuple[list[float], RewardStats]:
+              groups: list[int] | None = None) -> tuple[list[float | None], RewardStats]:
         """`contexts`: per response, the CONTEXT of gspo_mcore.rewards (needed when the reward asks
         for any of it); `groups`: per response, its prompt's group (the calls of a batched reward)."""
         if len(responses) != len(answers):
@@ -143,7 +148,11 @@ class RewardRunner:
                     stats.metrics[key] = stats.metrics.get(key, 0) + value
                 if reply is not None and "rewards" in reply:
                     for i, value in zip(job, reply["rewards"]):
-                        rewards[i] = value
+                        rewards[i] = value if value is not None or self.masking else 0.0
+                        if value is None:
+                            stats.masked += 1
+                            stats.messages.append(f"response {i}: the reward returned None (it could not score "
+                                                  f"it: {'masked' if self.masking else 'scored 0'})")
                     continue
                 stats.errors += len(job)  # it raised, returned NaN, or its process died
                 said = reply.get("error", "failed") if isinstance(reply, dict) else "its worker process died"

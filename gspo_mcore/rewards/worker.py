@@ -1,8 +1,12 @@
-"""A reward worker: `python -m gspo_mcore.rewards.worker NAME [--batched]`.
+"""A reward worker: `python -m gspo_mcore.rewards.worker NAME [--batched] [--options JSON]`.
 
-Imports only the reward function (not the trainer, torch or megatron), says `ready`, then
-answers one JSON line per request on a private pipe: `[[response, answer], kwargs]` (batched:
-`[[responses, answers], kwargs of lists]`) -> `{"rewards": [x, ...]}` or `{"error": "..."}`. The reward's own prints go to stderr, so they cannot
+Imports only the reward function (not the trainer, torch or megatron), hands it `--options`
+(reward.code's settings) through its `reward_options(options: dict)` hook where it has one, says
+`ready`, then answers one JSON line per request on a private pipe: `[[response, answer], kwargs]`
+(batched: `[[responses, answers], kwargs of lists]`) -> `{"rewards": [x, ...]}` or
+`{"error": "..."}`. A reward may return None for a response it could not score for a reason not
+the response's (the code reward's infrastructure errors, reward.code.infrastructure_errors: mask):
+null in the reply, masked by the runner. The reward's own prints go to stderr, so they cannot
 corrupt the protocol. Ends at end of input (the trainer closed the pipe or died) or once the process that started it is gone."""
 
 from __future__ import annotations
@@ -22,17 +26,20 @@ def main() -> int:
     sys.stdout = sys.stderr
     from gspo_mcore.rewards import load_reward_fn  # after stdout is redirected: the reward's import may print
 
+    name, flags = sys.argv[1], sys.argv[2:]
+    batched = "--batched" in flags
+    options = json.loads(flags[flags.index("--options") + 1]) if "--options" in flags else None
     try:
-        reward_fn = load_reward_fn(sys.argv[1])
+        reward_fn = load_reward_fn(name)
+        configure = _hook(reward_fn, "reward_options")
+        if options is not None and configure is not None:
+            configure(options)
     except Exception as err:  # reported by the runner as the reason the worker did not start
         protocol.write(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
         return 2
-    batched = sys.argv[2:] == ["--batched"]
     # A reward may count things per call (the code reward's tests, sandbox time, ...): a
-    # `reward_metrics() -> {name: number}` attribute of the function or of its module, the counts
-    # since its last call, sent with each reply.
-    counts = getattr(reward_fn, "reward_metrics", None) or getattr(
-        sys.modules.get(getattr(reward_fn, "__module__", ""), None), "reward_metrics", None)
+    # `reward_metrics() -> {name: number}` hook, the counts since its last call, sent with each reply.
+    counts = _hook(reward_fn, "reward_metrics")
     protocol.write('"ready"\n')
     for line in sys.stdin:
         args, kwargs = json.loads(line)
@@ -46,16 +53,23 @@ def main() -> int:
     return 0
 
 
-def call(reward_fn, args: list, kwargs: dict, batched: bool) -> list[float]:
-    """The rewards of one request, checked: a NaN would poison the group's advantages."""
+def _hook(reward_fn, name: str):
+    """An attribute `name` of the reward function, or else of its module; None."""
+    return getattr(reward_fn, name, None) or getattr(
+        sys.modules.get(getattr(reward_fn, "__module__", ""), None), name, None)
+
+
+def call(reward_fn, args: list, kwargs: dict, batched: bool) -> list[float | None]:
+    """The rewards of one request, checked: a NaN would poison the group's advantages (None, a
+    masked response, is kept apart from them by the runner and the rollout source)."""
     values = reward_fn(*args, **kwargs)
     if not batched:
         values = [values]
     elif len(values) != len(args[0]):
         raise ValueError(f"returned {len(values)} rewards for {len(args[0])} responses")
-    values = [float(v) for v in values]
-    if not all(math.isfinite(v) for v in values):
-        raise ValueError(f"returned {next(v for v in values if not math.isfinite(v))}")
+    values = [None if v is None else float(v) for v in values]
+    if not all(v is None or math.isfinite(v) for v in values):
+        raise ValueError(f"returned {next(v for v in values if v is not None and not math.isfinite(v))}")
     return values
 
 

@@ -42,7 +42,9 @@ class RolloutSource:
         self.sampler = PromptSampler(len(self.dataset), seed=config.train.seed)
         self._check_template()
         reward = config.reward
-        self.rewards = RewardRunner(reward.name, reward.timeout_s, reward.workers, reward.batched, reward.url)
+        self.rewards = RewardRunner(reward.name, reward.timeout_s, reward.workers, reward.batched, reward.url,
+                                    options=dataclasses.asdict(reward.code),
+                                    masking=reward.code.infrastructure_errors == "mask")
         self.group_filter = by_name(config.rollout.group_filter, adv.GROUP_FILTERS, "rollout.group_filter")
         self.running = adv.RunningMoments()
         self.generator = Generator(config, self.tokenizer)  # the evaluation generates through it too
@@ -121,7 +123,12 @@ class RolloutSource:
             scores, stats = self.rewards.score(texts, answers, contexts, group_ids.tolist())
             self._check_rewards(stats, len(texts))
             # A function's own score (an environment's) replaces the reward function's.
-            rewards = torch.tensor([s if p is None else p for s, p in zip(scores, preset)], dtype=torch.float32)
+            values = [s if p is None else p for s, p in zip(scores, preset)]
+            # None: a response the reward could not score (reward.code.infrastructure_errors: mask):
+            # dropped from its group here, before the advantages; it neither scores nor trains.
+            judged = [i for i, value in enumerate(values) if value is not None]
+            rewards = torch.tensor([values[i] for i in judged], dtype=torch.float32)
+            group_ids = group_ids[judged]
             # reward.norm "batch" / "running": over this round's rewards / updated by each round.
             normed = adv.normalize_rewards(rewards, group_ids, reward.norm, self.running)
         advantages = adv.clip(adv.group_advantages(normed, group_ids, normalize_std=reward.advantage_std_norm),
@@ -136,7 +143,7 @@ class RolloutSource:
             "reward_errors": stats.errors, "reward_timeouts": stats.timeouts, "reward_counts": stats.metrics,
             "trainable": sum(sum(r.mask) for r in rollouts), "turns": generated.infos,
         }
-        kept = [dataclasses.replace(rollouts[i], reward=rewards[i].item()) for i in selected]
+        kept = [dataclasses.replace(rollouts[judged[i]], reward=rewards[i].item()) for i in selected]
         return kept, [advantages[i].item() for i in selected], figures
 
     def step_metrics(self, rounds: list[dict]) -> dict:
@@ -171,7 +178,7 @@ class RolloutSource:
             self.error_log.parent.mkdir(parents=True, exist_ok=True)
             with open(self.error_log, "a") as log:
                 log.writelines(f"reward {reward.name}: {message}\n" for message in stats.messages)
-        failed = stats.errors + stats.timeouts
+        failed = stats.errors + stats.timeouts + stats.masked
         if failed == calls or failed > reward.max_error_fraction * calls:
             kept = f"; all in {self.error_log}" if self.error_log is not None else ""
             raise InputError(f"reward {reward.name}: {failed} of {calls} calls failed (reward.max_error_fraction "

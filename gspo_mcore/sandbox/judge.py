@@ -38,6 +38,9 @@ class Problem:
     """Stdin problems with several valid answers: Python source defining
     `check(input: str, output: str, expected: str) -> bool`, run in a sandbox of its own (the
     candidate's sandbox never holds an expected output; the checker's never holds the candidate)."""
+    time_limit_s: float | None = None
+    """The dataset's own time limit per test (CodeContests, TACO), when it gives one: the code
+    reward's limits scale from it (reward.code.dataset_time_limits)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -13,7 +14,8 @@ import yaml
 
 from gspo_mcore.advantages import RewardNorm
 from gspo_mcore.errors import InputError
-from gspo_mcore.loss import Aggregation, KLEstimator
+from gspo_mcore.loss import Aggregation, KLEstimator, MismatchCorrection, foreign_fields
+from gspo_mcore.rewards.code_config import CodeRewardConfig
 
 
 class ConfigError(InputError):
@@ -82,16 +84,39 @@ class OptimizerConfig:
 class LossConfig:
     function: str = "gspo"
     """The policy loss: `gspo` (sequence ratio, the paper's), `gspo_token` (GSPO-token), `grpo`
-    (token ratio, for comparison runs), or a function of yours, `module:function`, called as
-    `fn(inputs: gspo_mcore.loss.LossInputs, config: LossConfig) -> (loss, metrics)` like these.
+    (token ratio, for comparison runs), the GSPO lineage `sapo` (soft gate), `gmpo` (geometric
+    mean of log-space-clipped token ratios), `luspo` (GSPO scaled by response length), `cispo`
+    (clipped, stop-gradient importance weight), or a function of yours, `module:function`, called
+    as `fn(inputs: gspo_mcore.loss.LossInputs, config: LossConfig) -> (loss, metrics)` like these.
     KL, entropy bonus, behaviour weights and the mismatch figures are added around it."""
     clip_low: float = 3e-4
     clip_high: float = 4e-4
-    """The paper's GSPO clip range: ratios outside [1 - 3e-4, 1 + 4e-4] stop the gradient."""
+    """The paper's GSPO clip range: ratios outside [1 - 3e-4, 1 + 4e-4] stop the gradient
+    (gspo, gspo_token, grpo, luspo)."""
     aggregation: Aggregation | None = None
-    """None: the paper's (seq-mean-token-mean)."""
+    """None: the loss's paper's (seq-mean-token-mean; cispo: token-mean; luspo: its length
+    scaling, seq-mean-token-sum, which it refuses to change)."""
     dual_clip: float | None = None
     """Lower bound c * A for negative advantages (c > 1); None: off."""
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    """sapo: the soft gate's temperatures for positive / non-positive advantages (the paper's;
+    a higher one decays faster off-policy)."""
+    gmpo_log_clip: float = 0.4
+    """gmpo: each token's log ratio clipped to [-eps, eps] before the geometric mean (the paper's
+    0.4: ratios within (e^-0.4, e^0.4))."""
+    cispo_weight_max: float = 5.0
+    cispo_weight_min: float | None = None
+    """cispo: bounds of the stop-gradient importance weight (1 + eps_high^IS, 1 - eps_low^IS);
+    MiniMax-M1 sets no lower bound and publishes no upper one: 5, ScaleRL's eps_max."""
+    mismatch_correction: MismatchCorrection = "none"
+    """Importance weights for the train-inference mismatch at theta_old, rho = pi_trainer /
+    pi_engine, on every loss: `token_tis` (each token's rho truncated at mismatch_threshold) or
+    `sequence_mis` (a sequence's rho, the product over its tokens, kept inside [1/C, C] and 0
+    outside). rho needs pi_old to be the trainer's (a step's first minibatch on-policy, or
+    train.recompute_old_logprobs); elsewhere it is 1."""
+    mismatch_threshold: float = 2.0
+    """C of mismatch_correction (TIS's truncation, MIS's band)."""
     on_policy_first_minibatch: bool = True
     """The first minibatch of a step (theta = theta_old) takes pi_old from its own forward,
     detached: its ratio is exactly 1, free of the engine mismatch, at no extra cost (later
@@ -159,8 +184,8 @@ class RewardConfig:
     timeout_s: float = 10.0
     """Per call (a response; a group when batched); a crash or timeout scores 0 and is counted."""
     max_error_fraction: float = 0.5
-    """The share of a round's reward calls that may fail (raise, time out, return NaN) before the
-    run stops, quoting the first failure (every one is in OUTPUT_DIR/logs/reward_errors.log);
+    """The share of a round's reward calls that may fail (raise, time out, return NaN; a response
+    masked by reward.code.infrastructure_errors counts as one) before the run stops, quoting the first failure (every one is in OUTPUT_DIR/logs/reward_errors.log);
     a round where every call failed always stops it."""
     workers: int = 2
     norm: RewardNorm = "none"
@@ -169,6 +194,10 @@ class RewardConfig:
     advantage_std_norm: bool = True
     """Divide by the group's reward std (GRPO/GSPO); false: centre only (Dr. GRPO)."""
     advantage_clip: float | None = None
+    """Advantages clipped to [-c, c] after the group normalisation; None: off."""
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    """The code reward's settings and the sandbox's per-test limits (gspo_mcore/rewards/code_config.py,
+    docs/13-code-rl.md); read by `code`, `code_all` and `code_group_reward`."""
 
 
 @dataclass
@@ -405,6 +434,34 @@ class Config:
         if self.eval.every < 0:
             raise ConfigError("eval.every: must be >= 0")
 
+    def _check_loss(self) -> None:
+        loss = self.loss
+        band = loss.token_mask_band
+        if band is not None and (len(band) != 2 or not 0 < band[0] < 1 < band[1]):
+            raise ConfigError("loss.token_mask_band: expected [low, high] with 0 < low < 1 < high")
+        if loss.band_from_mismatch is not None and loss.band_from_mismatch <= 0:
+            raise ConfigError("loss.band_from_mismatch: must be > 0")
+        if loss.sequence_mask_threshold is not None and loss.sequence_mask_threshold < 0:
+            raise ConfigError("loss.sequence_mask_threshold: must be >= 0")
+        if loss.horizon is not None and loss.horizon < 1:
+            raise ConfigError("loss.horizon: must be >= 1")
+        for name in ("kl_loss_coef", "entropy_coef"):
+            if getattr(loss, name) < 0:
+                raise ConfigError(f"loss.{name}: must be >= 0")
+        for name, why in foreign_fields(loss.function).items():
+            if getattr(loss, name) != getattr(LossConfig, name):
+                raise ConfigError(f"loss.{name}: {why}")
+        for name in ("sapo_tau_pos", "sapo_tau_neg", "gmpo_log_clip"):
+            if getattr(loss, name) <= 0:
+                raise ConfigError(f"loss.{name}: must be > 0")
+        if loss.cispo_weight_max <= 1 or (loss.cispo_weight_min is not None and not 0 < loss.cispo_weight_min < 1):
+            raise ConfigError("loss.cispo_weight_min / cispo_weight_max: expected 0 < min < 1 < max")
+        if loss.mismatch_threshold <= 1:
+            raise ConfigError("loss.mismatch_threshold: must be > 1")
+        if loss.mismatch_correction != "none" and self.rollout.mode != "sync":
+            raise ConfigError(f"loss.mismatch_correction: applies in rollout.mode sync (in {self.rollout.mode} the "
+                              "behaviour weight carries pi_prox / pi_engine)")
+
     def validate(self) -> "Config":
         self._check_eval()
         self._check_rollout_function()
@@ -438,18 +495,9 @@ class Config:
             raise ConfigError("rollout.oversample: must be >= 1")
         if self.train.group_size < 2:
             raise ConfigError("train.group_size: must be >= 2 (a group of one has no advantage to learn from)")
-        band = self.loss.token_mask_band
-        if band is not None and (len(band) != 2 or not 0 < band[0] < 1 < band[1]):
-            raise ConfigError("loss.token_mask_band: expected [low, high] with 0 < low < 1 < high")
-        if self.loss.band_from_mismatch is not None and self.loss.band_from_mismatch <= 0:
-            raise ConfigError("loss.band_from_mismatch: must be > 0")
-        if self.loss.sequence_mask_threshold is not None and self.loss.sequence_mask_threshold < 0:
-            raise ConfigError("loss.sequence_mask_threshold: must be >= 0")
-        if self.loss.horizon is not None and self.loss.horizon < 1:
-            raise ConfigError("loss.horizon: must be >= 1")
-        for name in ("kl_loss_coef", "entropy_coef"):
-            if getattr(self.loss, name) < 0:
-                raise ConfigError(f"loss.{name}: must be >= 0")
+        self._check_loss()
+        if self.reward.code.problem() is not None:
+            raise ConfigError(f"reward.code.{self.reward.code.problem()}")
         if self.rollout.temperature <= 0:
             raise ConfigError("rollout.temperature: must be > 0 (greedy decoding has no log-probs to train on)")
         if self.train.strict_exactness_tolerance <= 0:
@@ -549,7 +597,9 @@ def from_dict(cls, data: dict, where: str = ""):
             raise ConfigError(f"{key}: moved to {MOVED[key]}")
         if key in REPLACED:
             raise ConfigError(f"{key}: replaced by {REPLACED[key]}")
-        raise ConfigError(f"{key}: unknown config field")
+        close = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+        hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else ""
+        raise ConfigError(f"{key}: unknown config {'field' if where else 'section'}{hint}")
     kwargs = {
         key: _convert(hints[key], value, f"{where + '.' if where else ''}{key}") for key, value in data.items()
     }

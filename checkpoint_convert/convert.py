@@ -9,7 +9,6 @@ renamed to OUT only when complete.
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
 from pathlib import Path
@@ -32,6 +31,7 @@ from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
     non_layer_rules,
     split,
 )
+from gspo_mcore.processes import pid_running
 from gspo_mcore.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
 
 # Checkpoint keys are the Transformer Engine spec's names; the local spec maps its own names
@@ -119,8 +119,7 @@ def checked_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()):
             raise InputError(f"{out}: output directory is, contains or lies inside the input {source}")
     if out.exists() and not overwrite:
         raise InputError(f"{out}: output directory exists (pass --overwrite to replace it)")
-    if not out.parent.is_dir():
-        raise InputError(f"{out.parent}: parent directory of the output does not exist")
+    require_parent(out)
     remove_stale_temporaries(out)
     return atomic_output(out, directory=True)
 
@@ -131,14 +130,7 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
     removed = []
     for tmp in out.parent.glob(f"{out.name}.tmp-*"):
         pid = tmp.name.rpartition("-")[2]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # a live process (another conversion) owns it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if not pid.isdigit() or pid_running(int(pid)):  # ours, or a live process's (another conversion)
             continue
         shutil.rmtree(tmp, ignore_errors=True)
         removed.append(tmp)
@@ -156,7 +148,13 @@ def check_model_keys(reader: DCPReader, arch: Qwen3MoeArch, config_dir: Path) ->
                                   f"({arch.num_layers} layers, {arch.num_experts} experts)")
 
 
+def require_parent(out: Path) -> None:
+    if not Path(out).parent.is_dir():
+        raise InputError(f"{Path(out).parent}: parent directory of the output does not exist (mkdir -p it first)")
+
+
 def check_disk_space(out: Path, needed: int) -> None:
+    require_parent(out)  # before the free space of a directory that is not there
     free = shutil.disk_usage(Path(out).parent).free
     margin = 64 << 20
     if free < needed * 1.02 + margin:

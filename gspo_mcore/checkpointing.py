@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,27 +27,28 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LATEST = "latest"  # in a run's checkpoints/: the name of its newest complete checkpoint
 
 
-_WRITER_MANAGER = None  # the multiprocessing Manager behind Megatron's writer queue, once started
-
-
-def tie_writer_queue_to_us() -> None:
-    """Megatron's torch_dist writer takes its results queue from a multiprocessing Manager it
+def keep_writer_results_in_process() -> None:
+    """Megatron's torch_dist writer takes its results queue from a multiprocessing Manager that it
     spawns at the first save (dist_checkpointing/strategies/filesystem_async.py,
-    _get_write_results_queue), a process that outlived a SIGKILLed trainer (measured, with its
-    resource tracker). Started here instead, from the main thread (the kernel's parent-death
-    signal follows the starting thread), with that signal (gspo_mcore.processes.die_with_parent)."""
-    global _WRITER_MANAGER
-    from multiprocessing.managers import SyncManager
-
+    _get_write_results_queue): a process that re-imports the trainer (seconds), outlived a
+    SIGKILLed trainer, and died of the terminal's Ctrl-C while starting (an EOFError in the
+    save). Our saves are synchronous (AsyncRequest.execute_sync in strategies/async_utils.py: the
+    writer's results are put and taken in this process), so a plain in-process queue serves, and
+    no process is started."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from gspo_mcore.processes import die_with_parent, in_main_thread
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
-    if filesystem_async._results_queue is not None or not in_main_thread():
-        return
-    _WRITER_MANAGER = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
-    _WRITER_MANAGER.start(initializer=die_with_parent)
-    filesystem_async._results_queue = _WRITER_MANAGER.Queue()
+
+def hide_sharded_tensor_deprecation() -> None:
+    """torch warns at every ShardedTensor it builds (torch/distributed/_shard/sharded_tensor) that it will
+    be replaced by DTensor: megatron-core 0.16.1's torch_dist loads build them, so every --resume
+    and `checkpoint_convert verify` printed it; nothing a user can act on."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                            category=FutureWarning)
 
 
 def latest_checkpoint(output_dir: Path) -> Path:
@@ -228,7 +230,7 @@ class Checkpointer:
         """Collective: every registered part at `step` completed steps."""
         from megatron.core import dist_checkpointing
 
-        tie_writer_queue_to_us()
+        keep_writer_results_in_process()
         self.train_state.step = step
         path = self.root / f"step_{step:06d}"
         with atomic_output_all_ranks(path) as tmp:

@@ -3,14 +3,19 @@
     gspo-train --config FILE [--output-dir DIR] [--overwrite] [--print-config] [key=value ...]
     gspo-train --output-dir DIR --resume [--config FILE] [key=value ...]
 
-The arguments are parsed before anything heavy is imported, so `--help` and a usage error
-answer at once; gspo_mcore.start then checks the inputs and runs the Trainer.
+The arguments, the output directory and the config (a typo, a bad value, a run already in
+OUTPUT_DIR) are checked before Megatron and transformers are imported (seconds), so they answer
+at once; gspo_mcore.start then checks the other inputs and runs the Trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
+import signal
 import sys
+from pathlib import Path
 
 from gspo_mcore.errors import run_cli
 
@@ -33,12 +38,59 @@ def parse_args(argv=None):
     return args
 
 
+def resolve(args):
+    """(OUTPUT_DIR, the config, what a resume says it changes): refused here, not after the heavy imports.
+    A resume trains with the run's own OUTPUT_DIR/config.yaml (its first command's overrides
+    included) and this command's overrides on top (gspo_mcore.run_config.resume_config)."""
+    from gspo_mcore import run_config
+    from gspo_mcore.config import load_config
+    from gspo_mcore.run_dir import check_output_dir, default_output_dir
+
+    output_dir = Path(args.output_dir or default_output_dir(args.config))
+    if not args.print_config:
+        check_output_dir(output_dir, args.resume, args.overwrite)
+    if args.resume:
+        config, said = run_config.resume_config(output_dir, args.config, args.overrides)
+    else:
+        config, said = load_config(args.config, args.overrides), []
+    return output_dir, config, said
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from gspo_mcore.start import run  # heavy (torch, Megatron, transformers): only once the arguments are good
+    # The git revision in OUTPUT_DIR/config.yaml comes from `git status` (run_config.provenance), which
+    # refreshes the index and takes .git/index.lock in the user's checkout unless told not to.
+    os.environ.setdefault("GIT_OPTIONAL_LOCKS", "0")
+    output_dir, config, said = resolve(args)
+    if args.print_config:  # nothing starts: loadable as is with --config
+        from gspo_mcore.config import config_yaml
 
-    run(args)
+        print(config_yaml(config), end="", flush=True)
+        return
+    from gspo_mcore.checkpointing import hide_sharded_tensor_deprecation
+    from gspo_mcore.start import run  # heavy (Megatron, transformers): only once the config is good
+
+    hide_sharded_tensor_deprecation()
+    run(config, output_dir, args.resume, args.overwrite, said)
+
+
+STOPPED = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}  # stopped by a signal
 
 
 def train_cli() -> None:
-    sys.exit(run_cli(main))
+    try:
+        code = run_cli(main)
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler is installed (gspo_mcore.preemption)
+        print("SIGINT: stopped before training started", file=sys.stderr, flush=True)
+        code = 128 + signal.SIGINT
+    except SystemExit as stop:
+        if stop.code not in STOPPED:
+            raise
+        # Stopped by a signal, with what the run started stopped and what it wrote closed on the way
+        # out: the interpreter's own teardown (collecting the model's objects: seconds) is skipped,
+        # not the exit handlers (wandb's temporary directories, imported by Megatron, are removed by them).
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(stop.code)
+    sys.exit(code)

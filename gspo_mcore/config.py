@@ -385,6 +385,8 @@ class Config:
     def _check_optimizer(self) -> None:
         if self.optimizer.cpu_offload and (self.distributed.device != "cuda" or not self.optimizer.distributed_optimizer):
             raise ConfigError("optimizer.cpu_offload: needs distributed.device 'cuda' and optimizer.distributed_optimizer")
+        if self.optimizer.lr <= 0:
+            raise ConfigError(f"optimizer.lr: {self.optimizer.lr} must be > 0")
         if not 0 <= self.optimizer.min_lr <= self.optimizer.lr:
             raise ConfigError(f"optimizer.min_lr: {self.optimizer.min_lr} must be within [0, optimizer.lr]")
         if not 0 <= self.optimizer.lr_warmup_steps < self.train.steps:

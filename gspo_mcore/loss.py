@@ -1,8 +1,10 @@
-"""Policy-gradient losses: GSPO (sequence level), GSPO-token, and token-level GRPO/PPO.
+"""Policy-gradient losses: GSPO (sequence level), GSPO-token, token-level GRPO/PPO, and the
+GSPO lineage (SAPO, GMPO, LUSPO, CISPO); the train-inference mismatch correction (TIS / MIS).
 
 Pure tensor functions (no Megatron). Equations cite Zheng et al., "Group Sequence Policy
-Optimization", arXiv 2507.18071. `old_logprobs` are the behaviour policy's token log-probs
-as returned by the inference engine: no recomputation by the trainer.
+Optimization", arXiv 2507.18071, unless a function names its own paper. `old_logprobs` are the
+behaviour policy's token log-probs as returned by the inference engine: no recomputation by the
+trainer.
 
 Every level first builds a per-token loss matrix [B, T] (a sequence-level term is spread
 over its tokens), then `aggregate` reduces it. Passing the *global* counts of the whole
@@ -27,9 +29,14 @@ from gspo_mcore.plugins import by_name
 Level = Literal["sequence", "sequence_token", "token"]
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+MismatchCorrection = Literal["none", "token_tis", "sequence_mis"]
 LEVELS, AGGREGATIONS, KL_ESTIMATORS = get_args(Level), get_args(Aggregation), get_args(KLEstimator)
+MISMATCH_CORRECTIONS = get_args(MismatchCorrection)
 # The paper's at every level: eq. 5 / eq. 13 average per sequence, then over sequences.
 DEFAULT_AGGREGATION = "seq-mean-token-mean"
+# A built-in whose paper reduces otherwise: CISPO averages over every token of the batch
+# (MiniMax-M1 eq. 4); LUSPO's length scaling makes a sequence weigh its token count.
+PAPER_AGGREGATION = {"cispo": "token-mean", "luspo": "seq-mean-token-sum"}
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: far outside any clip band, finite in float32
 
 
@@ -98,6 +105,28 @@ def aggregate(token_loss, mask, aggregation: str, normalizer: Normalizer = Norma
     raise ValueError(f"aggregation {aggregation!r} is not one of {AGGREGATIONS}")
 
 
+def _token_log_ratio(logprobs, old_logprobs) -> torch.Tensor:
+    """log r_t = log pi_theta - log pi_old per token, clamped so its exp stays finite."""
+    return (_wide(logprobs) - _wide(old_logprobs)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _prepare(logprobs, old_logprobs, advantages, mask, token_mask_band, sequence_mask_threshold):
+    """What every built-in starts from: the checks, the float mask with the mismatch masks of
+    `mismatch_keep` applied (masked tokens leave the ratio and the loss; the counts stay global),
+    per-token advantages [B, T], and the masks' metrics."""
+    _check(logprobs, old_logprobs, advantages, mask)
+    mask = mask.to(_wide(logprobs).dtype)
+    adv = _wide(advantages) if advantages.dim() == 2 else _wide(advantages)[:, None].expand_as(mask)
+    keep, mask_metrics = mismatch_keep(logprobs, old_logprobs, adv, mask, token_mask_band, sequence_mask_threshold)
+    return (mask if keep is None else mask * keep), adv, mask_metrics
+
+
+def _reduce(objective, mask, weight, aggregation, normalizer) -> torch.Tensor:
+    """The loss to minimise: -J, each token's objective times its mismatch-correction weight
+    (`mismatch_weight`; None: 1), aggregated."""
+    return -aggregate(objective if weight is None else objective * weight, mask, aggregation, normalizer)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -113,23 +142,19 @@ def policy_loss(
     normalizer: Normalizer = Normalizer(),
     token_mask_band: tuple[float, float] | None = None,
     sequence_mask_threshold: float | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns (loss to minimise, metrics). Shapes: logprobs/old_logprobs/mask [B, T];
     advantages [B] (per sequence) or [B, T] (per token; sequence_token and token levels).
-    `token_mask_band` / `sequence_mask_threshold`: the mismatch masks of `mismatch_keep`."""
+    `token_mask_band` / `sequence_mask_threshold`: the mismatch masks of `mismatch_keep`;
+    `weight` [B, T]: the mismatch correction's (`mismatch_weight`), None: none."""
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
-    _check(logprobs, old_logprobs, advantages, mask)
     if level == "sequence" and advantages.dim() == 2:
         raise ValueError("level 'sequence' takes one advantage per sequence ([B]); use 'sequence_token'")
-    aggregation = aggregation or DEFAULT_AGGREGATION
-    mask_f = mask.to(_wide(logprobs).dtype)
-    adv = _wide(advantages) if advantages.dim() == 2 else _wide(advantages)[:, None].expand_as(mask_f)
-    keep, mask_metrics = mismatch_keep(logprobs, old_logprobs, adv, mask_f, token_mask_band, sequence_mask_threshold)
-    if keep is not None:  # masked tokens leave the ratio and the loss; the counts stay global
-        mask, mask_f = mask_f * keep, mask_f * keep
-    seq_log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)
-    seq_ratio = seq_log_ratio.exp()
+    mask_f, adv, mask_metrics = _prepare(logprobs, old_logprobs, advantages, mask, token_mask_band,
+                                         sequence_mask_threshold)
+    seq_ratio = sequence_log_ratio(logprobs, old_logprobs, mask_f).exp()
 
     if level == "sequence":  # eq. 5-7
         ratio = seq_ratio[:, None].expand_as(mask_f)
@@ -137,15 +162,19 @@ def policy_loss(
         token_logprobs = _wide(logprobs)
         ratio = seq_ratio.detach()[:, None] * (token_logprobs - token_logprobs.detach()).exp()
     else:  # GRPO / PPO token-level ratio
-        ratio = (_wide(logprobs) - _wide(old_logprobs)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        ratio = _token_log_ratio(logprobs, old_logprobs).exp()
 
     objective = _clipped_objective(ratio, adv, clip_low, clip_high, dual_clip)
-    loss = -aggregate(objective, mask_f, aggregation, normalizer)
+    loss = _reduce(objective, mask_f, weight, aggregation or DEFAULT_AGGREGATION, normalizer)
 
     with torch.no_grad():
-        token_log_ratio = (_wide(logprobs) - _wide(old_logprobs)) * mask_f
-        metrics = _metrics(ratio, seq_ratio, seq_log_ratio, token_log_ratio, adv, mask_f, clip_low, clip_high, level,
-                           entropy)
+        # Clipped = the min() took the clipped branch, so the token gives no gradient: the share
+        # of response tokens, the same quantity at every level (the paper's Figure 2 compares it).
+        clipped_high, clipped_low = (adv > 0) & (ratio > 1 + clip_high), (adv < 0) & (ratio < 1 - clip_low)
+        metrics = {**_ratio_metrics(logprobs, old_logprobs, mask_f, clip_low, clip_high, entropy),
+                   **_clip_metrics(clipped_high, clipped_low, mask_f)}
+        if level == "sequence":
+            metrics["clip_fraction_sequences"] = _sequence_mean((clipped_high | clipped_low)[:, 0], mask_f, 0.0)
     return loss, {**metrics, **mask_metrics}
 
 
@@ -185,72 +214,114 @@ def mismatch_keep(logprobs, engine_logprobs, adv, mask, token_band: tuple[float,
 
 
 @torch.no_grad()
+def mismatch_weight(old_logprobs, engine_logprobs, mask, correction: str,
+                    threshold: float) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """loss.mismatch_correction: importance weights for the train-inference mismatch at theta_old,
+    rho = pi_trainer(theta_old) / pi_engine, which multiply each token's objective (no gradient).
+    Returns (weight [B, T] or None for `none`, metrics).
+
+    - `token_tis` (truncated IS, Yao et al. 2025; verl's rollout_is, TRL's token_truncate):
+      w_t = min(rho_t, C);
+    - `sequence_mis` (masked IS; TRL's sequence_mask, verl's sequence rejection): rho_i =
+      prod_t rho_t over the response, w_i = rho_i inside [1/C, C], 0 outside.
+    rho needs pi_old to be the trainer's: train.recompute_old_logprobs, or a step's first
+    minibatch with loss.on_policy_first_minibatch. Where pi_old is the engine's, rho = 1 and
+    the loss's own ratio pi_theta / pi_engine carries the mismatch."""
+    if correction == "none":
+        return None, {}
+    if correction not in MISMATCH_CORRECTIONS:
+        raise ValueError(f"mismatch correction {correction!r} is not one of {MISMATCH_CORRECTIONS}")
+    mask = mask.to(_wide(old_logprobs).dtype)
+    log_rho = _token_log_ratio(old_logprobs, engine_logprobs) * mask
+    num_tokens = mask.sum().clamp(min=1)
+    if correction == "token_tis":
+        rho = log_rho.exp()
+        weight = rho.clamp(max=threshold)
+        metrics = {"mismatch_truncated_fraction": (mask * (rho > threshold)).sum() / num_tokens}
+    else:
+        log_rho_sequence = log_rho.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        inside = log_rho_sequence.abs() <= math.log(threshold)
+        weight = (log_rho_sequence.exp() * inside)[:, None].expand_as(mask)
+        has_tokens = (mask.sum(-1) > 0).to(mask.dtype)
+        metrics = {"mismatch_masked_fraction": (has_tokens * ~inside).sum() / has_tokens.sum().clamp(min=1)}
+    metrics["mismatch_weight_mean"] = (weight * mask).sum() / num_tokens
+    return weight, metrics
+
+
+@torch.no_grad()
 def engine_mismatch(logprobs, engine_logprobs, mask, clip_low: float, clip_high: float) -> dict[str, torch.Tensor]:
     """How far the trainer's log-probs are from the engine's on the same tokens: per sequence
     |log s_i| with s_i the length-normalised ratio of eq. 7 (mean and max), per token
-    |log pi_trainer - log pi_engine| (before length normalisation), and the share of sequences
-    whose s_i is outside the clip band. At theta = theta_old (a step's first minibatch) this is
-    the train-inference mismatch alone, whatever pi_old the loss uses."""
+    |log pi_trainer - log pi_engine| (before length normalisation), KL(pi_engine || pi_trainer)
+    per token (k3 on the engine's samples), and the share of sequences whose s_i is outside the
+    clip band. At theta = theta_old (a step's first minibatch) this is the train-inference
+    mismatch alone, whatever pi_old the loss uses."""
     mask = mask.to(_wide(logprobs).dtype)
     token = (_wide(logprobs) - _wide(engine_logprobs)) * mask
     seq = sequence_log_ratio(logprobs, engine_logprobs, mask)
     has_tokens = (mask.sum(-1) > 0).to(mask.dtype)
     count = has_tokens.sum().clamp(min=1)
+    num_tokens = mask.sum().clamp(min=1)
     out_of_band = (seq.exp() > 1 + clip_high) | (seq.exp() < 1 - clip_low)
     return {
         "mismatch_num_sequences": has_tokens.sum(), "mismatch_num_tokens": mask.sum(),
         "mismatch_abs_log_ratio_mean": (seq.abs() * has_tokens).sum() / count,
         "mismatch_abs_log_ratio_max": (seq.abs() * has_tokens).max(),
-        "mismatch_token_abs_log_ratio_mean": token.abs().sum() / mask.sum().clamp(min=1),
+        "mismatch_token_abs_log_ratio_mean": token.abs().sum() / num_tokens,
+        # kl_penalty(p, q, "k3") estimates KL(p || q) on samples of p: here p is the engine's. In
+        # float64: the float32 engine's mismatch (~1e-7 per token) gives a KL of ~1e-14.
+        "mismatch_kl": (kl_penalty(engine_logprobs.double(), logprobs.double(), "k3") * mask).sum() / num_tokens,
         "mismatch_out_of_band_fraction": (out_of_band.to(mask.dtype) * has_tokens).sum() / count,
     }
 
 
-def _metrics(ratio, seq_ratio, seq_log_ratio, token_log_ratio, adv, mask, clip_low, clip_high, level, entropy):
-    # Masked reductions only: no Python branch on a tensor, so no GPU sync per microbatch.
-    # Over the sequences with response tokens; with none, ratios read 1 and fractions 0.
-    has_tokens = mask.sum(-1) > 0
-    weight = has_tokens.to(seq_ratio.dtype)
+# Masked reductions only: no Python branch on a tensor, so no GPU sync per microbatch. Over the
+# sequences with response tokens; with none, ratios read 1 and fractions 0.
+def _sequence_mean(values, mask, empty: float):
+    weight = (mask.sum(-1) > 0).to(mask.dtype)
     count = weight.sum()
+    return torch.where(count > 0, (values.to(weight.dtype) * weight).sum() / count.clamp(min=1),
+                       torch.full_like(count, empty))
 
-    def seq_mean(values, empty: float):
-        return torch.where(count > 0, (values.to(weight.dtype) * weight).sum() / count.clamp(min=1),
-                           torch.full_like(count, empty))
 
-    def seq_extreme(values, reduce, fill: float, empty: float):
-        return torch.where(count > 0, reduce(torch.where(has_tokens, values, fill)), torch.full_like(count, empty))
+def _sequence_extreme(values, mask, reduce, fill: float, empty: float):
+    has_tokens = mask.sum(-1) > 0
+    return torch.where(has_tokens.any(), reduce(torch.where(has_tokens, values, fill)),
+                       torch.full((), empty, dtype=mask.dtype, device=mask.device))
 
-    tokens = mask.bool()
-    num_tokens = tokens.sum().to(weight.dtype)
 
-    def token_mean(values):
-        return (values.to(weight.dtype) * mask).sum() / num_tokens.clamp(min=1)
+def _token_mean(values, mask):
+    return (values.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
 
-    # Clipped = the min() took the clipped branch, so the token gives no gradient: the share of
-    # response tokens, the same quantity at every level (the paper's Figure 2 compares it).
-    clipped_high = (adv > 0) & (ratio > 1 + clip_high)
-    clipped_low = (adv < 0) & (ratio < 1 - clip_low)
-    abs_log_ratio = seq_log_ratio.abs()
+
+def _ratio_metrics(logprobs, old_logprobs, mask, clip_low, clip_high, entropy) -> dict[str, torch.Tensor]:
+    """The figures every built-in reports: counts, the sequence ratio s_i of eq. 7 against pi_old
+    (whatever ratio the loss itself takes), per-token |log r|, the policy entropy."""
+    seq_log_ratio = sequence_log_ratio(logprobs.detach(), old_logprobs, mask)
+    seq_ratio, abs_log_ratio = seq_log_ratio.exp(), seq_log_ratio.abs()
+    token_log_ratio = (_wide(logprobs.detach()) - _wide(old_logprobs)) * mask
     metrics = {
-        "num_tokens": num_tokens, "num_sequences": count,
-        "clip_fraction": token_mean(clipped_high | clipped_low),
-        "clip_fraction_high": token_mean(clipped_high),
-        "clip_fraction_low": token_mean(clipped_low),
-        "ratio_mean": seq_mean(seq_ratio, 1.0),
-        "ratio_min": seq_extreme(seq_ratio, torch.min, float("inf"), 1.0),
-        "ratio_max": seq_extreme(seq_ratio, torch.max, float("-inf"), 1.0),
-        "abs_log_ratio_mean": seq_mean(abs_log_ratio, 0.0),
-        "abs_log_ratio_max": seq_extreme(abs_log_ratio, torch.max, 0.0, 0.0),
+        "num_tokens": mask.sum(), "num_sequences": (mask.sum(-1) > 0).to(mask.dtype).sum(),
+        "ratio_mean": _sequence_mean(seq_ratio, mask, 1.0),
+        "ratio_min": _sequence_extreme(seq_ratio, mask, torch.min, float("inf"), 1.0),
+        "ratio_max": _sequence_extreme(seq_ratio, mask, torch.max, float("-inf"), 1.0),
+        "abs_log_ratio_mean": _sequence_mean(abs_log_ratio, mask, 0.0),
+        "abs_log_ratio_max": _sequence_extreme(abs_log_ratio, mask, torch.max, 0.0, 0.0),
         # Per token, before length normalisation: eq. 7's average shrinks it by ~sqrt(|y|).
-        "abs_log_ratio_token_mean": token_mean(token_log_ratio.abs()),
-        "ratio_above_band": seq_mean(seq_ratio > 1 + clip_high, 0.0),
-        "ratio_below_band": seq_mean(seq_ratio < 1 - clip_low, 0.0),
+        "abs_log_ratio_token_mean": _token_mean(token_log_ratio.abs(), mask),
+        "ratio_above_band": _sequence_mean(seq_ratio > 1 + clip_high, mask, 0.0),
+        "ratio_below_band": _sequence_mean(seq_ratio < 1 - clip_low, mask, 0.0),
     }
-    if level == "sequence":
-        metrics["clip_fraction_sequences"] = seq_mean((clipped_high | clipped_low)[:, 0], 0.0)
     if entropy is not None:
-        metrics["entropy"] = token_mean(_wide(entropy.detach()))
+        metrics["entropy"] = _token_mean(_wide(entropy.detach()), mask)
     return metrics
+
+
+def _clip_metrics(clipped_high, clipped_low, mask) -> dict[str, torch.Tensor]:
+    """Shares of response tokens a loss's clip took, above and below (each loss says what its
+    clip is)."""
+    return {"clip_fraction": _token_mean(clipped_high | clipped_low, mask),
+            "clip_fraction_high": _token_mean(clipped_high, mask), "clip_fraction_low": _token_mean(clipped_low, mask)}
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3") -> torch.Tensor:
@@ -261,8 +332,8 @@ def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3") -> torch.Tensor:
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return (-log_ratio).exp() + log_ratio - 1.0
+    if estimator == "k3":  # expm1: exact to the last bit where the ratio is near 1
+        return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
 
 
@@ -292,20 +363,41 @@ class LossInputs:
     `aggregate(token_loss, mask, aggregation, normalizer)` and the microbatches' losses sum to it."""
     entropy: torch.Tensor | None = None
     """Per-token policy entropy with loss.log_entropy or loss.entropy_coef; None otherwise."""
+    weight: torch.Tensor | None = None
+    """loss.mismatch_correction's importance weight per token [B, T] (no gradient; a sequence's
+    repeated over its tokens), None when off: multiply each token's objective by it before
+    `aggregate`, as the built-ins do."""
 
 
 # (inputs, the config's `loss` section) -> (loss to minimise, metrics: rows of gspo_mcore.metric_schema).
 LossFunction = Callable[[LossInputs, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
+def aggregation_of(cfg) -> str:
+    """loss.aggregation, else the paper's of loss.function (PAPER_AGGREGATION; the GSPO paper's
+    for the rest): the policy loss, KL and entropy terms all reduce by it."""
+    return cfg.aggregation or PAPER_AGGREGATION.get(cfg.function, DEFAULT_AGGREGATION)
+
+
+def _mask_options(cfg) -> dict:
+    return {"token_mask_band": tuple(cfg.token_mask_band) if cfg.token_mask_band else None,
+            "sequence_mask_threshold": cfg.sequence_mask_threshold}
+
+
+def _prepared(inputs: LossInputs, cfg, per_sequence: bool = False):
+    """`_prepare` on a built-in's inputs; `per_sequence`: the loss takes one advantage per sequence."""
+    if per_sequence and inputs.advantages.dim() == 2:
+        raise ValueError(f"loss.function {cfg.function}: takes one advantage per sequence ([B]), got "
+                         f"{list(inputs.advantages.shape)}")
+    return _prepare(inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, **_mask_options(cfg))
+
+
 def _clipped_loss(inputs: LossInputs, cfg, level: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """policy_loss at `level` with the config's aggregation, dual clip and mismatch masks."""
     return policy_loss(
         inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, level=level, clip_low=inputs.clip_low,
-        clip_high=inputs.clip_high, aggregation=cfg.aggregation or DEFAULT_AGGREGATION, dual_clip=cfg.dual_clip,
-        entropy=inputs.entropy, normalizer=inputs.normalizer,
-        token_mask_band=tuple(cfg.token_mask_band) if cfg.token_mask_band else None,
-        sequence_mask_threshold=cfg.sequence_mask_threshold)
+        clip_high=inputs.clip_high, aggregation=aggregation_of(cfg), dual_clip=cfg.dual_clip, entropy=inputs.entropy,
+        normalizer=inputs.normalizer, weight=inputs.weight, **_mask_options(cfg))
 
 
 def gspo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -323,7 +415,96 @@ def grpo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return _clipped_loss(inputs, cfg, "token")
 
 
-LOSSES: dict[str, LossFunction] = {"gspo": gspo, "gspo_token": gspo_token, "grpo": grpo}
+def luspo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """LUSPO (Liu et al., arXiv 2602.05261, Sec. 4): GSPO's clipped sequence term (eq. 5-7 above)
+    scaled by its response length |y_i|, averaged over sequences, against GSPO's bias toward short
+    responses. Its aggregation is that scaling: seq-mean-token-sum of the term spread over the
+    sequence's tokens (PAPER_AGGREGATION; TRL's `luspo`: mean_i(|y_i| l_i)). Equal lengths L: L x GSPO."""
+    return _clipped_loss(inputs, cfg, "sequence")
+
+
+def sapo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Gao et al., arXiv 2511.20347, eq. 5-6 with the gate of eq. 10-12, as verl numbers
+    them): J = E[1/G sum_i 1/|y_i| sum_t f_it(r_it) A_it], a soft gate in place of the clip,
+    f_it(r) = sigmoid(tau_it (r - 1)) 4 / tau_it, tau_it = loss.sapo_tau_pos where A_it > 0 else
+    loss.sapo_tau_neg, r_it the token ratio against pi_old. f'(1) = 1: on-policy its gradient is
+    the policy gradient, GSPO's (and GSPO-token's)."""
+    mask, adv, metrics = _prepared(inputs, cfg)
+    ratio = _token_log_ratio(inputs.logprobs, inputs.old_logprobs).exp()
+    tau = torch.full_like(adv, cfg.sapo_tau_neg).masked_fill(adv > 0, cfg.sapo_tau_pos)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = _reduce(gate * adv, mask, inputs.weight, aggregation_of(cfg), inputs.normalizer)
+    with torch.no_grad():  # no clip: its fractions are null
+        metrics.update(_ratio_metrics(inputs.logprobs, inputs.old_logprobs, mask, inputs.clip_low, inputs.clip_high,
+                                      inputs.entropy))
+    return loss, metrics
+
+
+def gmpo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (Zhao et al., arXiv 2507.20673, its objective as TRL's paper index writes it): the
+    geometric mean of the token ratios, each clipped first, in log space and on the side its
+    advantage's sign makes binding (PPO's min):
+    J = E[1/G sum_i (prod_t min(r_it^sgn A_i, clip(r_it^sgn A_i, e^-eps, e^eps))^sgn A_i)^(1/|y_i|) A_i],
+    eps = loss.gmpo_log_clip (the paper's 0.4). With no token clipped it is GSPO unclipped: the
+    geometric mean of the ratios is s_i of eq. 7."""
+    mask, adv, metrics = _prepared(inputs, cfg, per_sequence=True)
+    log_ratio = _token_log_ratio(inputs.logprobs, inputs.old_logprobs)
+    bounded = log_ratio.clamp(-cfg.gmpo_log_clip, cfg.gmpo_log_clip)
+    clipped = torch.where(adv > 0, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
+    geometric_mean = ((clipped * mask).sum(-1) / mask.sum(-1).clamp(min=1)).exp()
+    loss = _reduce(geometric_mean[:, None] * adv, mask, inputs.weight, aggregation_of(cfg), inputs.normalizer)
+    with torch.no_grad():  # a token the clip took gives no gradient
+        metrics.update(_ratio_metrics(inputs.logprobs, inputs.old_logprobs, mask, inputs.clip_low, inputs.clip_high,
+                                      inputs.entropy))
+        metrics.update(_clip_metrics((adv > 0) & (log_ratio > cfg.gmpo_log_clip),
+                                     (adv < 0) & (log_ratio < -cfg.gmpo_log_clip), mask))
+    return loss, metrics
+
+
+def cispo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): REINFORCE with the token's importance weight
+    clipped and its gradient stopped, so no token's gradient is dropped:
+    J = E[1/sum_i |o_i| sum_i sum_t sg(clip(r_it, w_min, w_max)) A_it log pi_theta(o_it)],
+    w_max = loss.cispo_weight_max (1 + eps_high^IS; ScaleRL's eps_max = 5), w_min =
+    loss.cispo_weight_min (1 - eps_low^IS; None: no lower bound, as MiniMax-M1 trained). Its
+    aggregation is the paper's token-mean (PAPER_AGGREGATION). On-policy its gradient is the
+    policy gradient, GSPO's under the same aggregation."""
+    mask, adv, metrics = _prepared(inputs, cfg)
+    ratio = _token_log_ratio(inputs.logprobs, inputs.old_logprobs).exp()
+    importance = ratio.clamp(min=cfg.cispo_weight_min, max=cfg.cispo_weight_max).detach()
+    loss = _reduce(importance * adv * _wide(inputs.logprobs), mask, inputs.weight, aggregation_of(cfg),
+                   inputs.normalizer)
+    with torch.no_grad():  # a truncated weight still passes the token's gradient
+        metrics.update(_ratio_metrics(inputs.logprobs, inputs.old_logprobs, mask, inputs.clip_low, inputs.clip_high,
+                                      inputs.entropy))
+        low = ratio < cfg.cispo_weight_min if cfg.cispo_weight_min is not None else torch.zeros_like(ratio, dtype=bool)
+        metrics.update(_clip_metrics(ratio > cfg.cispo_weight_max, low, mask))
+    return loss, metrics
+
+
+LOSSES: dict[str, LossFunction] = {"gspo": gspo, "gspo_token": gspo_token, "grpo": grpo, "sapo": sapo,
+                                   "gmpo": gmpo, "luspo": luspo, "cispo": cispo}
+# The `loss` fields that only some built-ins read: the config refuses one set away from its default
+# for another built-in (a `module:function` of yours may read any).
+OWN_FIELDS = {"sapo": ("sapo_tau_pos", "sapo_tau_neg"), "gmpo": ("gmpo_log_clip",),
+              "cispo": ("cispo_weight_max", "cispo_weight_min")}
+CLIP_FIELDS = {name: ("clip_low", "clip_high", "dual_clip") for name in ("gspo", "gspo_token", "grpo", "luspo")}
+
+
+def foreign_fields(function: str) -> dict[str, str]:
+    """For a built-in `function`: each `loss` field it does not read -> why, in one line."""
+    if function not in LOSSES:
+        return {}
+    readers: dict[str, list[str]] = {}
+    for table in (OWN_FIELDS, CLIP_FIELDS):
+        for loss_name, fields in table.items():
+            for field in fields:
+                readers.setdefault(field, []).append(loss_name)
+    out = {field: f"applies to loss.function {', '.join(names)}, not {function}"
+           for field, names in readers.items() if function not in names}
+    if function == "luspo":
+        out["aggregation"] = "luspo's length scaling is its aggregation (seq-mean-token-sum): leave it unset"
+    return out
 
 
 @functools.cache
@@ -344,28 +525,31 @@ def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(),
               band: tuple[float, float] | None = None, on_policy: bool = False,
               entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """What an update minimises on a batch of sequences: the policy loss of `cfg.function` (cfg: a
-    gspo_mcore.config.LossConfig), + kl_loss_coef x KL to `batch["ref_logprobs"]`, - entropy_coef x
-    `entropy`; and the train-inference mismatch against the engine's log-probs. The trainer
-    (gspo_mcore.megatron_loss) and the tests' Hugging Face reference step both call this.
+    gspo_mcore.config.LossConfig) with loss.mismatch_correction's weights, + kl_loss_coef x KL to
+    `batch["ref_logprobs"]`, - entropy_coef x `entropy`; and the train-inference mismatch against
+    the engine's log-probs. The trainer (gspo_mcore.megatron_loss) and the tests' Hugging Face
+    reference step both call this.
 
     `batch`: `old_logprobs` (the engine's, or recomputed ones with the engine's in
     `engine_logprobs`), `advantages`, `mask` [B, T]. `band`: (clip_low, clip_high) instead of the
     config's; `on_policy` (theta = theta_old): pi_old is these log-probs, detached."""
     clip_low, clip_high = band or (cfg.clip_low, cfg.clip_high)
-    aggregation = cfg.aggregation or DEFAULT_AGGREGATION
+    aggregation = aggregation_of(cfg)
     old_logprobs = logprobs.detach() if on_policy else batch["old_logprobs"]
     engine_logprobs = batch.get("engine_logprobs", batch["old_logprobs"])
-    advantages, weight_metrics = batch["advantages"], {}
+    advantages, behavior_metrics = batch["advantages"], {}
     if "stale" in batch:  # asynchronous modes: decoupled GSPO
         # Without a recomputed pi_prox (loss.proximal: first_minibatch) a later minibatch's pi_old
         # is the engine's own: weight 1.
-        weight, weight_metrics = behavior_weight(old_logprobs, engine_logprobs, batch["stale"], batch["mask"],
-                                                 cfg.behavior_weight_cap)
-        advantages = advantages * (weight if advantages.dim() == 1 else weight[:, None])
+        behavior, behavior_metrics = behavior_weight(old_logprobs, engine_logprobs, batch["stale"], batch["mask"],
+                                                     cfg.behavior_weight_cap)
+        advantages = advantages * (behavior if advantages.dim() == 1 else behavior[:, None])
+    weight, correction_metrics = mismatch_weight(old_logprobs, engine_logprobs, batch["mask"], cfg.mismatch_correction,
+                                                 cfg.mismatch_threshold)
     inputs = LossInputs(logprobs, old_logprobs, engine_logprobs, advantages, batch["mask"], clip_low, clip_high,
-                        normalizer, entropy)
+                        normalizer, entropy, weight)
     loss, metrics = load_loss_function(cfg.function)(inputs, cfg)
-    metrics = dict(metrics)
+    metrics = {**metrics, **correction_metrics}
     # Against the engine's log-probs even when pi_old was recomputed: the mismatch in every arm.
     # Asynchronous modes: over the tokens the current weights generated (on older ones the
     # difference is the policy's own change as well), so it stays the train-inference mismatch.
@@ -378,7 +562,7 @@ def objective(logprobs, batch: dict, cfg, normalizer: Normalizer = Normalizer(),
         metrics["kl"] = kl.detach()
     if cfg.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
         loss = loss - cfg.entropy_coef * aggregate(entropy, batch["mask"], aggregation, normalizer)
-    return loss, {**metrics, **weight_metrics}
+    return loss, {**metrics, **behavior_metrics}
 
 
 @torch.no_grad()

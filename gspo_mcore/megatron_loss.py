@@ -1,4 +1,5 @@
-"""The GSPO loss inside Megatron's pipeline schedule, with exact global normalisation.
+"""The policy loss (loss.function: GSPO, its lineage, or yours) inside Megatron's pipeline
+schedule, with exact global normalisation.
 
 Megatron's schedule divides each microbatch's loss by the number of microbatches, and DDP
 averages gradients over data-parallel ranks. A per-microbatch mean would therefore weight

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 import sys
 import time
@@ -164,12 +165,21 @@ def _wandb_run(output_dir: Path, project: str, start_step: int, run_config: dict
     return run
 
 
+def _unmeasured(printed: str) -> str:
+    """A printed figure's format with its value (and unit) as "-": "mismatch {:.1e}" -> "mismatch -"."""
+    return re.sub(r"\{[^}]*\}\S*", "-", printed)
+
+
 class Progress:
-    """One line per step: a bar, the schema's printed figures, and the ETA."""
+    """One line per step: a bar, the schema's printed figures, and the ETA. A figure never
+    measured in this run (staleness in sync mode, turns in a single-turn run) is left out; one
+    measured before but not on this step (a step that trained nothing) reads "-", so the columns
+    stay where they were."""
 
     def __init__(self, total: int, start: int = 0, stream=sys.stdout):
         self.total, self.start, self.stream = total, start, stream
         self.began = time.monotonic()
+        self.seen: set[str] = set()
 
     def update(self, m: dict) -> None:
         done = m["step"]
@@ -177,8 +187,9 @@ class Progress:
         bar = "#" * round(width * done / self.total) + "-" * (width - round(width * done / self.total))
         per_step = (time.monotonic() - self.began) / max(1, done - self.start)
         eta = per_step * (self.total - done)
-        # A figure that was not measured (a step that trained nothing; staleness in sync mode) is left out.
-        figures = " ".join(metric.printed.format(m[metric.name]) for metric in PRINTED if m.get(metric.name) is not None)
+        self.seen |= {metric.name for metric in PRINTED if m.get(metric.name) is not None}
+        figures = " ".join(metric.printed.format(m[metric.name]) if m.get(metric.name) is not None
+                           else _unmeasured(metric.printed) for metric in PRINTED if metric.name in self.seen)
         figures += "".join(f" | {k} {v:.3f}" for k, v in m.items() if k.startswith("eval/") and "/mean@" in k)
         self.stream.write(f"step {done:>4}/{self.total} [{bar}] {figures} | ETA {int(eta) // 60}m{int(eta) % 60:02d}s\n")
         self.stream.flush()

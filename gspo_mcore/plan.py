@@ -14,7 +14,8 @@ what the largest phase leaves):
 - training: weights, fp32 gradients, optimizer states (unless offloaded), activations at the
   token budget, logits; a colocated engine has released its weights and KV cache;
 - weight push: the static state (weights, gradients, optimizer states) and one bucket, beside a
-  colocated engine's weights and KV cache at rollout.max_total_tokens;
+  colocated engine's weights, KV cache at rollout.max_total_tokens and receive buffers (vLLM:
+  a fresh buffer per bucket, kept by its layerwise reload: Engine.push_buffer_bytes);
 - sync check (weight_sync.check_every > 0): the static state and the forward of one probe of
   prompt + rollout.max_new_tokens tokens, beside the engine;
 - rollout: the static state beside the engine (train.py empties the trainer's cache after the
@@ -216,6 +217,16 @@ def engine_memory(config: Config, arch: Qwen3MoeArch) -> EngineMemory:
     return engine_class(config.rollout.engine).memory(arch, config.rollout.engine_tp, param_counts(arch)["total"])
 
 
+def push_buffers_gb(config: Config, layout: Layout) -> float:
+    """What an engine GPU holds transiently while it takes a push (Engine.push_buffer_bytes): the
+    trainer ranks owning distinct pieces of a layer (pipeline stages x expert shards) send
+    interleaved."""
+    d = config.distributed
+    senders = min(layout.trainer_gpus, d.pipeline_parallel * d.expert_parallel * d.expert_tensor_parallel)
+    return engine_class(config.rollout.engine).push_buffer_bytes(config.weight_sync.method,
+                                                                  config.weight_sync.bucket_mb << 20, senders) / GB
+
+
 def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int = 512) -> dict[str, float]:
     """GiB per trainer GPU (the busiest: first pipeline stage) and per engine GPU."""
     state = trainer_state_bytes(config, arch, layout)
@@ -231,6 +242,7 @@ def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_t
         out["host_optimizer_gb_per_gpu"] = host / GB
     engine = engine_memory(config, arch)
     out["engine_weights_gb"], out["engine_margin_gb"] = engine.weights_gb, engine.margin_gb
+    out["engine_push_buffers_gb"] = push_buffers_gb(config, layout)
     out["engine_kv_bytes_per_token"] = engine.kv_bytes_per_token
     if config.weight_sync.colocate:  # what the engine holds on a GPU the trainer shares
         out["engine_kv_cache_gb"] = config.rollout.max_total_tokens * engine.kv_bytes_per_token / GB
@@ -244,7 +256,8 @@ def phase_totals(config: Config, memory: dict[str, float]) -> dict[str, float]:
     static, engine = memory["trainer_static_gb"], memory.get("engine_resident_gb", 0.0)
     released = memory["engine_margin_gb"] if config.weight_sync.colocate else 0.0
     bucket = config.weight_sync.bucket_mb / 1024 * 2  # the flat bucket and its engine-dtype copy
-    phases = {"training": memory["trainer_total_gb"] + released, "weight push": static + bucket + engine,
+    engine_push = engine + (memory["engine_push_buffers_gb"] if config.weight_sync.colocate else 0.0)
+    phases = {"training": memory["trainer_total_gb"] + released, "weight push": static + bucket + engine_push,
               "sync check": static + memory["trainer_check_forward_gb"] + engine, "rollout": static + engine}
     if not config.weight_sync.check_every:
         del phases["sync check"]
@@ -332,7 +345,9 @@ def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu
     usable = gpu_memory_gb - TRAINER_CONTEXT_GB
     tightest = max(phases, key=phases.get)
     if layout.rollout_gpus:
-        free = gpu_memory_gb * engine_memory(config, arch).usable_fraction - memory["engine_weights_gb"]
+        # The push's receive buffers come out of the room the KV cache would take.
+        free = (gpu_memory_gb * engine_memory(config, arch).usable_fraction - memory["engine_weights_gb"]
+                - memory["engine_push_buffers_gb"])
         if free <= 0:
             raise ConfigError(f"rollout.engine_tp {config.rollout.engine_tp}: {config.rollout.engine}'s weights alone "
                               f"({memory['engine_weights_gb']:.1f} GiB) do not fit a {gpu_memory_gb:g} GiB GPU")
@@ -375,7 +390,8 @@ def report(config: Config, result: dict, out) -> None:
     w(f"margin: {r['margin_gb']:.1f} GiB per GPU at the {r['tightest_phase']} phase"
       + (" (REFUSED)" if r["margin_gb"] < 0 else ""))
     if r["rollout_gpus"]:
-        w(f"per {config.rollout.engine} GPU: weights {r['engine_weights_gb']:.1f} GiB, KV cache for ~{r['engine_kv_cache_tokens']:,} tokens")
+        w(f"per {config.rollout.engine} GPU: weights {r['engine_weights_gb']:.1f} GiB, push receive buffers "
+          f"{r['engine_push_buffers_gb']:.1f} GiB, KV cache for ~{r['engine_kv_cache_tokens']:,} tokens")
     w(f"in flight: up to {r['requests_in_flight']} requests ({config.rollout.num_servers} server(s) x "
       f"{r['requests_per_server']}: rollout.max_running_requests {config.rollout.max_running_requests}, KV room "
       f"(rollout.max_total_tokens {config.rollout.max_total_tokens:,}) for {r['kv_requests_per_server']} of "

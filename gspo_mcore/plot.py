@@ -27,6 +27,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 STACKED = "step_time"  # drawn as a stack per run (its parts add up to the step)
 LOG_SCALE = {"mismatch"}  # the mismatch (1e-7 in float32, 1e-3 in bf16) beside the band it must stay under
+# The y axis of a figure whose lines are of different things (else: its first metric's label).
+AXIS = {"idle": "idle share of the step"}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -72,7 +74,8 @@ def figures(runs: list[list[dict]], labels: list[str], evaluations: list[list[di
     """{name: matplotlib figure} of the runs' metrics rows; `evaluations`: each run's eval.jsonl rows
     (with the evaluation before training), else the evaluations its metrics rows carry."""
     # A figure of figures no run reported (staleness, idle time: asynchronous runs only) is not drawn.
-    out = {name: _stacked(metrics, labels, runs) if name == STACKED else _lines(metrics, labels, runs, name in LOG_SCALE)
+    out = {name: _stacked(metrics, labels, runs) if name == STACKED
+           else _lines(metrics, labels, runs, name in LOG_SCALE, AXIS.get(name))
            for name, metrics in FIGURES.items()
            if name == STACKED or any(r.get(m.name) is not None for rows in runs for r in rows for m in metrics)}
     out["reward_wallclock"] = _reward_over_time(labels, runs)
@@ -120,7 +123,7 @@ def _reward_over_time(labels: list[str], runs: list[list[dict]]):
     return fig
 
 
-def _lines(metrics, labels: list[str], runs: list[list[dict]], log: bool = False):
+def _lines(metrics, labels: list[str], runs: list[list[dict]], log: bool = False, axis: str | None = None):
     fig, ax = plt.subplots(figsize=(7, 4))
     if log:
         ax.set_yscale("log")
@@ -134,7 +137,7 @@ def _lines(metrics, labels: list[str], runs: list[list[dict]], log: bool = False
             if points:
                 ax.plot(*zip(*points), label=label if len(metrics) == 1 else f"{label}: {metric.label}")
     ax.set_xlabel("step")
-    ax.set_ylabel(metrics[0].label)
+    ax.set_ylabel(axis or metrics[0].label)
     ax.legend()
     ax.grid(alpha=0.3)
     return fig

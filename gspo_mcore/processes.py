@@ -8,9 +8,11 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -113,6 +115,40 @@ def last_error_line(log_file: Path, tail_bytes: int = 65536) -> str:
     return hits[-1][:300] if hits else ""
 
 
+_STOPPING_AT_ONCE = False
+SERVER_TMP_PREFIX = "gspo-server-"  # + the starting process's id: a server's TMPDIR
+
+
+def remove_orphaned_tmp_dirs() -> list[Path]:
+    """Servers' TMPDIRs left by processes that were SIGKILLed before they could stop their servers
+    (`gspo-server-<pid>-*`, that pid gone); what was removed."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{SERVER_TMP_PREFIX}*-*"):
+        pid = path.name.removeprefix(SERVER_TMP_PREFIX).partition("-")[0]
+        if not pid.isdigit() or pid_running(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a process `pid` runs on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_at_once() -> None:
+    """From here on servers are killed, not asked to stop: the user asked twice (a second Ctrl-C)."""
+    global _STOPPING_AT_ONCE
+    _STOPPING_AT_ONCE = True
+
+
 class ManagedServer:
     """A server subprocess in its own process group, its output streamed to `log_file` (with
     `secrets` redacted). `with ManagedServer(...) as server:` starts it, waits for /health, and
@@ -124,13 +160,20 @@ class ManagedServer:
         self.env, self.startup_timeout_s, self.secrets = env, startup_timeout_s, secrets
         self.process: subprocess.Popen | None = None
         self.log_start = 0
+        self.tmp_dir: Path | None = None
 
     def launch(self) -> "ManagedServer":
         """Start the process (not waiting for it: `ready` does; several servers start at once)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")
         self.log_start = log.tell()  # this start's lines begin here (a retry appends to the same log)
-        self.process = start_redacted(self.cmd, log, self.secrets, self.env, new_session=True)
+        # Its own TMPDIR, removed by `stop`: a server stopped by signal runs no exit handler, and SGLang
+        # left its IPC socket files and wandb's directories in /tmp at every start. A short path: the
+        # IPC sockets' names must fit in 107 bytes.
+        remove_orphaned_tmp_dirs()
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"{SERVER_TMP_PREFIX}{os.getpid()}-"))
+        env = {**(os.environ if self.env is None else self.env), "TMPDIR": str(self.tmp_dir)}
+        self.process = start_redacted(self.cmd, log, self.secrets, env, new_session=True)
         if not self.secrets:
             log.close()  # the child holds its own copy of the descriptor
         return self
@@ -184,30 +227,48 @@ class ManagedServer:
         raise InputError(f"server {self.url} not healthy after {self.startup_timeout_s:.0f} s; see {self.log_file}")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to the whole process group (the server's workers too), then SIGKILL."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Workers that outlived the leader share its process group.
+        """Stop it and every process of its group (`_stop`), and remove its TMPDIR."""
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            self._stop(grace_s)
+        finally:
+            if self.tmp_dir is not None:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self.tmp_dir = None
+
+    def _stop(self, grace_s: float) -> None:
+        """SIGTERM to the leader, which stops its own workers (SIGTERM to the whole group made
+        SGLang's launcher see its scheduler die, take it for a crash and wait 5 s for diagnostics);
+        then SIGKILL to whatever of the group is left."""
+        if self.process is not None and self.process.poll() is None and not _STOPPING_AT_ONCE:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process is not None:
+            try:  # workers that outlived the leader share its process group
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
 
     def __enter__(self) -> "ManagedServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_worker(argv: list[str], env: dict) -> subprocess.Popen:
+    """A pipe-driven worker (reward, tool): one JSON line per request on stdin, one per reply on
+    stdout. In its own session: the terminal's Ctrl-C goes to the process group of the command
+    the user ran, and a worker there would die of it with a traceback in the middle of the
+    trainer's stop message; the trainer stops its workers itself (closing their pipes or killing
+    them), and they follow it when it dies (die_with_parent, exit_with_parent)."""
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+                            start_new_session=True,
+                            # Tied to the starting thread by the kernel; the worker also watches for its parent.
+                            preexec_fn=die_with_parent if in_main_thread() else None)
 
 
 def read_json_reply(process: subprocess.Popen, timeout_s: float):

@@ -1,9 +1,8 @@
-"""Starting a training run once its arguments are parsed (gspo_mcore.cli): what a run would
+"""Starting a training run once its arguments and config are checked (gspo_mcore.cli): what a run would
 otherwise find wrong only after building the model and starting servers is checked first (the
 output directory, the resume point, the dataset, the reward, rollout and loss function names),
 the process environment is set for the device (`set_process_env`), then gspo_mcore.train's
-`Trainer` runs. A resume trains with the run's own OUTPUT_DIR/config.yaml (its first command's
-overrides included) and this command's overrides on top (gspo_mcore.run_config.resume_config).
+`Trainer` runs.
 """
 
 from __future__ import annotations
@@ -14,15 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gspo_mcore import run_config
 from gspo_mcore.checkpointing import latest_checkpoint
-from gspo_mcore.config import Config, config_yaml, load_config
+from gspo_mcore.config import Config
 from gspo_mcore.data.dataset import require_file
 from gspo_mcore.engines import engine_class
 from gspo_mcore.loss import load_loss_function
 from gspo_mcore.rewards import load_reward_fn, reward_arguments
 from gspo_mcore.rollout.functions import load_rollout_function
-from gspo_mcore.run_dir import check_output_dir, default_output_dir
 from gspo_mcore.torchrun import omp_threads
 from gspo_mcore.toy_task import check_task_written
 from gspo_mcore.train import Trainer
@@ -59,24 +56,15 @@ def set_process_env(config: Config) -> None:
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 
-def run(args) -> None:
-    """A run of `args` (gspo_mcore.cli.parse_args'), on this rank."""
-    output_dir = Path(args.output_dir or default_output_dir(args.config))
-    if not args.print_config:
-        check_output_dir(output_dir, args.resume, args.overwrite)
-    if args.resume:
-        config, said = run_config.resume_config(output_dir, args.config, args.overrides)
-    else:
-        config, said = load_config(args.config, args.overrides), []
-    if args.print_config:  # nothing starts: loadable as is with --config
-        print(config_yaml(config), end="", flush=True)
-        return
+def run(config: Config, output_dir: Path, resume: bool, overwrite: bool, said: list[str]) -> None:
+    """A run of `config` into `output_dir` (checked by gspo_mcore.cli.resolve), on this rank;
+    `said`: what a resume changes, printed once."""
     check_task_written(config)
     set_process_env(config)
-    check_inputs(config, output_dir, args.resume)
+    check_inputs(config, output_dir, resume)
     if int(os.environ.get("RANK", 0)) == 0:
         for line in said:
             print(line, flush=True)
-    Trainer(config, output_dir, args.resume, args.overwrite).run()
+    Trainer(config, output_dir, resume, overwrite).run()
     dist.barrier()
     dist.destroy_process_group()

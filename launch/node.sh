@@ -6,8 +6,8 @@
 # Environment (set by the sbatch template): GSPO_NODES (all hostnames, space-separated, trainer
 # nodes first), GSPO_TRAINER_NODES (how many of them train), GSPO_NODE_RANK (this node's
 # index; default SLURM_NODEID), MASTER_ADDR, MASTER_PORT, GSPO_PYTHON, GSPO_BASE_PORT (30000), GSPO_SERVER_TIMEOUT,
-# GSPO_ENGINE_API_KEY (made per job by the template: the servers listen on all interfaces and
-# take requests, weight loads included, only with it); GLOO_SOCKET_IFNAME and OMP_NUM_THREADS
+# GSPO_ENGINE_API_KEY (made per job by the template: the servers listen on their node's address,
+# never on every interface, and take requests, weight loads included, only with it); GLOO_SOCKET_IFNAME and OMP_NUM_THREADS
 # (default: set by gspo_mcore.torchrun, see launch/README.md).
 # Rollout nodes (index >= GSPO_TRAINER_NODES) serve SGLang on all their GPUs; with no rollout
 # nodes (colocated configs) every node serves and trains. Trainer nodes wait for every
@@ -59,9 +59,15 @@ else
     serving=("${nodes[@]:trainer_nodes}")
 fi
 per_node=$((gpus / GSPO_ENGINE_TP))
+# Each node's address as every node names it (launch/addresses.py): its servers listen there only,
+# the URLs name it. The same list on every node.
+resolved=$("$py" "$here/addresses.py" "${nodes[@]}")  # set -e: a name that does not resolve stops here
+mapfile -t addresses <<<"$resolved"
+declare -A address_of
+for ((n = 0; n < ${#nodes[@]}; n++)); do address_of[${nodes[$n]}]=${addresses[$n]}; done
 urls=()
 for node in "${serving[@]}"; do
-    for ((i = 0; i < per_node; i++)); do urls+=("http://$node:$((base_port + i))"); done
+    for ((i = 0; i < per_node; i++)); do urls+=("http://${address_of[$node]}:$((base_port + i))"); done
 done
 mkdir -p "$out/logs/$host"
 
@@ -70,7 +76,7 @@ if [[ " ${serving[*]} " == *" $host "* ]]; then
         first=$((i * GSPO_ENGINE_TP))
         CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + GSPO_ENGINE_TP - 1))) \
             gspo_start "$out/logs/$host/${GSPO_ENGINE}_$i.log" "$py" -m gspo_mcore.engines.serve --config "$config" \
-            --host 0.0.0.0 --port $((base_port + i)) "$@"
+            --host "${address_of[$host]}" --port $((base_port + i)) "$@"
     done
 fi
 # Trainer node 0 leaves this on the shared OUTPUT_DIR when training has ended: rollout nodes

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Three checks on one H100 before a cluster job, in order; each prints one verdict line
-# (PASS / FAIL), and the first failure stops the script (its log is named).
+# Checks on one H100 before a cluster job, in order; each prints one verdict line (PASS / FAIL),
+# and the first failure stops the script (its log is named).
 #
 #   launch/smoke_1gpu.sh [WORK_DIR]        (default runs/smoke_1gpu; must not exist yet)
 #
+# 0/3 launch/gpu_check.py, the check that needs no image (run it alone first on a bare machine:
+#     docs/08-gpu.md): imports, the 30B layer shapes' parity, one GSPO update against the
+#     planner's memory, save and resume, the CUDA-IPC and NCCL push calls; one JSON line per
+#     section, in WORK_DIR/0_gpu_check.log. GSPO_WHEELS names a wheel folder (launch/wheelhouse.sh)
+#     if the image lacks a package.
 # 1/3 parity: a random tiny Qwen3-MoE in bf16, converted with --spec te, its logits under the
 #     Transformer Engine spec in bf16 against transformers' (float32 compute on the same bf16
 #     weights). Passes at mean |difference| <= 0.1 x the logits' std and top-1 agreement >= 0.9
@@ -17,7 +22,8 @@
 #     backend Transformer Engine chose, and the trainer's peak memory (metrics.jsonl
 #     peak_memory_gb) beside the planner's estimate: passes within the planner's stated
 #     tolerance (gspo_mcore.plan.ESTIMATE_TOLERANCE, 1.5x). No checkpoint is saved.
-# Disk: ~4 GB under WORK_DIR (3/3's synthetic model, ~3.7 GB; the toy model and runs' logs),
+# Disk: ~30 GB under WORK_DIR/gpu_check (0/3's synthetic model and its save with Adam's states),
+#     ~4 GB more (3/3's synthetic model, ~3.7 GB; the toy model and runs' logs),
 #     all kept for reading the logs: remove WORK_DIR when done.
 # Environment: GSPO_PYTHON (python). Logs: WORK_DIR/*.log and each run's logs/.
 set -euo pipefail
@@ -47,6 +53,15 @@ step() {
         exit 1
     fi
 }
+
+# ---- 0/3 the bare-machine check, here in the image
+log=$work/0_gpu_check.log
+if "$py" launch/gpu_check.py --work "$work/gpu_check" ${GSPO_WHEELS:+--wheels "$GSPO_WHEELS"} >"$log" 2>&1; then
+    echo "PASS 0/3 gpu_check: $(grep -c '"result": "PASS"' "$log") sections pass; lines: $log"
+else
+    echo "FAIL 0/3 gpu_check: $(grep '"result": "FAIL"' "$log" | head -n 1 | cut -c1-300); log: $log"
+    exit 1
+fi
 
 # ---- 1/3 Transformer Engine spec + bf16 parity with transformers
 log=$work/1_parity.log

@@ -101,6 +101,21 @@ def test_claim_bench(long_task_server, tmp_path):
     assert (tmp_path / "claim.md").is_file() and (tmp_path / "reward.png").is_file()
 
 
+LOSSES_ARM_KEYS = (CLAIM_ARM_KEYS - {"steps_to_threshold"}) | {
+    "response_length", "mismatch_kl", "mismatch_truncated_fraction", "mismatch_masked_fraction"}
+
+
+@smoke_run
+def test_losses_bench(long_task_server, tmp_path):
+    line = smoke("losses.py", "--out", str(tmp_path), f"rollout.urls=[{long_task_server}]")
+    assert set(line) == {"arms"} and set(line["arms"]) == {"sapo", "cispo"}
+    for figures in line["arms"].values():
+        assert set(figures) == LOSSES_ARM_KEYS
+        assert figures["response_length"] > 0 and figures["mismatch_seq"] is not None
+    assert line["arms"]["sapo"]["clip_fraction"] is None  # a soft gate clips nothing
+    assert (tmp_path / "losses.md").is_file() and (tmp_path / "reward.png").is_file()
+
+
 @smoke_run
 def test_mismatch_sources_bench(long_task):
     """Its own bf16 and fp32 servers (the comparison is between engine precisions)."""
@@ -181,3 +196,12 @@ def test_rank0_bench():
     assert set(line) == {"cpu_ms_per_response", "core_share_at_rate", "core_left_for_training",
                          "pickled_mb_per_response", "routed_experts_mb_per_response", "response_tokens", "tokens_per_s"}
     assert line["cpu_ms_per_response"] > 0 and 0 < line["routed_experts_mb_per_response"] < line["pickled_mb_per_response"]
+
+
+@smoke_run
+def test_sandbox_bench():
+    """Trivial tests through the whole code-reward path: bubblewrap, harness, a fork per test."""
+    line = smoke("sandbox.py")
+    assert set(line) == {"tests_per_s", "tests_per_s_2_workers", "tests_per_s_group_of_8", "response_overhead_ms",
+                         "test_ms"}
+    assert line["tests_per_s"] > 0 and line["test_ms"] > 0

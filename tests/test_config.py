@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,24 @@ def test_group_of_one_and_bad_mask_settings_are_refused():
         load_config(None, ["train.routing_replay=true"])
 
 
+def test_a_config_typo_answers_before_megatron_is_imported_with_the_field_it_meant(tmp_path):
+    """It took 7 s (17 s under load): megatron.core was imported before the config was read."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = ("import sys\nfrom gspo_mcore.cli import main\nfrom gspo_mcore.errors import run_cli\n"
+              "code = run_cli(lambda: main(sys.argv[1:]))\n"
+              "print(code, [m for m in ('megatron', 'transformers') if m in sys.modules])\n")
+    for typo, said in (("train.stesp=3", "train.stesp: unknown config field (did you mean train.steps?)"),
+                       ("trian.steps=3", "trian: unknown config section (did you mean train?)")):
+        proc = subprocess.run([sys.executable, "-c", script, "--config", "configs/tiny_cpu.yaml", "--output-dir",
+                               str(tmp_path / "run"), typo], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.stderr.strip().splitlines() == [f"error: {said}"] and proc.stdout.strip() == "2 []", proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, capsys):
     """`gspo-train --print-config`: the config with its base merged, the overrides applied and
     every default filled in, as YAML that loads back to the same config; exit 0, nothing run."""
@@ -163,3 +182,45 @@ def test_the_grpo_comparison_commands_use_the_demos_run():
     demo_run = Path(demo_run[demo_run.index("--output-dir") + 1])
     assert REPO / plot[plot.index("gspo_mcore.plot") + 1] == demo_run
     assert (REPO / plot[plot.index("gspo_mcore.plot") + 2]).parent == demo_run.parent
+
+
+def test_the_config_reference_page_is_generated_from_the_dataclasses():
+    """docs/config_reference.md lists every key with its default: regenerate it with
+    `python -m gspo_mcore.config_reference --write` when config.py changes."""
+    import dataclasses
+
+    from gspo_mcore.config import Config
+    from gspo_mcore.config_reference import PAGE, keys, page
+
+    assert PAGE.read_text() == page()
+    listed = {key.name for key in keys()}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            assert f"{section.name}.{f.name}" in listed
+    assert next(k for k in keys() if k.name == "train.steps").default == Config().train.steps
+
+
+def test_a_run_reads_the_git_revision_without_locking_the_users_index(tmp_path, monkeypatch):
+    """`git status` (the revision in OUTPUT_DIR/config.yaml) rewrote the checkout's index under
+    .git/index.lock: a `git commit` of the user's at that moment failed. gspo-train's environment tells
+    git not to take optional locks; here a checkout whose index is stale keeps its index file as is."""
+    import subprocess
+
+    from conftest import REPO
+    from gspo_mcore.cli import main
+    from gspo_mcore.run_config import provenance
+
+    monkeypatch.delenv("GIT_OPTIONAL_LOCKS", raising=False)
+    main(["--config", str(REPO / "configs/tiny_cpu.yaml"), "--print-config"])
+    assert "git " in provenance()
+    repo = tmp_path / "checkout"
+    git = ["git", "-C", str(repo), "-c", "user.email=u@x", "-c", "user.name=u"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "f").write_text("a")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    index = repo / ".git" / "index"
+    os.utime(repo / "f", (index.stat().st_mtime + 5,) * 2)  # stale stat data: status would refresh the index
+    before = index.stat().st_mtime_ns
+    subprocess.run([*git, "status", "--porcelain"], check=True, capture_output=True)  # as provenance() runs it
+    assert index.stat().st_mtime_ns == before

@@ -37,6 +37,19 @@ def test_mcore_to_hf_refuses_its_inputs_as_output(converted, tiny_hf_dir, tmp_pa
     assert (converted / "latest_checkpointed_iteration.txt").is_file()
 
 
+def test_an_output_whose_parent_is_missing_is_one_line_exit_2_both_ways(converted, tiny_hf_dir, tmp_path):
+    """It was a FileNotFoundError traceback from the disk-space check, exit 1."""
+    out = tmp_path / "missing" / "out"
+    for argv in (["hf-to-mcore", "--hf-dir", str(tiny_hf_dir)],
+                 ["mcore-to-hf", "--mcore-dir", str(converted), "--hf-config-dir", str(tiny_hf_dir)]):
+        proc = subprocess.run([sys.executable, "-m", "checkpoint_convert", *argv, "--output-dir", str(out), "--quiet"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"error: {out.parent}: parent directory of the output does not exist (mkdir -p it first)"]
+    assert not (tmp_path / "missing").exists()
+
+
 def test_temporaries_of_killed_runs_are_removed(tiny_hf_dir, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -73,6 +86,14 @@ def test_a_config_with_fewer_layers_than_the_checkpoint_is_an_error(converted, f
     assert not (tmp_path / "hf").exists()
     with pytest.raises(CheckpointError, match="is not used by"):
         verify(config_dir, converted)
+
+
+def test_verify_does_not_warn_of_torchs_sharded_tensor_deprecation(converted, tiny_hf_dir):
+    proc = subprocess.run([sys.executable, "-m", "checkpoint_convert", "verify", "--hf-dir", str(tiny_hf_dir),
+                           "--mcore-dir", str(converted)], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["ok"], proc.stderr[-2000:]
+    assert "ShardedTensor" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_verify_takes_quiet_and_exits_2_on_a_checkpoint_the_config_does_not_cover(converted, fewer_layers):

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -80,10 +81,33 @@ def test_parquet_and_chat_messages(tmp_path):
     assert sample.messages[1]["content"] == "2+2?" and sample.answer == "4" and sample.metadata == {"source": "x"}
 
 
+def test_a_verl_parquet_and_a_slime_jsonl_load_as_they_are(tmp_path):
+    """verl's schema (examples/data_preprocess/gsm8k.py): `prompt` a chat, the answer in
+    `reward_model.ground_truth`, `data_source`, `ability`, `extra_info`; slime's `--label-key label`."""
+    chat = [{"role": "user", "content": "Natalia sold 48 clips ... How many? Let's think step by step."}]
+    verl = {"data_source": "openai/gsm8k", "prompt": chat, "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {"split": "train", "index": 0}}
+    pq.write_table(pa.Table.from_pylist([verl]), tmp_path / "train.parquet")
+    sample = PromptDataset.load(tmp_path / "train.parquet")[0]
+    assert sample.messages == chat and sample.answer == "72" and sample.prompt == chat[0]["content"]
+    assert sample.metadata == {k: v for k, v in verl.items() if k != "prompt"}  # a reward may ask for any of them
+    # The nested key named: the same answer; another nested field as the prompt.
+    assert PromptDataset.load(tmp_path / "train.parquet", answer_key="reward_model.ground_truth")[0].answer == "72"
+    nested = {"question": {"text": "2+2?"}, "solution": {"final": 4}}
+    (tmp_path / "nested.jsonl").write_text(json.dumps(nested) + "\n")
+    sample = PromptDataset.load(tmp_path / "nested.jsonl", prompt_key="question.text", answer_key="solution.final")[0]
+    assert sample.prompt == "2+2?" and sample.answer == "4"
+    slime = {"prompt": [{"role": "system", "content": "Box it."}, {"role": "user", "content": "1+1?"}], "label": "2"}
+    (tmp_path / "dapo.jsonl").write_text(json.dumps(slime) + "\n")
+    sample = PromptDataset.load(tmp_path / "dapo.jsonl")[0]
+    assert sample.messages == slime["prompt"] and sample.answer == "2" and sample.metadata == {}
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
-        ('{"prompt": "x"}\n', "d.jsonl:1: missing field 'answer'"),
+        ('{"prompt": "x"}\n', "d.jsonl:1: missing field 'answer' (nor verl's 'reward_model.ground_truth' nor slime's 'label'"),
+        ('{"prompt": [{"role": "user"}], "answer": "1"}\n', "field 'prompt' must be a string or a list of {role, content}"),
         ('{"answer": "1"}\n', "d.jsonl:1: missing field 'prompt' (or 'messages')"),
         ('{"prompt": "x", "answer": 1}\n{oops\n', "d.jsonl:2: not valid JSON"),
         ('{"messages": "hi", "answer": 1}\n', "must be a list of {role, content}"),
@@ -129,3 +153,13 @@ def test_chat_template_ids():
     assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "2+2?"}]) == [1, 4, 3, 2]
     assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "2+2?"}], {"enable_thinking": False}) == [1, 4, 3, 2, 3]
 
+
+
+def test_the_data_pages_verl_row_loads_from_parquet_as_it_says(tmp_path):
+    from conftest import REPO
+
+    text = (REPO / "docs" / "05-data-and-rewards.md").read_text()
+    row = json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "verl.parquet")
+    sample = PromptDataset.load(tmp_path / "verl.parquet")[0]
+    assert sample.messages == row["prompt"] and sample.answer == "72" and len(sample.metadata) == 4

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from gspo_mcore.demo import CONFIG, DEFAULT_OUTPUT, parse_args, train_command
+from gspo_mcore.demo import CONFIG, DEFAULT_OUTPUT, check_run_dir, parse_args, train_command
+from gspo_mcore.errors import InputError
 
 
 def test_the_run_goes_under_the_output_dir_and_is_replaced_only_when_asked(tmp_path):
@@ -19,8 +20,10 @@ def test_the_run_goes_under_the_output_dir_and_is_replaced_only_when_asked(tmp_p
     assert "--overwrite" not in cmd and "--overwrite" in train_command(tmp_path, overwrite=True)
 
 
-@pytest.mark.slow  # the demo's trainer in a subprocess
-def test_a_second_demo_into_a_run_is_refused_and_deletes_nothing(tmp_path):
+@pytest.mark.slow  # the demo in a subprocess
+def test_a_second_demo_into_a_run_is_refused_before_anything_starts_with_the_demos_own_options(tmp_path):
+    """It announced a server start, then refused with gspo-train's advice (--resume, --overwrite), which
+    `make demo` does not take."""
     run = tmp_path / "out" / "tiny_cpu"
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
@@ -28,8 +31,61 @@ def test_a_second_demo_into_a_run_is_refused_and_deletes_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "gspo_mcore.demo", "--output-dir", "out"], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {run}: holds a run that saved no checkpoint") and "--overwrite" in last
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f'error: {run}: holds a demo run already: make demo DEMO_ARGS=--overwrite replaces it, '
+        'make demo DEMO_ARGS="--output-dir DIR" writes elsewhere']
     assert (run / "metrics.jsonl").read_text() == json.dumps({"step": 1}) + "\n" and (run / "notes.txt").is_file()
-    assert (tmp_path / "out" / "toy" / "prompts.jsonl").is_file()  # the task, written where asked
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest").write_text("step_000001")
+    with pytest.raises(InputError, match="replaces it, make demo DEMO_ARGS=--resume continues it, make demo"):
+        check_run_dir(run, overwrite=False)
+    check_run_dir(run, overwrite=True)
+    check_run_dir(run, overwrite=False, resume=True)
+    with pytest.raises(InputError, match="no checkpoint to resume"):
+        check_run_dir(tmp_path / "elsewhere", overwrite=False, resume=True)
+    assert "--resume" in train_command(tmp_path, overwrite=False, resume=True)
+
+
+def _row_of(line: str, printed) -> dict:
+    """A metrics row with the figures a progress line shows (each figure's value read by its own format)."""
+    import re
+
+    head, body = line.split("] ", 1)
+    row = {"step": int(head.split()[1].split("/")[0])}
+    body = " " + body.rsplit(" | ETA", 1)[0]
+    for metric in printed:
+        before, _, after = metric.printed.partition("{")
+        after = after.partition("}")[2]
+        found = re.match(" " + re.escape(before) + r"(-?[0-9.]+(?:e[-+][0-9]+)?|-)" + re.escape(after) + r"(?= |$)", body)
+        if found:
+            row[metric.name] = None if found.group(1) == "-" else float(found.group(1))
+            body = body[found.end():]
+    for name, value in re.findall(r" \| (eval/\S+) ([0-9.]+)", body):
+        row[name] = float(value)
+    return row
+
+
+def test_the_readmes_demo_output_is_what_the_demo_prints():
+    """Each step line of the README's demo output is the progress line the code prints for its figures
+    (names, order, formats), and the verdict lines are the demo's own format."""
+    import io
+    import re
+
+    from gspo_mcore.metrics import PRINTED, Progress
+
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```\n(step .*?)```", text, re.S).group(1)
+    steps = [line for line in block.splitlines() if line.startswith("step ")]
+    assert len(steps) >= 2
+    for line in steps:
+        row = _row_of(line, PRINTED)
+        total = int(line.split()[1].partition("/")[2])
+        out = io.StringIO()
+        Progress(total, row["step"] - 1, stream=out).update(row)
+        assert out.getvalue().rsplit(" | ETA", 1)[0] == line.rsplit(" | ETA", 1)[0]
+    source = (REPO / "gspo_mcore" / "demo.py").read_text()
+    verdict = [line for line in block.splitlines() if line.startswith(("mean reward:", "held-out accuracy"))]
+    assert len(verdict) == 2 and "first 10 steps {first:.3f} -> last 10 steps {last:.3f}" in source
+    assert re.fullmatch(r"mean reward: first 10 steps 0\.\d{3} -> last 10 steps 0\.\d{3} \(\+0\.\d{3}\)", verdict[0])
+    assert re.fullmatch(r"held-out accuracy \(mean@4\): before training 0\.\d{3} -> after 0\.\d{3} \(.*\)", verdict[1])

@@ -51,3 +51,18 @@ def test_install_into_an_environment_with_another_torch_keeps_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     installs = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
     assert installs == ["gspo-mcore"], installs
+
+
+def test_make_install_says_what_it_does_and_asks_for_the_cpu_torch_by_its_local_version():
+    """The install was silent for minutes, and its bare `torch==2.13.0` is the CUDA build wherever pip
+    is not pointed at a CPU wheel (as it is on this machine). What `make` would run, not run."""
+    for target, venv in ((".venv/.installed", ".venv"), (".venv-vllm/.installed", ".venv-vllm")):
+        dry = subprocess.run(["make", "-n", "-W", "setup.py", "-W", "gspo_mcore/engines/vllm/constraints-cpu.txt",
+                              target], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert dry.returncode == 0, dry.stderr
+        torch = [line for line in dry.stdout.splitlines() if re.search(r"pip install .*\btorch==", line)]
+        assert torch and all(re.search(r"\btorch==2\.13\.0\+cpu\b", line) for line in torch), torch
+        # pip's own configuration first (a mirror, a wheel directory; here only PyPI is reachable), then PyTorch's index
+        assert torch[0].split(" || ")[0] == f"{venv}/bin/python -m pip install --quiet torch==2.13.0+cpu 2>/dev/null"
+        assert "--extra-index-url https://download.pytorch.org/whl/cpu" in torch[0].split(" || ")[1]
+        assert re.search(r"^echo \"install", dry.stdout, re.M), dry.stdout

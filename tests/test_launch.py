@@ -549,3 +549,41 @@ def test_the_api_key_is_the_engines_and_its_old_name_is_still_read(monkeypatch):
     assert api_key_from_env() == "new"
     for script in ("launch/train_8xh100.sh", "launch/node.sh", "launch/slurm/gspo_multi_node.sbatch"):
         assert "GSPO_ENGINE_API_KEY" in (REPO / script).read_text(), script
+
+
+def test_multi_node_servers_listen_on_their_nodes_address_not_on_every_interface(tmp_path, tiny_hf_dir):
+    """launch/node.sh on a rollout node: each server listens on the address the trainer's URLs
+    name (launch/addresses.py), never 0.0.0.0 (where a colocated vLLM's pickled IPC handles and
+    the dev routes --api-key does not cover would reach anyone reaching the port)."""
+    recorded, out, port = tmp_path / "serve_args", tmp_path / "run", str(free_port())
+    done = out / "logs" / f"training_done.{port}"
+    python = tmp_path / "python"  # its server records its arguments, then training ends (the node stops)
+    python.write_text(f'#!/usr/bin/env bash\nif [[ "$1 $2" == "-m gspo_mcore.engines.serve" ]]; then '
+                      f'echo "$@" >> {recorded}; touch {done}; exec sleep 60; fi\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "GSPO_PYTHON": str(python), "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1 localhost",
+           "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+           "GSPO_ENGINE_API_KEY": "k", "PYTHONPATH": str(REPO)}
+    env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={tiny_hf_dir}"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = recorded.read_text().split()
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert not any("0.0.0.0" in p.read_text() for p in SCRIPTS)
+
+
+def test_a_nodes_address_is_the_name_services_and_never_its_own_loopback(monkeypatch):
+    """Every node resolves every name the same way, except its own name on a Debian-style host
+    (127.0.1.1): that node takes the address it sends from towards the others. One node alone
+    stays on loopback."""
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        import addresses
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    names = {"node-a": "127.0.1.1", "node-b": "10.0.0.2", "solo": "127.0.1.1"}
+    monkeypatch.setattr(addresses, "resolve", names.__getitem__)
+    monkeypatch.setattr(addresses, "address_towards", lambda peer: {"10.0.0.2": "10.0.0.1"}[peer])
+    assert addresses.node_addresses(["node-a", "node-b"]) == ["10.0.0.1", "10.0.0.2"]
+    assert addresses.node_addresses(["solo"]) == ["127.0.1.1"]

@@ -461,7 +461,8 @@ def test_the_built_in_losses_are_functions_by_name_on_the_same_path(function, le
 
 
 @pytest.mark.parametrize("name, message", [
-    ("gpso", r"^loss.function 'gpso': not one of \['grpo', 'gspo', 'gspo_token'\] nor 'module:function'$"),
+    ("gpso", r"^loss.function 'gpso': not one of \['cispo', 'gmpo', 'grpo', 'gspo', 'gspo_token', 'luspo', 'sapo'\] "
+             r"nor 'module:function'$"),
     ("no_such_module:f", r"^loss.function 'no_such_module:f': cannot import \(No module named 'no_such_module'\)$"),
     ("loss_fixtures:NOT_A_FUNCTION", r"^loss.function 'loss_fixtures:NOT_A_FUNCTION': not callable$"),
     ("loss_fixtures:one_argument", r"^loss.function 'loss_fixtures:one_argument': cannot be called as "

@@ -133,3 +133,24 @@ def test_weights_and_biases_offline_gets_the_same_rows_and_a_resume_continues_it
     log.close()
     assert (tmp_path / "wandb_run_id").read_text() == run_id
     assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # the same id, resumed
+
+
+def test_the_progress_line_keeps_its_columns_and_names_each_idle_share():
+    """A step that trained nothing had no mismatch, and the columns after it moved left; the async
+    line read "idle: trainer 0.12 engine idle 0.50"; a tool loop's turns and tool errors were missing."""
+    import io
+
+    from gspo_mcore.metrics import Progress
+
+    base = {"reward_mean": 0.5, "reward_std": 0.5, "response_length_mean": 3.0, "clip_fraction": 0.1,
+            "engine_mismatch_mean": 2e-7, "engine_idle_fraction": 0.5, "trainer_idle_fraction": 0.12,
+            "time_rollout_s": 1.0, "time_train_s": 0.5, "time_sync_s": 0.1, "turns_mean": 2.0, "tool_errors": 1}
+    out = io.StringIO()
+    progress = Progress(3, stream=out)
+    progress.update({**base, "step": 1})
+    progress.update({**base, "step": 2, "clip_fraction": None, "engine_mismatch_mean": None})
+    progress.update({**base, "step": 3, "staleness_mean": None})
+    first, second, third = (line.split("] ", 1)[1].rsplit(" | ETA", 1)[0] for line in out.getvalue().splitlines())
+    assert "turns 2.0 tool errors 1" in first and "| trainer idle 0.12 engine idle 0.50" in first
+    assert second == first.replace("clip 0.100", "clip -").replace("mismatch 2.0e-07", "mismatch -")
+    assert third == first and "stale" not in first  # never measured: not shown

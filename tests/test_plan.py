@@ -23,6 +23,7 @@ GPU_CONFIGS = {
     "qwen3_30b_a3b_gspo_async.yaml": (2, HF_30B),  # split: 8 trainer GPUs, 8 SGLang GPUs
     "qwen3_30b_a3b_gspo_async_1node.yaml": (1, HF_30B),  # split on one node: 4 + 4
     "qwen3_30b_a3b_gspo_tools.yaml": (1, HF_30B),  # multi-turn with a Python tool
+    "qwen3_30b_a3b_gspo_code.yaml": (1, HF_30B),  # code RL (the sandbox reward)
     "qwen3_30b_a3b_gspo_vllm.yaml": (1, HF_30B),  # vLLM colocated, weights through CUDA IPC
     "qwen3_30b_a3b_gspo_async_1node_vllm.yaml": (1, HF_30B),  # vLLM, async, weights over NCCL
     "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
@@ -288,3 +289,29 @@ def test_an_engine_that_cannot_do_what_the_config_asks_is_refused_by_the_planner
     with pytest.raises(ConfigError, match="weight_sync.method: 'tensor': not on this engine"):
         _plan(overrides=["rollout.engine=vllm"])
     _plan()  # SGLang's
+
+
+def test_vllms_push_receive_buffers_are_counted_on_its_gpus():
+    """vLLM receives each bucket into a fresh buffer that its layerwise reload keeps until the
+    layer is complete; with 4 expert shards sending interleaved, up to 2 x 4 buckets live at once
+    on an engine GPU. Split: they come out of the KV cache's room (the async 1-node vLLM config's
+    2.2M tokens fit at 256 MB buckets, not at 1 GiB); colocated: in the weight-push phase. A load
+    from disk and SGLang hold none in this count."""
+    vllm = "qwen3_30b_a3b_gspo_async_1node_vllm.yaml"
+    small = _plan(vllm, ["weight_sync.bucket_mb=256"])
+    assert small["engine_push_buffers_gb"] == 2 * 4 * 0.25
+    disk = _plan(vllm, ["weight_sync.bucket_mb=256", "weight_sync.method=disk"])
+    assert disk["engine_push_buffers_gb"] == 0
+    kv_per_token = disk["engine_kv_bytes_per_token"]
+    assert disk["engine_kv_cache_tokens"] - small["engine_kv_cache_tokens"] == pytest.approx(2 * GIB / kv_per_token, abs=2)
+    with pytest.raises(ConfigError, match=r"rollout.max_total_tokens 2,200,000: more KV cache than an engine GPU holds"):
+        _plan(vllm, ["weight_sync.bucket_mb=1024"])
+    colocated = _plan("qwen3_30b_a3b_gspo_vllm.yaml")
+    as_sglang = _plan("qwen3_30b_a3b_gspo_vllm.yaml", ["weight_sync.method=disk"])
+    buffers = colocated["engine_push_buffers_gb"]
+    assert buffers == 2 * 8 * colocated_bucket_gb() and as_sglang["engine_push_buffers_gb"] == 0
+    assert colocated["phases_gb"]["weight push"] == pytest.approx(as_sglang["phases_gb"]["weight push"] + buffers)
+
+
+def colocated_bucket_gb() -> float:
+    return load_config(REPO / "configs/qwen3_30b_a3b_gspo_vllm.yaml", []).weight_sync.bucket_mb / 1024

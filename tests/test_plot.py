@@ -93,3 +93,11 @@ def test_asynchronous_runs_get_staleness_and_idle_figures_and_a_shared_band_is_d
     labels = [line.get_label() for line in made["mismatch"].axes[0].get_lines()]
     assert labels.count("clip band (high)") == 1 and len(labels) == 4  # three runs' mismatch, one band
     assert "staleness" not in figures([_rows(1e-3, 8)], ["sync"])  # nothing to draw for a sync run alone
+
+
+def test_the_idle_figure_of_a_sync_run_names_what_its_line_is():
+    """A sync run has the engine's idle share only: its axis named the trainer."""
+    rows = [{"step": s, "engine_idle_fraction": 0.5, "trainer_idle_fraction": None} for s in (1, 2, 3)]
+    axis = figures([rows], ["sync"])["idle"].axes[0]
+    assert axis.get_ylabel() == "idle share of the step"
+    assert [line.get_label() for line in axis.get_lines()] == ["sync: engine"]

@@ -5,6 +5,7 @@ where it stopped. Two trainer ranks under gspo_mcore.torchrun, as the launch scr
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,3 +87,89 @@ def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_sche
             expected = _schedule(r["step"], LR if r["step"] <= saved else new_lr)
             assert r["lr"] == pytest.approx(expected, rel=1e-9), (r["step"], saved)
     assert sum(r["lr"] is not None for r in rows[saved:]) >= 2
+
+
+def _lines_until_step(proc, step: int, deadline_s: float = 400) -> list[str]:
+    """The run's output up to its progress line of `step` (then the caller signals it)."""
+    lines, deadline = [], time.monotonic() + deadline_s
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(f"step {step:>4}/"):
+            return lines
+        assert time.monotonic() < deadline, "".join(lines[-20:])
+    raise AssertionError(f"the run ended before step {step}:\n" + "".join(lines[-40:]))
+
+
+STOP_LINES = ("SIGINT: saving the last completed step, then stopping (SIGINT again: stop at once)",
+              "SIGINT: stopping now", "stopped by SIGINT after step ")
+
+
+def test_ctrl_c_to_make_demos_process_group_saves_and_leaves_nothing_behind(tmp_path):
+    """What a terminal does: SIGINT to every process of `make demo` (make, the demo, the trainer,
+    its reward worker). The trainer saves the last completed step and says so in one line, make
+    adds its own "Interrupt" line, nothing else speaks (reward workers, the demo's subprocess.run
+    used to: tracebacks, and the trainer killed 0.25 s into its save). Nothing is left: no process,
+    nothing in the run's TMPDIR (SGLang's IPC files and wandb's directories went to /tmp), no
+    load-snapshot file of SGLang's in /dev/shm."""
+    import psutil
+
+    tmp, out = tmp_path / "tmp", tmp_path / "demo"
+    tmp.mkdir()
+    shm_before = {p for p in os.listdir("/dev/shm") if p.startswith("sglang")}
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(["make", "-s", "-o", ".venv/.installed", "demo", f"DEMO_ARGS=--output-dir {out}"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _lines_until_step(proc, 2)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        began = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - began
+        _, alive = psutil.wait_procs(children, timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGINT, output[-3000:]  # make re-raises it: the shell's $? is 130
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    run = out / "tiny_cpu"
+    saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    said = [line for line in output.splitlines() if not line.startswith("step ")]
+    assert said[:2] == [STOP_LINES[0], f"{STOP_LINES[2]}{saved} (checkpoints/step_{saved:06d}): --resume continues"]
+    # make's own line, by its convention
+    assert len(said) == 3 and re.fullmatch(r"make: \*\*\* \[Makefile:\d+: demo\] (Interrupt|Error 130)", said[2]), output
+    assert [r["step"] for r in _metrics(run)] == list(range(1, saved + 1)) and took < 60
+    # torch's compile cache (tempfile.gettempdir()/torchinductor_USER) is every torch process's, made at import
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
+    assert {p for p in os.listdir("/dev/shm") if p.startswith("sglang")} <= shm_before
+
+
+def test_a_second_ctrl_c_during_the_save_stops_at_once_and_deletes_nothing_written(toy, server, tmp_path):
+    """Two Ctrl-C to the trainer's process group 0.3 s apart, the second during the save of the
+    first: one line each, exit 130 at once; no EOFError (Megatron's writer Manager, spawned at the
+    first save, died of the Ctrl-C), and the metrics, eval and config of the completed steps stay."""
+    out = tmp_path / "run"
+    overrides = [*_toy_overrides(toy, evaluate=True), f"rollout.urls=[{server}]", "train.save_every=0",
+                 "reward.workers=2", "train.export_hf=false"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(_command(out, overrides, nproc=1), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _lines_until_step(proc, 2)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+        began = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and took < 15, (took, output[-3000:])
+    said = [line for line in output.splitlines() if not line.startswith("step ")]
+    assert said[0] == STOP_LINES[0] and STOP_LINES[1] in said, output[-3000:]
+    assert len(said) <= 3 and all(line.startswith(STOP_LINES) for line in said), output[-3000:]
+    steps = [r["step"] for r in _metrics(out)]
+    assert steps[:2] == [1, 2] and steps == list(range(1, len(steps) + 1))
+    assert (out / "config.yaml").is_file() and (out / "eval.jsonl").read_text().strip()

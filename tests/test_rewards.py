@@ -70,6 +70,20 @@ def test_runner_math_reward():
         runner.close()
 
 
+def test_a_ctrl_c_to_the_trainers_process_group_does_not_reach_its_reward_workers():
+    """A terminal's Ctrl-C goes to the command's process group: reward workers there died of it with
+    KeyboardInterrupt tracebacks inside the trainer's stop message. They run in sessions of their own."""
+    import os
+
+    runner = RewardRunner("tests.reward_fixtures:chatty_reward", timeout_s=5.0, workers=2)
+    try:
+        runner.score(["a"], [""])
+        for worker in runner._pool:
+            assert os.getsid(worker.process.pid) == worker.process.pid != os.getsid(0)
+    finally:
+        runner.close()
+
+
 def test_runner_reward_prints_and_dead_worker():
     runner = RewardRunner("tests.reward_fixtures:chatty_reward", timeout_s=5.0, workers=1)
     try:

@@ -45,11 +45,37 @@ def test_lifecycle_leaves_no_process(tmp_path):
     server = fake_server(tmp_path, port).start()
     pid = server.process.pid
     assert server.healthy()
+    # Its own TMPDIR (SGLang left IPC files and wandb's directories in /tmp at every start), removed at stop.
+    tmp = server.tmp_dir
+    environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+    assert tmp.is_dir() and environ["TMPDIR"] == str(tmp)
     server.stop()
-    assert server.process.poll() is not None and not server.healthy()
+    assert server.process.poll() is not None and not server.healthy() and not tmp.exists()
     with pytest.raises(ProcessLookupError):
         import os
         os.killpg(pid, 0)
+
+
+def test_a_server_tmpdir_left_by_a_killed_trainer_goes_at_the_next_start(tmp_path, monkeypatch):
+    """A SIGKILLed trainer cannot stop its servers (the kernel does), nor remove their TMPDIRs."""
+    import os
+    import subprocess
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        orphan, live = tmp_path / f"gspo-server-{dead.pid}-abc", tmp_path / f"gspo-server-{os.getpid()}-def"
+        (orphan / "ipc").mkdir(parents=True)
+        live.mkdir()
+        port = free_port()
+        with fake_server(tmp_path, port) as server:
+            assert server.tmp_dir.parent == tmp_path and server.tmp_dir.name.startswith(f"gspo-server-{os.getpid()}-")
+        assert not orphan.exists() and live.exists()
+    finally:
+        tempfile.tempdir = None
 
 
 def test_server_that_exits_at_startup_is_reported(tmp_path):

@@ -52,3 +52,35 @@ def test_responses_older_weights_routed_are_compared_apart(monkeypatch):
     hooks.before_forward(input_aligned_routing(rollouts, num_experts=4, width=3), compare=True)
     router(torch.zeros(6, 8))
     assert hooks.mismatch() == (0.5, [0.5], None)
+
+
+def test_a_forward_recomputed_in_backward_counts_nothing(monkeypatch):
+    """Full recompute runs each layer's forward again inside backward; under PP > 1 the 1F1B
+    schedule has meanwhile run the next microbatch's forward, so `current` is microbatch i+1's
+    routing while microbatch i recomputes (a shape error when their widths differ, wrong counts
+    when not). Each microbatch counts once, in its own forward; the load too."""
+    monkeypatch.setattr(routing_module.parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(routing_module.dist, "all_reduce", lambda tensor, *args, **kwargs: None)
+    router = FixedRouter(num_experts=4)
+    router.train()
+    layer = SimpleNamespace(layer_number=1, mlp=SimpleNamespace(router=router))
+    hooks = routing_module.RouterHooks(SimpleNamespace(decoder=SimpleNamespace(layers=[layer]),
+                                                       config=SimpleNamespace(num_layers=1)), 4, engine_routing=True)
+    routed = torch.tensor([0, 1], dtype=torch.int32).expand(3, 1, 2).numpy()
+    first = input_aligned_routing([Rollout([5, 6], [7, 8], [-0.1, -0.2], "stop", "step-1", routed_experts=routed)],
+                                  num_experts=4, width=3)
+    wider = torch.tensor([0, 1], dtype=torch.int32).expand(5, 1, 2).numpy()
+    second = input_aligned_routing([Rollout([5, 6], [7, 8, 9, 10], [-0.1] * 4, "stop", "step-1", routed_experts=wider)],
+                                   num_experts=4, width=5)
+    router.choice = torch.tensor([[0, 1]] * 3)  # microbatch 1 (3 tokens): the engine's choice
+    weight = torch.ones(1, requires_grad=True)
+
+    def layer_forward(x):
+        return x * weight + router(x)[1].float().sum()
+
+    hooks.before_forward(first, compare=True)
+    out = torch.utils.checkpoint.checkpoint(layer_forward, torch.zeros(3, 8, requires_grad=True), use_reentrant=True)
+    hooks.before_forward(second, compare=True)  # 1F1B: microbatch 2's forward before 1's backward
+    out.sum().backward()  # microbatch 1 recomputed
+    assert hooks.mismatch() == (0.0, [0.0], None)
+    assert hooks.load[0].tolist() == [3.0, 3.0, 0.0, 0.0]

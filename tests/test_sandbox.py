@@ -230,8 +230,11 @@ def test_killing_its_parent_group_and_everything_it_may(tmp_path):
             except OSError:
                 pass
     """)
+    # Unsandboxed it gets only its parent to kill: as root, kill(-1) would take the machine down.
+    parent_only = "import os, signal\nprint(3, flush=True)\nos.kill(os.getppid(), signal.SIGKILL)\n"
     naive = tmp_path / "naive.py"  # a grader whose test process may signal it
-    naive.write_text(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {program!r}])\nprint('graded')\n")
+    naive.write_text(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {parent_only!r}])\n"
+                     "print('graded')\n")
     assert "graded" not in subprocess.run([sys.executable, str(naive)], capture_output=True, text=True,
                                           start_new_session=True, timeout=20).stdout
     with Session(program, limits=FAST) as session:  # the harness outlives it: both tests report
@@ -244,10 +247,20 @@ def test_killing_its_parent_group_and_everything_it_may(tmp_path):
 def test_writing_outside_its_tmpfs(tmp_path):
     marker = tmp_path / "written"
     os.chmod(tmp_path, 0o777)
-    program = textwrap.dedent(f"""
+    # Sandboxed, it also tries the host's hostname; the naive grader's run below (root, no
+    # namespace) tries the marker only: it would rename the machine under the suite's feet.
+    program = _writer(marker, ('/usr/x', '/sandbox/harness.py', '/proc/sys/kernel/hostname', '/x'))
+    assert run_judge(program, Problem("stdin", (Test("", "[]"),))).passed
+    assert not marker.exists()
+    subprocess_output(_writer(marker, ()))
+    assert marker.exists()  # a plain subprocess writes where the grader's user can
+
+
+def _writer(marker, others) -> str:
+    return textwrap.dedent(f"""
         import os
         wrote = []
-        for path in ({str(marker)!r}, '/usr/x', '/sandbox/harness.py', '/proc/sys/kernel/hostname', '/x'):
+        for path in ({str(marker)!r}, *{others!r}):
             try:
                 with open(path, 'a') as f:
                     f.write('x')
@@ -258,10 +271,6 @@ def test_writing_outside_its_tmpfs(tmp_path):
             f.write('ok')
         print(wrote)
     """)
-    assert run_judge(program, Problem("stdin", (Test("", "[]"),))).passed
-    assert not marker.exists()
-    subprocess_output(program)
-    assert marker.exists()  # a plain subprocess writes where the grader's user can
 
 
 def test_connecting_to_a_host_port():

@@ -30,6 +30,21 @@ def answer(ids=(61, 97, 118, 1), spans=(("step-3", 0, 2), ("step-4", 2, 4)), fin
         "logprobs": {"content": content}}], "usage": {"prompt_tokens": 4, "completion_tokens": len(ids)}}
 
 
+def streamed(whole: dict) -> list[dict]:
+    """`whole` as vLLM 0.33 streams it (serve_tokens_stream_generator, output kind DELTA): one event per
+    token with its id and log-prob entry; the finish reason, weight-version spans and routed experts
+    on the last token's event only; a usage event with no choices."""
+    (choice,) = whole["choices"]
+    events = []
+    for i, (token, entry) in enumerate(zip(choice["token_ids"], choice["logprobs"]["content"])):
+        last = i == len(choice["token_ids"]) - 1
+        events.append({"request_id": whole["request_id"], "choices": [{
+            "index": 0, "finish_reason": choice["finish_reason"] if last else None, "stop_reason": None,
+            "token_ids": [token], "routed_experts": choice["routed_experts"] if last else None, "sampling_mask": None,
+            "weight_versions": choice["weight_versions"] if last else None, "logprobs": {"content": [entry]}}]})
+    return events + [{"request_id": whole["request_id"], "choices": [], "usage": whole["usage"]}]
+
+
 def test_parses_tokens_logprobs_and_each_tokens_version():
     r = parse_generate_response("r0", PROMPT, answer(), VOCAB, oldest_version=3)
     assert r.response_ids == [61, 97, 118, 1] and r.logprobs == [-0.5, -1.5, -2.5, -3.5]
@@ -152,16 +167,16 @@ def test_a_request_vllm_refuses_while_a_push_pauses_it_starts_over_without_an_at
     monkeypatch.setattr(vllm_client, "PAUSED_RETRY_S", 0.01)
     calls = []
 
-    async def post_bytes(session, url, data, timeout_s):
+    async def post_events(session, url, data, timeout_s):
         calls.append(url)
         if len(calls) == 1:
             client.interrupt()  # a push starts while this request is on its way
         if len(calls) <= 3 or calls[0] == "after":
             raise HTTPStatusError(503, "Generation is paused. Please retry after it resumes.")
         client.end_interrupt()
-        return json.dumps(answer(spans=(("v", 0, 4),))).encode(), True
+        return streamed(answer(spans=(("v", 0, 4),)))
 
-    monkeypatch.setattr(vllm_client, "post_bytes", post_bytes)
+    monkeypatch.setattr(vllm_client, "post_events", post_events)
     try:
         [rollout] = client.generate([PROMPT], {"max_new_tokens": 4, "temperature": 1.0})
         assert rollout.response_ids == [61, 97, 118, 1] and len(calls) == 4 and client.requests_retried == 0
@@ -170,3 +185,67 @@ def test_a_request_vllm_refuses_while_a_push_pauses_it_starts_over_without_an_at
             client.generate([PROMPT], {"max_new_tokens": 4, "temperature": 1.0})
     finally:
         client.close()
+
+
+def test_a_long_response_that_keeps_streaming_outlives_the_request_timeout(monkeypatch):
+    """request_timeout_s bounds a silence, not a whole response: an 8k-token answer under load
+    outlasted the 600 s cap, and the retry started it over from nothing. A stand-in server streams
+    a 6-token answer as vLLM does (one event per token, 0.3 s apart: 1.8 s in all) to a client whose
+    timeout is 1 s; a server silent for longer than it still times out."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from gspo_mcore.engines.vllm import client as vllm_client
+
+    whole = answer(ids=(61, 97, 118, 5, 9, 1), spans=(("step-1", 0, 6),))
+    gap = {"s": 0.3}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            if not body.get("stream"):  # vLLM answers once the whole response is generated
+                time.sleep(gap["s"] * 6)
+                data = json.dumps(whole).encode()
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for event in streamed(whole):
+                time.sleep(gap["s"])
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = vllm_client.VLLMClient([f"http://127.0.0.1:{server.server_address[1]}"], VOCAB, max_attempts=1,
+                                    request_timeout_s=1.0)
+    try:
+        [rollout] = client.generate([PROMPT], {"max_new_tokens": 6, "temperature": 1.0}, weight_version="step-1")
+        assert rollout.response_ids == [61, 97, 118, 5, 9, 1] and rollout.token_versions == (1,) * 6
+        assert rollout.logprobs == [-0.5 - i for i in range(6)]
+        gap["s"] = 1.5  # silent longer than the timeout
+        with pytest.raises(RolloutError, match="nothing streamed for 1 s"):
+            client.generate([PROMPT], {"max_new_tokens": 6, "temperature": 1.0})
+    finally:
+        client.close()
+        server.shutdown()
+
+
+def test_a_generation_error_mid_stream_is_retried():
+    from gspo_mcore.engines.client import RetryableError
+    from gspo_mcore.engines.vllm.client import merged_answer
+
+    error = {"error": {"message": "CUDA out of memory", "type": "InternalServerError", "code": 500}}
+    with pytest.raises(RetryableError, match="stream error: .*CUDA out of memory"):
+        merged_answer([*streamed(answer())[:2], error])
+    assert merged_answer(streamed(answer()))["choices"][0]["token_ids"] == [61, 97, 118, 1]

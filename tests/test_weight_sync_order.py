@@ -75,3 +75,29 @@ def test_the_sync_check_keeps_the_other_ranks_waiting_on_the_host_group(monkeypa
     monkeypatch.setattr(check.dist, "broadcast_object_list", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     stats = check.check_sync(None, Engine(), [[1, 2, 3]], median_tolerance=0.01)
     assert waits == [0] and stats["sync_check_median"] == 0.0
+
+
+def test_a_colocated_push_waits_for_the_servers_on_the_host_group(monkeypatch):
+    """While rank 0 opens and closes the update and while the servers load a bucket, the other
+    ranks wait. An NCCL barrier would spin a kernel on each GPU meanwhile, the GPUs a colocated
+    engine is loading on; gloo waits in a socket read."""
+    from gspo_mcore.weight_sync import buckets
+
+    host = object()
+    barriers = []
+    for module in (buckets, tensor):
+        monkeypatch.setattr(module, "host_group", lambda: host)
+    monkeypatch.setattr(buckets.dist, "barrier", lambda group=None, **kwargs: barriers.append(group))
+    monkeypatch.setattr(buckets.dist, "get_rank", lambda: 1)  # a rank that only waits
+    monkeypatch.setattr(tensor.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(tensor.dist, "all_gather_object", lambda out, obj, **kwargs: out.__setitem__(slice(None), [obj] * 2))
+
+    class Engine:
+        def shared_payload(self, flat, layout, dtype):
+            return "handle"
+
+    sync = object.__new__(tensor.TensorWeightSync)
+    sync.dtype, sync.engine, sync.posts = torch.float32, Engine(), []
+    with buckets.update_session(Engine(), "step-1"):
+        sync._load_everywhere(torch.ones(3), [("w", (3,))])
+    assert barriers == [host] * 4

@@ -1,6 +1,10 @@
-"""Prompt datasets from JSONL or Parquet: each record a prompt (string) or chat `messages`,
-plus the reference `answer` the reward checks; any other field is kept for rewards that ask
-for it (docs/05-data-and-rewards.md)."""
+"""Prompt datasets from JSONL or Parquet: each record a prompt (a string, or a chat as a list of
+{role, content}) or chat `messages`, plus the reference answer the reward checks; any other
+field is kept for rewards that ask for it (docs/05-data-and-rewards.md).
+
+Other frameworks' datasets load as they are: verl's (`prompt` a chat, the answer in
+`reward_model.ground_truth`) and slime's (`--label-key label`). A key may be a dotted path into
+nested objects (`data.answer_key=reward_model.ground_truth`)."""
 
 from __future__ import annotations
 
@@ -47,6 +51,28 @@ def _records(path: Path):
         raise InputError(f"{path}: unsupported dataset format (expected .jsonl or .parquet)")
 
 
+# Where the answer is when data.answer_key is left at its default: ours, verl's, slime's (--label-key label).
+DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth", "label")
+_MISSING = object()
+
+
+def field_at(record: dict, key: str):
+    """`record[key]`, or for a dotted key the nested value (`reward_model.ground_truth`); _MISSING if absent.
+    A top-level field whose own name holds the dots comes first."""
+    if key in record:
+        return record[key]
+    value = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _is_chat(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
+
+
 def require_file(path) -> Path:
     """`path` as a Path; InputError naming it if there is no such file."""
     path = Path(path)
@@ -64,22 +90,30 @@ class PromptDataset:
              answer_key: str = "answer") -> "PromptDataset":
         path = require_file(path)
         samples = []
+        answer_keys = DEFAULT_ANSWER_KEYS if answer_key == DEFAULT_ANSWER_KEYS[0] else (answer_key,)
         for where, record in _records(path):
             if not isinstance(record, dict):
                 raise InputError(f"{where}: expected an object")
-            if messages_key in record:
-                messages = record[messages_key]
-                if not (isinstance(messages, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                            for m in messages)):
+            messages, prompt = field_at(record, messages_key), field_at(record, prompt_key)
+            if messages is not _MISSING:
+                if not _is_chat(messages):
                     raise InputError(f"{where}: field '{messages_key}' must be a list of {{role, content}}")
-            elif prompt_key in record:
-                messages = [{"role": "user", "content": str(record[prompt_key])}]
+                used = messages_key
+            elif isinstance(prompt, list):  # verl's and slime's chat prompts
+                if not _is_chat(prompt):
+                    raise InputError(f"{where}: field '{prompt_key}' must be a string or a list of {{role, content}}")
+                messages, used = prompt, prompt_key
+            elif prompt is not _MISSING:
+                messages, used = [{"role": "user", "content": str(prompt)}], prompt_key
             else:
                 raise InputError(f"{where}: missing field '{prompt_key}' (or '{messages_key}')")
-            if answer_key not in record:
-                raise InputError(f"{where}: missing field '{answer_key}'")
-            metadata = {k: v for k, v in record.items() if k not in (prompt_key, messages_key, answer_key)}
-            samples.append(PromptSample(messages, str(record[answer_key]), metadata))
+            key = next((k for k in answer_keys if field_at(record, k) is not _MISSING), None)
+            if key is None:
+                also = (" (nor verl's 'reward_model.ground_truth' nor slime's 'label'; data.answer_key names another)"
+                        if len(answer_keys) > 1 else "")
+                raise InputError(f"{where}: missing field '{answer_key}'{also}")
+            metadata = {k: v for k, v in record.items() if k not in (used, key)}
+            samples.append(PromptSample(messages, str(field_at(record, key)), metadata))
         if not samples:
             raise InputError(f"{path}: no samples")
         return cls(samples)

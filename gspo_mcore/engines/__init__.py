@@ -49,8 +49,8 @@ def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None =
                                secrets=(api_key,))
         stack.callback(server.stop)
         servers.append(server.launch())
-    print(f"starting {count} {kind.name} server(s) for {config.model.hf_dir} (logs: {log_dir}/{kind.name}_*.log; "
-          "45-140 s on CPU)", flush=True)
+    print(f"starting {count} {kind.name} server(s) for {config.model.hf_dir} (logs: {log_dir}/{kind.name}_*.log)",
+          flush=True)
     began = time.monotonic()
     for server in servers:
         server.ready()

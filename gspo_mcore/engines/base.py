@@ -75,6 +75,13 @@ class Engine(ABC):
         """What one engine GPU holds for this model of `total_params` parameters (the planner's figures)."""
 
     @classmethod
+    def push_buffer_bytes(cls, method: str, bucket_bytes: int, senders: int) -> int:
+        """What one engine GPU holds for a push beside its weights and KV cache (receive buffers),
+        at `weight_sync.method`, buckets of `bucket_bytes`, from `senders` owning trainer ranks
+        interleaved round by round (weight_sync.buckets.owned_rounds). Counted by the planner."""
+        return 0
+
+    @classmethod
     def check_config(cls, config) -> None:
         """A ConfigError naming the field for what the run config asks and this engine cannot do."""
 

@@ -22,7 +22,6 @@ import json
 import os
 import queue
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ from transformers.utils import get_json_schema
 
 from gspo_mcore.errors import InputError
 from gspo_mcore.plugins import by_name
-from gspo_mcore.processes import child_env, die_with_parent, in_main_thread, kill_worker, read_json_reply
+from gspo_mcore.processes import child_env, kill_worker, read_json_reply, start_worker
 from gspo_mcore.rewards.runner import STARTUP_TIMEOUT_S
 from gspo_mcore.tools.worker import clip
 
@@ -185,12 +184,8 @@ class _ToolWorker:
     def __init__(self, tools: ToolSet, max_output_chars: int):
         # The repository and our sys.path, so the worker imports what we could (as reward workers).
         path = os.pathsep.join([str(Path.cwd()), *filter(None, sys.path)])
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gspo_mcore.tools.worker", str(max_output_chars), *tools.names],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-            env={**tool_env(), "PYTHONPATH": path},
-            # Tied to the starting thread by the kernel; the worker also watches for its parent.
-            preexec_fn=die_with_parent if in_main_thread() else None)
+        self.process = start_worker([sys.executable, "-m", "gspo_mcore.tools.worker", str(max_output_chars),
+                                     *tools.names], {**tool_env(), "PYTHONPATH": path})
         reply = self.read(STARTUP_TIMEOUT_S)
         if reply != "ready":
             self.kill()

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owns
+from gspo_mcore.parallel import host_group
 
 
 def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
@@ -32,15 +33,16 @@ def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
 def update_session(engine, weight_version: str):
     """The engine's weight-update session around a push by all trainer ranks (collective): rank 0
     opens it once every rank is ready and closes it, tagging `weight_version`, once every rank
-    has sent."""
+    has sent. The ranks wait for rank 0's HTTP calls on the host group: an NCCL barrier would spin
+    a kernel on every GPU meanwhile, on the GPUs a colocated engine is loading on."""
     if dist.get_rank() == 0:
         engine.begin_update()
-    dist.barrier()
+    dist.barrier(group=host_group())
     yield
-    dist.barrier()
+    dist.barrier(group=host_group())
     if dist.get_rank() == 0:
         engine.end_update(weight_version)
-    dist.barrier()
+    dist.barrier(group=host_group())
 
 
 def settle(tensor: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from gspo_mcore.errors import WeightSyncError
 from gspo_mcore.netaddr import local_addresses
-from gspo_mcore.parallel import device
+from gspo_mcore.parallel import device, host_group
 from gspo_mcore.weight_sync.buckets import owned_rounds, settle, update_session
 
 
@@ -84,7 +84,9 @@ class TensorWeightSync:
         dist.all_gather_object(payloads, self.engine.shared_payload(flat, layout, self.dtype))
         for url, ranks in self.posts:
             self.engine.load_shared(url, [payloads[r] for r in ranks])
-        dist.barrier()  # every server has loaded it: the buffers may go
+        # Every server has loaded it: the buffers may go. On the host group: the servers load on
+        # these GPUs meanwhile, where an NCCL barrier's kernel would spin.
+        dist.barrier(group=host_group())
 
     def _share(self, src: int, layout: list[tuple[str, tuple[int, ...]]], bucket: list) -> int:
         """Rank `src`'s bucket (names and shapes `layout`; the tensors `bucket` on `src`) on every

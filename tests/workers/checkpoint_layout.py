@@ -20,7 +20,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint import FileSystemReader
 
 from gspo_mcore.checkpointing import (LATEST, Checkpointer, FunctionState, MegatronState, SchedulerState,
-                                      _init_optimizer_states, _rng_state, tie_writer_queue_to_us)
+                                      _init_optimizer_states, _rng_state, keep_writer_results_in_process)
 from gspo_mcore.config import load_config
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.optimizer import lr_scheduler, setup_training
@@ -52,7 +52,7 @@ def main(hf_dir: str, out_dir: str) -> None:
                                 "optimizer.lr_decay=linear", "train.steps=10"])
     _, model = model_from_config(config)
     ddp, optimizer = setup_training(model, config.optimizer)
-    tie_writer_queue_to_us()
+    keep_writer_results_in_process()
 
     def checkpointer(output_dir: Path):
         """What the Trainer registers, with a fresh schedule; `got`: the rollout state loaded."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -32,6 +33,34 @@ from gspo_mcore.errors import WeightSyncError
 from gspo_mcore.http import HTTPRequestError, request_json
 
 GB = 2**30
+# What vLLM 0.33.0 answers when a control call did what was asked (vllm/entrypoints/rl/online/api_router.py:
+# pause_generation, resume_generation, start_weight_update, update_weights, finish_weight_update,
+# update_weight_version; serve/dev/cache/api_router.py: reset_prefix_cache). Each is a precondition of
+# exact log-probs: any other answer is a refusal, and the run stops naming the server and the answer.
+PAUSED = {"status": "paused"}
+RESUMED = {"status": "resumed"}
+STARTED = {"message": "Weight update started"}
+UPDATED = {"message": "Weights updated"}
+FINISHED = {"message": "Weight update finished"}
+CACHE_RESET = {"success": True}
+# reset_prefix_cache answers success false while blocks are still held (a request finishing, an
+# async KV offload in flight); vLLM's docstring says callers may retry.
+CACHE_RESET_TRIES, CACHE_RESET_WAIT_S = 5, 0.2
+
+
+def answer_is(answer: object, expected: dict) -> bool:
+    return isinstance(answer, dict) and all(answer.get(key) == value for key, value in expected.items())
+
+
+def nccl_version_of(result: object) -> int | None:
+    """A worker's ncclGetRawVersion as `/collective_rpc` carries it: vLLM's collective_rpc route
+    turns every result that is not None, a dict or a list into `str(result)` (serve/dev/rpc/
+    api_router.py, 0.32.0 and 0.33.0), so the int arrives as "22903"."""
+    if isinstance(result, str) and result.isdigit():
+        return int(result)
+    if isinstance(result, int) and not isinstance(result, bool):
+        return result
+    return None
 
 
 class VLLMEngine(Engine):
@@ -71,6 +100,16 @@ class VLLMEngine(Engine):
                             margin_gb=cls.MARGIN_GB, usable_fraction=cls.USABLE_FRACTION)
 
     @classmethod
+    def push_buffer_bytes(cls, method: str, bucket_bytes: int, senders: int) -> int:
+        """Its transfer engines receive each bucket into a fresh buffer of the bucket's size (NCCL:
+        packed_tensor.packed_nccl_broadcast_consumer's torch.empty per chunk; IPC: a copy of the
+        mapped bucket) and hand views of it to the layerwise reload, which keeps a layer's tensors
+        until the layer is complete. The senders' buckets of one round hold pieces of the same
+        layers (experts split over EP), and a layer straddles two rounds: up to two rounds of
+        buffers, 2 x senders buckets, live at once. A load from disk reads files."""
+        return 2 * senders * bucket_bytes if method in ("distributed", "tensor") else 0
+
+    @classmethod
     def check_config(cls, config) -> None:
         """What this engine cannot do yet, or not on CPU, in one line each."""
         ws, device = config.weight_sync, config.distributed.device
@@ -95,6 +134,24 @@ class VLLMEngine(Engine):
         """The same call on every server at once (a weight-update step must reach all of them)."""
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             return list(pool.map(lambda url: self.call(url, path, body), self.urls))
+
+    def checked(self, url: str, path: str, expected: dict, body: dict | None = None) -> None:
+        """A control call whose answer must be `expected` (the pinned vLLM's success answer)."""
+        answer = self.call(url, path, body)
+        if not answer_is(answer, expected):
+            raise WeightSyncError(f"server {url}{path} refused: {str(answer)[:200]!r}")
+
+    def checked_on_all(self, path: str, expected: dict, body: dict | None = None) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            list(pool.map(lambda url: self.checked(url, path, expected, body), self.urls))
+
+    def reset_prefix_cache(self, url: str) -> None:
+        """Drop every cached prefix (a later prompt sharing a block would read older weights' KV)."""
+        for _ in range(CACHE_RESET_TRIES - 1):
+            if answer_is(self.call(url, "/reset_prefix_cache"), CACHE_RESET):
+                return
+            time.sleep(CACHE_RESET_WAIT_S)
+        self.checked(url, "/reset_prefix_cache", CACHE_RESET)
 
     # ---------------------------------------------------------------- the servers
     def server_info(self, url: str) -> dict:
@@ -159,10 +216,10 @@ class VLLMEngine(Engine):
         calls stay open, and every token answered before the pause returns is the old weights'.
         Otherwise mode abort: they end `abort` and the client starts them over."""
         mode = "keep&clear_cache=true" if keep_tokens else "abort"
-        self.on_all(f"/pause?mode={mode}")
+        self.checked_on_all(f"/pause?mode={mode}", PAUSED)
 
     def resume(self) -> None:
-        self.on_all("/resume")
+        self.checked_on_all("/resume", RESUMED)
 
     # ---------------------------------------------------------------- colocated memory
     def release_memory(self) -> None:
@@ -182,17 +239,19 @@ class VLLMEngine(Engine):
                     self.call(url, "/init_weight_transfer_engine", {"init_info": {"packed": True}})
                     self.ipc_ready.add(url)
         if self.transfer_open:
-            self.on_all("/start_weight_update")
+            self.checked_on_all("/start_weight_update", STARTED)
 
     def end_update(self, weight_version: str) -> None:
         """From now on every server generates with the new weights, tagged `weight_version`; cached
         prefixes of older weights are dropped (neither a load nor /finish_weight_update drops
         them: a later prompt sharing a cached block would read the old weights' KV)."""
         if self.transfer_open:
-            self.on_all("/finish_weight_update", {"weight_version": weight_version})
+            self.checked_on_all("/finish_weight_update", FINISHED, {"weight_version": weight_version})
         else:
-            self.on_all("/update_weight_version", {"new_version": weight_version})
-        self.on_all("/reset_prefix_cache")
+            self.checked_on_all("/update_weight_version", {"success": True, "new_version": weight_version},
+                                {"new_version": weight_version})
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            list(pool.map(self.reset_prefix_cache, self.urls))
 
     def load_from_disk(self, hf_dir, weight_version: str) -> None:
         body = {"method": "load_weights_from_disk", "kwargs": {"weights_path": str(hf_dir)}}
@@ -213,10 +272,11 @@ class VLLMEngine(Engine):
         version"): say it before, in one line."""
         answer = self.call(url, "/collective_rpc", {"method": "nccl_version"})
         results = answer.get("results") if isinstance(answer, dict) else None
-        if not results or not all(isinstance(r, int) for r in results):
+        versions = [nccl_version_of(r) for r in results or []]
+        if not versions or None in versions:
             raise WeightSyncError(f"server {url}/collective_rpc nccl_version: unexpected answer {str(answer)[:200]!r}")
         mine = nccl.version()
-        for raw in results:
+        for raw in versions:
             theirs = nccl.decode_version(raw)
             if theirs != mine:
                 raise WeightSyncError(
@@ -238,10 +298,11 @@ class VLLMEngine(Engine):
                      "world_size": world_size, "packed": True,
                      "packed_buffer_size_bytes": self.PACKED_BUFFER_BYTES, "packed_num_buffers": 2}
         joined: dict = {}
+        device = nccl.current_device()  # this rank's: the joining thread would start on device 0
 
         def join() -> None:
             try:
-                joined["comm"] = nccl.communicator(world_size, uid)
+                joined["comm"] = nccl.communicator(world_size, uid, device)
             except BaseException as err:  # noqa: BLE001 (re-raised below, on the caller's thread)
                 joined["error"] = err
 
@@ -267,13 +328,15 @@ class VLLMEngine(Engine):
     def send_bucket(self, groups, bucket, flat: torch.Tensor) -> None:
         """Per server: post /update_weights (the bucket's names, dtypes and shapes), broadcast the
         packed bucket, and wait for the answer, which comes once every worker received and
-        loaded it (WeightTransferEngine.receive_weights, then a device synchronize)."""
+        loaded it (WeightTransferEngine.receive_weights, then a device synchronize). The broadcast
+        is queued before the answer can come; if the server refuses the bucket instead, it
+        never completes, and waits on the group's own stream (nccl.WeightGroup)."""
         update_info = {"names": [n for n, _ in bucket],
                        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                        "shapes": [list(t.shape) for _, t in bucket]}
         with ThreadPoolExecutor(max_workers=1) as pool:
             for url, _, comm in groups:
-                answer = pool.submit(self.call, url, "/update_weights", {"update_info": update_info})
+                answer = pool.submit(self.checked, url, "/update_weights", UPDATED, {"update_info": update_info})
                 nccl.broadcast(comm, flat)
                 answer.result()
 
@@ -299,4 +362,4 @@ class VLLMEngine(Engine):
 
     def load_shared(self, url: str, payloads: list) -> None:
         """The list form of /update_weights: entry i for the server's worker i (its TP rank)."""
-        self.call(url, "/update_weights", {"update_info": payloads})
+        self.checked(url, "/update_weights", UPDATED, {"update_info": payloads})

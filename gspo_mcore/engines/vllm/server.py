@@ -75,11 +75,14 @@ def server_env(env: dict | None = None, weight_transfer: str | None = None) -> d
     """The dev-mode routes (pause, weight loads, versions: vllm/entrypoints/rl/online/api_router.py)
     and our package importable in vLLM's Python (the worker extension). For NCCL pushes, the
     trainer's libnccl unless one is named already (vllm/utils/nccl.py find_nccl_library reads
-    VLLM_NCCL_SO_PATH): NCCL connects ranks of equal versions only, and vLLM's torch may ship another."""
+    VLLM_NCCL_SO_PATH): NCCL connects ranks of equal versions only, and vLLM's torch may ship another;
+    and the trainer's NCCL_CUMEM_ENABLE (nccl.cumem_enable)."""
     env = dict(child_env() if env is None else env)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     if weight_transfer == "nccl" and not env.get("VLLM_NCCL_SO_PATH") and (library := nccl.library()):
         env["VLLM_NCCL_SO_PATH"] = library
+    if weight_transfer == "nccl":
+        env["NCCL_CUMEM_ENABLE"] = nccl.cumem_enable(env)
     if weight_transfer == "ipc":  # update_info carries the IPC handles pickled (ipc_engine.py refuses them otherwise)
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))

@@ -29,6 +29,13 @@ def local_targets(routing: torch.Tensor, layer: int) -> torch.Tensor:
     return per_layer.reshape(-1, per_layer.shape[-1]).long()
 
 
+def recomputing() -> bool:
+    """Inside a backward pass: a forward recomputed for its gradients (megatron-core's
+    CheckpointFunction.backward runs the layer again under the autograd engine, whose graph task
+    is then current; torch._C._current_graph_task_id is -1 outside any backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class RouterHooks:
     """One forward hook per MoE router, for everything the trainer asks of its routers: each
     expert's load in training forwards (`imbalance`), and, with `engine_routing`, the engine's
@@ -86,6 +93,11 @@ class RouterHooks:
 
     def _hook(self, index: int):
         def hook(module, inputs, output):
+            if recomputing():
+                # Full recompute: this forward runs again inside backward, and under PP > 1 the
+                # 1F1B schedule has run the next microbatch's forward (`current`) in between.
+                # Each microbatch's routers count once, in its own forward.
+                return
             routing_map = output[1].detach()  # [tokens, experts] bool
             if module.training:
                 self.load[index] += routing_map.sum(0).double()

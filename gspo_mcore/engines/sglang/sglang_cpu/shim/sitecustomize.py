@@ -8,13 +8,17 @@ in 0.5.23: it falls back to pinning with cudaHostRegister (`torch.cuda.cudart()`
 server dies at start-up without CUDA. On CPU the buffer is plain memory; the entry is added
 when that module is first imported. Nothing else of the capturer needs CUDA on CPU (measured:
 the routed experts of a tiny model matched a transformers forward, expert order included).
+
+`sglang.srt.managers.load_snapshot.shm_path_for` puts each server start's load-snapshot file in
+/dev/shm, and nothing of SGLang removes it (its writer's `close` only unmaps it): it goes into
+the server's TMPDIR instead, which the process that started the server removes
+(gspo_mcore.processes.ManagedServer).
 """
 
 import importlib.abc
 import os
 import sys
-
-_MODULE = "sglang.srt.mem_cache.pool_host.common"
+import tempfile
 
 
 def _plain_host_buffer(dims, dtype, device, pin_memory, allocator=None, **_):
@@ -23,11 +27,28 @@ def _plain_host_buffer(dims, dtype, device, pin_memory, allocator=None, **_):
     return torch.zeros(dims, dtype=dtype, device="cpu")
 
 
-class _AddCpuAllocator(importlib.abc.MetaPathFinder):
-    """Wraps the module's loader so that the entry is added right after it executes."""
+def _add_cpu_allocator(module) -> None:
+    module.ALLOC_MEMORY_FUNCS.setdefault("cpu", _plain_host_buffer)
+
+
+def _snapshot_in_tmpdir(module) -> None:
+    in_shm = module.shm_path_for
+
+    def shm_path_for(ipc_name: str) -> str:
+        return os.path.join(tempfile.gettempdir(), os.path.basename(in_shm(ipc_name)))
+
+    module.shm_path_for = shm_path_for  # looked up at call time by the module's own readers and writers
+
+
+_PATCHES = {"sglang.srt.mem_cache.pool_host.common": _add_cpu_allocator,
+            "sglang.srt.managers.load_snapshot": _snapshot_in_tmpdir}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Wraps a patched module's loader so that its patch runs right after the module executes."""
 
     def find_spec(self, name, path, target=None):
-        if name != _MODULE:
+        if name not in _PATCHES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -41,11 +62,11 @@ class _AddCpuAllocator(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            module.ALLOC_MEMORY_FUNCS.setdefault("cpu", _plain_host_buffer)
+            _PATCHES[name](module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-    sys.meta_path.insert(0, _AddCpuAllocator())
+    sys.meta_path.insert(0, _PatchOnImport())

@@ -1,0 +1,149 @@
+"""launch/gpu_check.py on CPU, as a bare GPU machine would run it: a Python that has torch,
+transformers and their own dependencies only, the repository, and the wheel folder
+launch/wheelhouse.sh fills (here built from this machine's installed distributions of exactly
+the pinned names and versions, since the suite runs offline); every section that can run on CPU
+at the tiny shape."""
+
+import importlib.metadata as metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "launch"))
+import gpu_check  # noqa: E402
+
+sys.path.remove(str(REPO / "launch"))
+
+WHEELHOUSE = REPO / "launch" / "wheelhouse.sh"
+
+
+def pinned_wheels() -> dict[str, str]:
+    """name -> version of the wheels launch/wheelhouse.sh downloads."""
+    listed = re.search(r"^wheels=\((.*?)\)$", WHEELHOUSE.read_text(), re.S | re.M).group(1)
+    return dict(pin.split("==") for pin in listed.split())
+
+
+def closure(names: list[str]) -> dict[str, metadata.Distribution]:
+    """The installed distributions `names` need (their requirements, without extras), themselves included."""
+    environment = {**default_environment(), "extra": ""}
+    found, todo = {}, list(names)
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in found:
+            continue
+        try:
+            found[key] = dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for requirement in map(Requirement, dist.requires or []):
+            if requirement.marker is None or requirement.marker.evaluate(environment):
+                todo.append(requirement.name)
+    return found
+
+
+def bare_site(folder: Path) -> Path:
+    """A site folder holding torch and transformers with their dependencies only (links)."""
+    folder.mkdir()
+    for dist in closure(["torch", "transformers"]).values():
+        base = Path(dist.locate_file(""))
+        for top in {Path(str(f)).parts[0] for f in dist.files or []}:
+            if not top.startswith("..") and top != "__pycache__" and (base / top).exists():
+                (folder / top).symlink_to(base / top)
+    return folder
+
+
+def wheel_of(name: str, folder: Path) -> Path:
+    """The installed distribution `name` packed as the wheel it was installed from (its RECORD's files)."""
+    dist = metadata.distribution(name)
+    base = Path(dist.locate_file(""))
+    files = [f for f in dist.files if not str(f).startswith("..") and "__pycache__" not in str(f)]
+    wheel = folder / f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for f in files:
+            if (base / f).is_file():
+                archive.write(base / f, str(f))
+    return wheel
+
+
+def test_a_pure_wheel_imports_from_its_zip_and_a_compiled_one_is_unpacked_once(tmp_path):
+    folder, cache = tmp_path / "wheels", tmp_path / "cache"
+    folder.mkdir()
+    for name, pure, extra in (("purepkg", "true", {}), ("natpkg", "false", {"natpkg/_speed.so": b"\x7fELF"})):
+        with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as archive:
+            archive.writestr(f"{name}/__init__.py", "VALUE = 7\n")
+            archive.writestr(f"{name}-1.0.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: {pure}\n")
+            for path, data in extra.items():
+                archive.writestr(path, data)
+    paths = gpu_check.wheel_paths(folder, cache)
+    assert paths == [cache / "natpkg-1.0-py3-none-any", folder / "purepkg-1.0-py3-none-any.whl", folder]
+    assert (cache / "natpkg-1.0-py3-none-any" / "natpkg" / "_speed.so").read_bytes() == b"\x7fELF"
+    out = subprocess.run([sys.executable, "-c", "import sys, natpkg, purepkg; sys.path[:0] = sys.argv[1:]; "
+                          "print(purepkg.__file__)"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))})
+    assert out.returncode == 0 and ".whl" in out.stdout  # imported from inside the zip
+    (cache / "natpkg-1.0-py3-none-any" / "natpkg" / "_speed.so").write_bytes(b"kept")
+    gpu_check.wheel_paths(folder, cache)  # unpacked once: a second run reuses it
+    assert (cache / "natpkg-1.0-py3-none-any" / "natpkg" / "_speed.so").read_bytes() == b"kept"
+
+
+def test_the_wheelhouse_pins_what_this_project_runs(tmp_path):
+    """The versions it downloads are the ones the tests run (.venv), megatron-core the pinned one;
+    a Python the check does not run on is one line, exit 2."""
+    pins = pinned_wheels()
+    assert pins["megatron-core"] == "0.16.1"
+    assert {name: metadata.version(name) for name in pins} == pins
+    proc = subprocess.run(["bash", str(WHEELHOUSE), str(tmp_path / "w"), "3.9"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("runs on Python 3.11 or 3.12")
+
+
+@pytest.mark.slow  # ~30 s: four sections and a resume in a fresh process
+def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
+    """No site-packages but torch's and transformers' own, the wheel folder on the path by the
+    check itself: sections 1-4 pass (megatron-core from the unpacked wheel), the CUDA ones skip."""
+    site = bare_site(tmp_path / "site")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in pinned_wheels():
+        wheel_of(name, wheels)
+    env = {**os.environ, "PYTHONPATH": str(site), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-S", str(REPO / "launch/gpu_check.py"), "--device", "cpu", "--wheels",
+                           str(wheels), "--work", str(tmp_path / "work")], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(line["section"], line["result"]) for line in lines] == [
+        (1, "PASS"), (2, "PASS"), (3, "PASS"), (4, "PASS"), (5, "SKIP"), (6, "SKIP"), (7, "SKIP")]
+    first, parity, update, resume = lines[:4]
+    assert first["megatron_core"] == "0.16.1" and first["megatron_from"].startswith(str(tmp_path / "cache"))
+    assert parity["export_bitwise_identical"] and parity["top1_agreement"] == 1.0
+    assert update["params_moved"] > 0 and update["grad_norm"] > 0
+    assert resume["params_equal"] and resume["optimizer_equal"] and resume["stepped_again"]
+    assert {"exp_avg", "exp_avg_sq", "main"} <= set(resume["optimizer_states"])
+    # One section alone.
+    alone = subprocess.run([sys.executable, "-S", str(REPO / "launch/gpu_check.py"), "--device", "cpu", "--wheels",
+                            str(wheels), "--work", str(tmp_path / "work"), "--only", "2"], capture_output=True,
+                           text=True, env=env, cwd=tmp_path, timeout=600)
+    assert [json.loads(line)["section"] for line in alone.stdout.splitlines()] == [2] and alone.returncode == 0
+
+
+def test_a_section_that_raises_is_one_fail_line_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    def broken(args, shape):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(gpu_check, "section_6", broken)
+    code = gpu_check.main(["--device", "cpu", "--wheels", str(tmp_path / "none"), "--work", str(tmp_path),
+                           "--only", "6", "--only", "7"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 1 and [(line["section"], line["result"]) for line in lines] == [(6, "FAIL"), (7, "SKIP")]
+    assert lines[0]["error"] == "RuntimeError: CUDA error: an illegal memory access"

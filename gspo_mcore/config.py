@@ -346,6 +346,7 @@ class TrainConfig:
     it (a bf16 engine's mismatch is ~1e-3: it fires); `false` off. On, every step forwards the
     whole batch once at theta_old (none more when pi_old or pi_prox is recomputed anyway)."""
     strict_exactness_tolerance: float = 1e-4
+    """The largest per-sequence |log s_i| strict exactness accepts (float32 on both sides gives ~1e-6)."""
     routing_replay: bool = False
     """Comparison runs (R3): the trainer's MoE routers take the engine's routed experts in
     forward and backward (megatron-core's RouterReplay) instead of routing freely. Needs

@@ -17,7 +17,6 @@ import textwrap
 import typing
 from pathlib import Path
 
-from gspo_mcore import config as config_module
 from gspo_mcore.config import Config
 from gspo_mcore.files import atomic_output
 
@@ -65,9 +64,13 @@ def _default(f: dataclasses.Field):
 
 
 def section_keys(cls, prefix: str) -> list[Key]:
-    """`cls`'s fields as keys under `prefix`; a list of sections (eval.datasets) with its items' keys."""
-    hints, docs, out = typing.get_type_hints(cls, vars(config_module)), field_docs(cls), []
+    """`cls`'s fields as keys under `prefix`; a section inside a section (reward.code) as its own
+    keys; a list of sections (eval.datasets) with its items' keys."""
+    hints, docs, out = typing.get_type_hints(cls, vars(sys.modules[cls.__module__])), field_docs(cls), []
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += section_keys(hints[f.name], f"{prefix}.{f.name}")
+            continue
         annotation = inspect.get_annotations(cls)[f.name]
         shown = annotation if isinstance(annotation, str) else getattr(hints[f.name], "__name__", str(hints[f.name]))
         out.append(Key(f"{prefix}.{f.name}", shown, _default(f), docs.get(f.name, "")))

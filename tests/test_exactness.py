@@ -216,3 +216,35 @@ def test_a_pause_or_continue_not_acknowledged_stops_the_push(sglang, call, route
     engine = SGLangEngine([_url(s) for s in sglang], timeout_s=5)
     with pytest.raises(WeightSyncError, match=f"^server {_url(sglang[0])}{route}: expected status ok"):
         getattr(engine, call)()
+
+
+def test_each_sglang_response_names_its_server_and_the_request_id_it_was_sent_with():
+    """The id the client sends (`rid`, fresh per attempt) is what the server logs it by; the
+    rollout carries it with the server and SGLang's retraction and prefix-cache counts."""
+    from conftest import REPO as repo
+    from gspo_mcore.engines.sglang.client import SGLangClient
+
+    fixture = json.loads((repo / "tests" / "fixtures" / "sglang_0.5.23_generate.json").read_text())
+    seen = []
+
+    class Generate(SGLang):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/generate":  # the close's /abort_request
+                return self._json(200, {})
+            seen.append(body["rid"])
+            answer = fixture["response"][0] if isinstance(fixture["response"], list) else fixture["response"]
+            self._json(200, answer)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Generate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = SGLangClient([_url(server)], 256)
+        prompt = fixture["request"]["input_ids"]
+        rollouts = client.generate([prompt, prompt], {"max_new_tokens": 5, "temperature": 1.0})
+        client.close()
+    finally:
+        server.shutdown()
+    assert len(set(seen)) == 2 and all(len(rid) == 32 for rid in seen)
+    origins = sorted(r.origin[0] for r in rollouts)
+    assert origins == sorted(f"{_url(server)} rid={rid} retractions=0 cached_tokens=3" for rid in seen)

@@ -6,7 +6,9 @@ per-token log-probs, weight-version spans and routed experts out, streamed (serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import uuid
 
 import aiohttp
 
@@ -102,8 +104,11 @@ class VLLMClient(EngineClient):
 
     async def request(self, url: str, index, prompt_ids: list[int], sampling_params: dict,
                       weight_version: str | None, oldest_version: int | None) -> Rollout:
+        # Our own request id (GenerateRequest.request_id), one per attempt, so a response can be
+        # found in the server's log (Rollout.origin).
+        request_id = uuid.uuid4().hex
         body = {"token_ids": list(prompt_ids), "sampling_params": vllm_sampling_params(sampling_params),
-                "stream": True}
+                "stream": True, "request_id": request_id}
         try:
             events = await post_events(self.loop_thread.session, f"{url}{GENERATE}", json.dumps(body).encode(),
                                        self.request_timeout_s)
@@ -122,5 +127,7 @@ class VLLMClient(EngineClient):
         payload = merged_answer(events)
         if finish_reason(payload) == "abort":
             raise Aborted(generated_count(payload))
-        return parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version,
-                                       self.routing_shape, oldest_version)
+        rollout = parse_generate_response(f"{index}", prompt_ids, payload, self.vocab_size, weight_version,
+                                          self.routing_shape, oldest_version)
+        # vLLM names it generate-tokens-<id> (OpenAIServing._base_request_id, serving.py).
+        return dataclasses.replace(rollout, origin=(f"{url} request_id=generate-tokens-{request_id}",))

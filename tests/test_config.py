@@ -196,8 +196,13 @@ def test_the_config_reference_page_is_generated_from_the_dataclasses():
     listed = {key.name for key in keys()}
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(getattr(Config(), section.name)):
-            assert f"{section.name}.{f.name}" in listed
+            value = getattr(getattr(Config(), section.name), f.name)
+            inner = dataclasses.fields(value) if dataclasses.is_dataclass(value) else ()
+            # A section inside a section (reward.code) is listed by its own keys.
+            assert all(f"{section.name}.{f.name}.{g.name}" in listed for g in inner) if inner else \
+                f"{section.name}.{f.name}" in listed
     assert next(k for k in keys() if k.name == "train.steps").default == Config().train.steps
+    assert next(k for k in keys() if k.name == "reward.code.cpu_s").default == Config().reward.code.cpu_s
 
 
 def test_a_run_reads_the_git_revision_without_locking_the_users_index(tmp_path, monkeypatch):
@@ -224,3 +229,28 @@ def test_a_run_reads_the_git_revision_without_locking_the_users_index(tmp_path, 
     before = index.stat().st_mtime_ns
     subprocess.run([*git, "status", "--porcelain"], check=True, capture_output=True)  # as provenance() runs it
     assert index.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["optimizer.precision_aware=true"],  # on CPU: TE's FusedAdam is CUDA only
+        ["distributed.device=cuda", "model.dtype=bfloat16", "optimizer.precision_aware=true",
+         "optimizer.distributed_optimizer=false"],  # Megatron asserts the distributed optimizer
+        ["distributed.device=cuda", "model.dtype=bfloat16", "optimizer.precision_aware=true", "optimizer.name=sgd"],
+        ["distributed.device=cuda", "optimizer.precision_aware=true"],  # float32 weights: no bf16 moments to save
+    ],
+)
+def test_the_precision_aware_optimizer_where_megatron_refuses_it_is_one_line(overrides):
+    with pytest.raises(ConfigError, match=r"^optimizer.precision_aware: needs distributed.device 'cuda' \(Transformer "
+                                          r"Engine's FusedAdam\), optimizer.distributed_optimizer, optimizer.name 'adam' "
+                                          r"and model.dtype 'bfloat16'$"):
+        load_config(None, overrides)
+
+
+def test_the_precision_aware_optimizer_and_cpu_offload_are_one_or_the_other():
+    gpu = ["distributed.device=cuda", "model.dtype=bfloat16"]
+    with pytest.raises(ConfigError, match=r"^optimizer.precision_aware: keeps bf16 Adam moments on the GPU, "
+                                          r"optimizer.cpu_offload fp32 ones on the host: set one$"):
+        load_config(None, [*gpu, "optimizer.precision_aware=true", "optimizer.cpu_offload=true"])
+    assert load_config(None, [*gpu, "optimizer.precision_aware=true"]).optimizer.precision_aware

@@ -62,6 +62,10 @@ def test_every_loss_figure_is_a_schema_row_and_every_loss_row_is_computed():
     cfg = LossConfig(kl_loss_coef=0.1, entropy_coef=0.1, token_mask_band=[0.5, 2.0], sequence_mask_threshold=0.1)
     _, metrics = objective(logp, {"old_logprobs": old, "advantages": adv, "mask": mask, "ref_logprobs": old,
                                   "engine_logprobs": old - 0.1, "stale": torch.ones_like(mask)}, cfg, entropy=entropy)
+    # The two mismatch corrections exclude each other: each one's figures from a loss of its own.
+    for correction in ("token_tis", "sequence_mis"):
+        metrics.update(objective(logp, {"old_logprobs": old, "advantages": adv, "mask": mask,
+                                        "engine_logprobs": old - 0.1}, LossConfig(mismatch_correction=correction))[1])
     assert set(metrics) | {"loss"} == {m.name for m in LOSS_METRICS}
 
 

@@ -83,6 +83,9 @@ def evidence(rollouts: list[Rollout], trainer_logprobs: list[list[float]], stale
             "token_versions": list(r.token_versions),
             "stale": stale[m.index] if stale is not None else None,
             "engine_logprobs": r.logprobs, "trainer_logprobs": trainer_logprobs[m.index],
+            # rollout.return_routed_experts: the engine's top-k per input token and MoE layer (this
+            # rank's layers), to tell a routing near-tie flipped by rounding from a wrong computation.
+            "engine_routed_experts": r.routed_experts.tolist() if r.routed_experts is not None else None,
         })
     return {"step": step, "trained_version": version, "tolerance": tolerance, "batch_size": len(rollouts),
             "sequences": sequences}

@@ -82,7 +82,8 @@ def test_a_failed_check_writes_its_evidence_whole_and_names_it(tmp_path):
     worst, second = evidence["sequences"]
     assert worst["index"] == 5 and worst["requests"] == ["http://s:5 rid=r5", "http://s:5 rid=t5"]
     for key in ("prompt_ids", "response_ids", "loss_mask", "token_versions", "stale", "engine_logprobs",
-                "trainer_logprobs", "finish_reason", "weight_version", "abs_log_ratio", "worst_token"):
+                "trainer_logprobs", "finish_reason", "weight_version", "abs_log_ratio", "worst_token",
+                "engine_routed_experts"):
         assert key in worst
     assert worst["engine_logprobs"] == rollouts[5].logprobs and worst["trainer_logprobs"] == trainer[5]
     # A rank that does not write names the same file and writes nothing.

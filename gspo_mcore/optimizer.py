@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 
-from gspo_mcore.config import OptimizerConfig
+from gspo_mcore.config import ConfigError, OptimizerConfig
 from gspo_mcore.models.qwen3_moe.forward import run_schedule
 
 
@@ -26,27 +27,44 @@ def setup_training(model, cfg: OptimizerConfig):
     # The schedule calls this after the last backward: DP all-reduce (or reduce-scatter),
     # TP all-reduce of sequence-parallel / QK-norm grads, PP embedding sync.
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        MegatronOptimizerConfig(
-            optimizer=cfg.name,
-            lr=cfg.lr,
-            min_lr=cfg.min_lr,  # each param group's bounds for the schedule (lr_scheduler)
-            weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1,
-            adam_beta2=cfg.adam_beta2,
-            adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad,
-            bf16=config.bf16,
-            params_dtype=config.params_dtype,
-            use_distributed_optimizer=cfg.distributed_optimizer,
-            # Megatron-LM's pairing for offload: the whole state on the host, the
-            # precision-aware path, copies overlapped with compute. GPU only (never run here).
-            **(dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True,
-                    overlap_cpu_optimizer_d2h_h2d=True, decoupled_weight_decay=True) if cfg.cpu_offload else {}),
-        ),
-        [ddp],
-    )
+    optimizer = get_megatron_optimizer(MegatronOptimizerConfig(**megatron_optimizer_settings(cfg, config)), [ddp])
     return ddp, optimizer
+
+
+def megatron_optimizer_settings(cfg: OptimizerConfig, model_config) -> dict:
+    """megatron-core 0.16.1's OptimizerConfig arguments for `cfg` and the model's TransformerConfig."""
+    settings = dict(
+        optimizer=cfg.name,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,  # each param group's bounds for the schedule (lr_scheduler)
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=model_config.bf16,
+        params_dtype=model_config.params_dtype,
+        use_distributed_optimizer=cfg.distributed_optimizer,
+    )
+    if cfg.cpu_offload:
+        # Megatron-LM's pairing for offload: the whole state on the host, the precision-aware
+        # path, copies overlapped with compute. GPU only.
+        settings.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True,
+                        overlap_cpu_optimizer_d2h_h2d=True, decoupled_weight_decay=True)
+    elif cfg.precision_aware:
+        # _get_megatron_optimizer_based_on_param_groups hands the moments' dtypes to TE's FusedAdam
+        # and, with fp32 main params, master_weights + use_decoupled_grad: TE keeps the master
+        # weights (store_param_remainders, Megatron's default: the 16 low bits beside the bf16
+        # weight) and reads the fp32 gradient buffer directly. OptimizerConfig.__post_init__
+        # raises RuntimeError without TE's FusedAdam: say so in our terms first.
+        try:
+            from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+        except ImportError:
+            raise ConfigError("optimizer.precision_aware: needs Transformer Engine's FusedAdam "
+                              "(transformer_engine.pytorch.optimizers), not importable here; set it false") from None
+        settings.update(use_precision_aware_optimizer=True, main_params_dtype=torch.float32,
+                        main_grads_dtype=torch.float32, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    return settings
 
 
 def lr_scheduler(optimizer, cfg: OptimizerConfig, total_steps: int):

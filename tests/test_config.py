@@ -243,8 +243,8 @@ def test_a_run_reads_the_git_revision_without_locking_the_users_index(tmp_path, 
 )
 def test_the_precision_aware_optimizer_where_megatron_refuses_it_is_one_line(overrides):
     with pytest.raises(ConfigError, match=r"^optimizer.precision_aware: needs distributed.device 'cuda' \(Transformer "
-                                          r"Engine's FusedAdam\), optimizer.distributed_optimizer, optimizer.name 'adam' "
-                                          r"and model.dtype 'bfloat16'$"):
+                                          r"Engine's FusedAdam\), optimizer.distributed_optimizer, optimizer.name "
+                                          r"'adam' and model.dtype 'bfloat16'$"):
         load_config(None, overrides)
 
 

@@ -107,10 +107,11 @@ def test_the_wheelhouse_pins_what_this_project_runs(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().endswith("runs on Python 3.11 or 3.12")
 
 
-@pytest.mark.slow  # ~30 s: four sections and a resume in a fresh process
+@pytest.mark.slow  # ~60 s: five sections, a resume in a fresh process, a stand-in server
 def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     """No site-packages but torch's and transformers' own, the wheel folder on the path by the
-    check itself: sections 1-4 pass (megatron-core from the unpacked wheel), the CUDA ones skip."""
+    check itself: sections 1-4 and 7 pass (megatron-core from the unpacked wheel), the CUDA ones
+    skip, and so does section 3's precision-aware arm (Transformer Engine's FusedAdam is CUDA only)."""
     site = bare_site(tmp_path / "site")
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -123,11 +124,16 @@ def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(line["section"], line["result"]) for line in lines] == [
-        (1, "PASS"), (2, "PASS"), (3, "PASS"), (4, "PASS"), (5, "SKIP"), (6, "SKIP"), (7, "SKIP")]
+        (1, "PASS"), (2, "PASS"), (3, "PASS"), (4, "PASS"), (5, "SKIP"), (6, "SKIP"), (7, "PASS")]
     first, parity, update, resume = lines[:4]
+    sync = lines[6]
     assert first["megatron_core"] == "0.16.1" and first["megatron_from"].startswith(str(tmp_path / "cache"))
     assert parity["export_bitwise_identical"] and parity["top1_agreement"] == 1.0
     assert update["params_moved"] > 0 and update["grad_norm"] > 0
+    assert update["precision_aware"]["result"] == "SKIP"
+    assert update["precision_aware"]["skip"].startswith("optimizer.precision_aware: needs distributed.device 'cuda'")
+    # float32 on both sides: the push's log-probs are the trainer's; the stale weights' are not
+    assert sync["sync_check_median"] <= 1e-5 < sync["stale_median"] and sync["tolerance"] == 0.01
     assert resume["params_equal"] and resume["optimizer_equal"] and resume["stepped_again"]
     assert {"exp_avg", "exp_avg_sq", "main"} <= set(resume["optimizer_states"])
     # One section alone.
@@ -143,7 +149,33 @@ def test_a_section_that_raises_is_one_fail_line_and_the_others_still_run(tmp_pat
 
     monkeypatch.setattr(gpu_check, "section_6", broken)
     code = gpu_check.main(["--device", "cpu", "--wheels", str(tmp_path / "none"), "--work", str(tmp_path),
-                           "--only", "6", "--only", "7"])
+                           "--only", "6", "--only", "5"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert code == 1 and [(line["section"], line["result"]) for line in lines] == [(6, "FAIL"), (7, "SKIP")]
+    assert code == 1 and [(line["section"], line["result"]) for line in lines] == [(6, "FAIL"), (5, "SKIP")]
     assert lines[0]["error"] == "RuntimeError: CUDA error: an illegal memory access"
+
+
+def test_section_3_puts_the_precision_aware_arm_beside_the_production_one(tmp_path, monkeypatch):
+    """Both arms' step time and peak side by side; a failing precision-aware arm fails the section,
+    one that raises is its own verdict and the production arm (section 4's learner) still runs."""
+    arms = {(): {"update_s": 3.0, "peak_gb": 40.0, "pass": True},
+            gpu_check.PRECISION_AWARE: {"update_s": 1.0, "peak_gb": 50.0, "pass": True}}
+    monkeypatch.setattr(gpu_check, "update_arm", lambda args, shape, extra=(): ("learner", dict(arms[tuple(extra)])))
+    args = type("Args", (), {})()
+    shape = gpu_check.Shape("cpu")
+    figures = gpu_check.section_3(args, shape)
+    assert figures["pass"] and args.learner == "learner"
+    assert figures["update_s_over_precision_aware"] == 3.0 and figures["peak_gb_precision_aware"] == 50.0
+    assert figures["precision_aware"]["result"] == "PASS"
+    arms[gpu_check.PRECISION_AWARE]["pass"] = False
+    assert not gpu_check.section_3(args, shape)["pass"]
+
+    def raises(args, shape, extra=()):
+        if extra:
+            raise RuntimeError("CUDA out of memory")
+        return "learner", dict(arms[()])
+
+    monkeypatch.setattr(gpu_check, "update_arm", raises)
+    figures = gpu_check.section_3(args, shape)
+    assert not figures["pass"] and figures["update_s"] == 3.0 and "update_s_over_precision_aware" not in figures
+    assert figures["precision_aware"] == {"result": "FAIL", "error": "RuntimeError: CUDA out of memory"}

@@ -1,0 +1,74 @@
+"""gspo_mcore.optimizer's arguments to megatron-core 0.16.1 for the precision-aware optimizer.
+It runs on Transformer Engine's FusedAdam, which is CUDA only: here, Megatron's own OptimizerConfig
+takes the arguments (with a FusedAdam of TE's signature in place), and the upstream lines the
+planner's bytes rely on are read (launch/gpu_check.py's section 3 builds and steps it on a GPU)."""
+
+import inspect
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from packaging.version import Version
+
+import megatron.core.optimizer as megatron_optimizer
+import megatron.core.utils
+from gspo_mcore.config import ConfigError, load_config
+from gspo_mcore.optimizer import megatron_optimizer_settings
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+GPU_BF16 = ["distributed.device=cuda", "model.dtype=bfloat16"]
+BF16_MODEL = SimpleNamespace(bf16=True, params_dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def te_fused_adam(monkeypatch):
+    """A FusedAdam with TE 2.10's constructor (the arguments Megatron's __post_init__ inspects), TE 2.10."""
+    class FusedAdam:
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                     bias_correction=True, adam_w_mode=True, capturable=False, master_weights=False,
+                     master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32,
+                     exp_avg_sq_dtype=torch.float32, use_decoupled_grad=False, store_param_remainders=False):
+            pass
+
+    for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["transformer_engine.pytorch.optimizers"].FusedAdam = FusedAdam
+    monkeypatch.setattr(megatron.core.utils, "_te_version", Version("2.10.0"))  # the image's (constraints.txt)
+
+
+def test_megatron_takes_the_precision_aware_arguments(te_fused_adam):
+    cfg = load_config(None, [*GPU_BF16, "optimizer.precision_aware=true"]).optimizer
+    settings = megatron_optimizer_settings(cfg, BF16_MODEL)
+    assert (settings["exp_avg_dtype"], settings["exp_avg_sq_dtype"]) == (torch.bfloat16, torch.bfloat16)
+    assert settings["main_params_dtype"] == torch.float32 and "optimizer_cpu_offload" not in settings
+    megatron = MegatronOptimizerConfig(**settings)  # __post_init__: adam, distributed optimizer, TE's FusedAdam
+    assert megatron.use_precision_aware_optimizer_no_fp8_or_ds_fp8  # TE keeps the master weights
+    assert megatron.store_param_remainders  # TE >= 2.1: 2 bytes of master weight (gspo_mcore.plan)
+
+
+def test_without_it_megatron_keeps_fp32_states_and_offload_its_own_pairing():
+    plain = megatron_optimizer_settings(load_config(None, GPU_BF16).optimizer, BF16_MODEL)
+    assert "use_precision_aware_optimizer" not in plain
+    assert MegatronOptimizerConfig(**plain).exp_avg_dtype == torch.float32
+    offload = megatron_optimizer_settings(load_config(None, [*GPU_BF16, "optimizer.cpu_offload=true"]).optimizer,
+                                          BF16_MODEL)
+    assert offload["optimizer_cpu_offload"] and "exp_avg_dtype" not in offload
+
+
+def test_without_transformer_engine_it_is_one_line_naming_the_field(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import fails
+    cfg = load_config(None, [*GPU_BF16, "optimizer.precision_aware=true"]).optimizer
+    with pytest.raises(ConfigError, match=r"^optimizer.precision_aware: needs Transformer Engine's FusedAdam "):
+        megatron_optimizer_settings(cfg, BF16_MODEL)
+
+
+def test_megatron_hands_the_moments_dtypes_and_master_weights_to_fused_adam():
+    """The upstream lines the arguments above rely on (megatron/core/optimizer/__init__.py,
+    _get_megatron_optimizer_based_on_param_groups): read, since only a GPU runs them."""
+    source = inspect.getsource(megatron_optimizer._get_megatron_optimizer_based_on_param_groups)
+    for line in ('"exp_avg_dtype": config.exp_avg_dtype', '"exp_avg_sq_dtype": config.exp_avg_sq_dtype',
+                 '"master_weight_dtype": config.main_params_dtype', '"use_decoupled_grad": True',
+                 '"store_param_remainders": config.store_param_remainders'):
+        assert line in source

@@ -345,6 +345,31 @@ def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> di
             "tokens_per_step": train_tokens}
 
 
+# The code sandbox's own cost per program and per test (bench/sandbox.py: a sandbox started ~55-60
+# ms, a test's fork and report 3-10 ms of harness time, on this project's 2-core machine).
+SANDBOX_START_S, SANDBOX_TEST_S = 0.06, 0.01
+CODE_REWARDS = ("code", "code_all", "gspo_mcore.rewards.code:")
+
+
+def code_reward_estimate(config: Config) -> dict[str, float]:
+    """A code reward's CPU per step (reward.name `code`, `code_all` or gspo_mcore.rewards.code's):
+    every response started in a sandbox (once per group when batched) and run on its tests,
+    harness time only (trivial programs), and the bound with every test at its CPU limit; the wall
+    time at reward.workers sandboxes in parallel. {} for other rewards."""
+    name, code = config.reward.name, config.reward.code
+    if not (name in CODE_REWARDS[:2] or name.startswith(CODE_REWARDS[2])):
+        return {}
+    responses = config.train.rollout_batch_size * config.train.group_size * config.rollout.oversample
+    tests = code.max_train_tests  # the training cap (code_all runs every test: the count is per problem)
+    starts = responses / (config.train.group_size if config.reward.batched else 1)
+    harness = starts * SANDBOX_START_S + responses * tests * SANDBOX_TEST_S
+    bound = harness + responses * tests * code.cpu_s
+    return {"code_reward_core_s": harness, "code_reward_core_s_bound": bound,
+            "code_reward_wall_s": harness / config.reward.workers,
+            "code_reward_wall_s_bound": bound / config.reward.workers,
+            "code_tests_per_s_per_node": config.reward.workers / (SANDBOX_TEST_S + SANDBOX_START_S / tests)}
+
+
 def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu_memory_gb: float,
          prompt_tokens: int) -> dict:
     """The layout, memory per phase with the margin kept, disk and FLOPs; raises MemoryRefused
@@ -375,7 +400,7 @@ def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu
               **memory, "estimate_tolerance": ESTIMATE_TOLERANCE, "gpu_memory_gb": gpu_memory_gb, "usable_gb": usable, "phases_gb": phases,
               "tightest_phase": tightest, "margin_gb": usable - phases[tightest],
               **disk_estimate(config, arch), **flops_per_step(config, arch, prompt_tokens),
-              **routing_estimate(config, arch, layout, prompt_tokens)}
+              **routing_estimate(config, arch, layout, prompt_tokens), **code_reward_estimate(config)}
     if config.optimizer.cpu_offload:
         result.update(precision_aware_alternative(config, arch, layout, usable, prompt_tokens))
     check_fits(config, result)
@@ -453,6 +478,12 @@ def report(config: Config, result: dict, out) -> None:
           f"{r['precision_aware_margin_gb']:.1f} GiB at the {r['precision_aware_tightest_phase']} phase): "
           "Megatron-Bridge measures CPU offload at "
           f"{OFFLOAD_STEP_TIME} the step time on Qwen3-30B-A3B")
+    if "code_reward_core_s" in r:
+        w(f"code reward (reward.name {config.reward.name}): ~{r['code_reward_core_s']:,.0f} CPU-s of sandbox a step "
+          f"(harness only, up to {config.reward.code.max_train_tests} tests a response; every test at "
+          f"reward.code.cpu_s: {r['code_reward_core_s_bound']:,.0f}), ~{r['code_reward_wall_s']:,.1f} s wall at "
+          f"reward.workers {config.reward.workers} (bound {r['code_reward_wall_s_bound']:,.0f} s); "
+          f"~{r['code_tests_per_s_per_node']:,.0f} trivial tests/s per node")
     w(f"one step (upper bound, full-length responses): rollout {r['rollout_tflops']:.0f} TFLOP, "
       f"train {r['train_tflops']:.0f} TFLOP")
 

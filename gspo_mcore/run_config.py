@@ -29,7 +29,7 @@ APPLIED_ON_RESUME = frozenset({
     "rollout.max_attempts", "rollout.max_running_requests", "weight_sync.check_every",
     "weight_sync.master_address", "weight_sync.disk_dir", "weight_sync.bucket_mb",
     "distributed.timeout_minutes", "distributed.rollout_timeout_minutes", "reward.workers", "reward.timeout_s",
-    "reward.url",
+    "reward.url", "train.strict_exactness", "train.strict_exactness_tolerance",
 })
 
 

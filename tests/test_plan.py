@@ -358,3 +358,23 @@ def test_an_offloading_plan_names_the_precision_aware_optimizer_where_it_fits(ca
            "offload at 1.9-4.2x the step time on Qwen3-30B-A3B" in out.splitlines()
     code, out, _ = _plan_cli(["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(HF_30B)], capsys)
     assert code == 0 and line not in out
+
+
+def test_a_code_reward_is_planned_in_cpu_seconds_and_tests_per_second():
+    """#38: the sandbox's CPU per step, harness-only and bounded by every test at its CPU limit;
+    a group in one sandbox starts once per group; no line for other rewards."""
+    from gspo_mcore.config import load_config
+    from gspo_mcore.plan import SANDBOX_START_S, SANDBOX_TEST_S, code_reward_estimate
+
+    config = load_config(REPO / "configs" / "qwen3_30b_a3b_gspo_code.yaml")
+    t, code = config.train, config.reward.code
+    responses = t.rollout_batch_size * t.group_size
+    got = code_reward_estimate(config)
+    harness = responses / t.group_size * SANDBOX_START_S + responses * code.max_train_tests * SANDBOX_TEST_S
+    assert got["code_reward_core_s"] == pytest.approx(harness)
+    assert got["code_reward_core_s_bound"] == pytest.approx(harness + responses * code.max_train_tests * code.cpu_s)
+    assert got["code_reward_wall_s"] == pytest.approx(harness / config.reward.workers)
+    unbatched = code_reward_estimate(load_config(REPO / "configs" / "qwen3_30b_a3b_gspo_code.yaml",
+                                                 ["reward.batched=false", "reward.name=code"]))
+    assert unbatched["code_reward_core_s"] > got["code_reward_core_s"]
+    assert code_reward_estimate(load_config(REPO / "configs" / "qwen3_30b_a3b_gspo.yaml")) == {}

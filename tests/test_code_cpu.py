@@ -24,7 +24,9 @@ def test_the_code_task_learns_from_executed_programs(tmp_path):
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/code_cpu.yaml",
                           "--output-dir", str(out), f"model.hf_dir={task / 'model'}",
-                          f"data.path={task / 'prompts.jsonl'}"],
+                          f"data.path={task / 'prompts.jsonl'}",
+                          # Learning, not exactness, is measured here (see test_loss_lineage.LEARNING_ONLY).
+                          "train.strict_exactness=false"],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -90,9 +90,11 @@ def test_a_signal_stops_at_once_while_starting_and_after_the_step_once_training(
     import os
     import signal
 
-    from gspo_mcore.preemption import Preempted
+    from gspo_mcore.preemption import Preempted, duplicate_window_s
 
     stop, abandoned = stop_request
+    assert stop.duplicate_s == 0  # a process on its own: each signal counts
+    stop.duplicate_s = duplicate_window_s({"TORCHELASTIC_RUN_ID": "1"})  # a rank under torchrun
     with pytest.raises(SystemExit) as exited:  # starting (servers, weights): unwind at once
         os.kill(os.getpid(), signal.SIGTERM)
     assert exited.value.code == 128 + signal.SIGTERM

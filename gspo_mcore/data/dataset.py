@@ -132,3 +132,18 @@ def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | Non
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def prepare_command(prepare, description: str, input_help: str) -> int:
+    """The `python -m gspo_mcore.data.prepare_*` command line: --input rows, --output prompt
+    records, `prepare(input, output)` -> how many it wrote (data.prepare_math, data.prepare_code)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--input", required=True, help=input_help)
+    parser.add_argument("--output", required=True, help=".jsonl to write")
+    args = parser.parse_args()
+    if not Path(args.input).is_file():
+        raise InputError(f"{args.input}: input file not found")
+    print(f"wrote {prepare(args.input, args.output)} prompts to {args.output}")
+    return 0

@@ -11,12 +11,11 @@ naming the row and the field; nothing is written.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from gspo_mcore.data.dataset import _records
+from gspo_mcore.data.dataset import _records, prepare_command
 from gspo_mcore.errors import InputError, run_cli
 from gspo_mcore.files import atomic_output
 from gspo_mcore.rewards.code import FORMATS, answer_from_problem, problem_from_record
@@ -58,14 +57,7 @@ def prepare(input_path, output_path) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", required=True, help=".jsonl or .parquet of code problems")
-    parser.add_argument("--output", required=True, help=".jsonl to write")
-    args = parser.parse_args()
-    if not Path(args.input).is_file():
-        raise InputError(f"{args.input}: input file not found")
-    print(f"wrote {prepare(args.input, args.output)} prompts to {args.output}")
-    return 0
+    return prepare_command(prepare, __doc__.splitlines()[0], ".jsonl or .parquet of code problems")
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ class StopRequest:
         if signum == self.signum and time.monotonic() - self.since < self.duplicate_s:
             return  # the same signal twice at once: the terminal's and torchrun's, or Slurm's and torchrun's
         if self.signum is not None or self.phase is None:
-            if dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized():
-                print(f"{name}: stopping now", file=sys.stderr, flush=True)
+            said, self.said_stopping = getattr(self, "said_stopping", False), True
+            if not said and (dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized()):
+                print(f"{name}: stopping now", file=sys.stderr, flush=True)  # once, however many signals follow
             stop_at_once()  # the servers this run started are killed on the way out, not drained
             raise SystemExit(128 + signum)
         self.signum, self.since = signum, time.monotonic()

@@ -13,12 +13,21 @@ weights.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from gspo_mcore.errors import InputError
+from gspo_mcore.errors import InputError, WeightSyncError
+
+
+def check_answer(url: str, path: str, answer: object, accepted, expected: str) -> None:
+    """A control call's answer that is a precondition of exactness (a pause, a version set, a
+    cache flush): one that `accepted` refuses is an error naming the server, the route, what was
+    expected and what it said (a refusal answered with HTTP 200 must not pass silently)."""
+    if not accepted(answer):
+        raise WeightSyncError(f"server {url}{path}: {expected}, answered {str(answer)[:300]!r}")
 
 
 def check_sampling_params(params: dict) -> None:
@@ -61,6 +70,19 @@ class Engine(ABC):
             raise InputError("rollout: no server URLs")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s, self.api_key = timeout_s, api_key
+
+    # ---------------------------------------------------------------- control calls
+    # Each engine's `call(url, path, body)` posts one control request and returns its answer
+    # (raising WeightSyncError for a failed request).
+    def on_all(self, path: str, body: dict | None = None) -> list:
+        """The same call on every server at once (a weight-update step must reach all of them)."""
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            return list(pool.map(lambda url: self.call(url, path, body), self.urls))
+
+    def on_all_checked(self, path: str, body: dict | None, accepted, expected: str) -> None:
+        """`on_all`, each server's answer checked (`check_answer`)."""
+        for url, answer in zip(self.urls, self.on_all(path, body)):
+            check_answer(url, path, answer, accepted, expected)
 
     # ---------------------------------------------------------------- before any server runs
     @classmethod

@@ -63,19 +63,6 @@ class SGLangEngine(Engine):
             raise WeightSyncError(f"server {url}{path}: {answer.get('message', answer)}")
         return answer if isinstance(answer, dict) else {"result": answer}
 
-    def on_all_checked(self, path: str, body: dict | None, accepted, expected: str) -> None:
-        """`on_all`, where each server's answer is a precondition of exactness: an answer that
-        `accepted` refuses is an error naming the server and what it said (a refusal SGLang
-        answers with 200, e.g. a flush skipped for pending requests, must not pass silently)."""
-        for url, answer in zip(self.urls, self.on_all(path, body)):
-            if not accepted(answer):
-                raise WeightSyncError(f"server {url}{path}: {expected}, answered {str(answer)[:300]!r}")
-
-    def on_all(self, path: str, body: dict | None = None) -> list[dict]:
-        """The same call on every server at once (a weight-update step must reach all of them)."""
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            return list(pool.map(lambda url: self.call(url, path, body), self.urls))
-
     def _request(self, url: str, path: str, body: dict | None, method: str) -> object:
         try:
             return request_json(f"{url}{path}", body, self.timeout_s, method=method, api_key=self.api_key)

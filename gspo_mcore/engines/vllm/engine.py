@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from gspo_mcore.config import ConfigError
-from gspo_mcore.engines.base import Engine, EngineMemory
+from gspo_mcore.engines.base import Engine, EngineMemory, check_answer
 from gspo_mcore.engines.vllm import ipc, nccl
 from gspo_mcore.engines.vllm.client import VLLMClient
 from gspo_mcore.engines.vllm.server import server_for_config
@@ -130,20 +130,13 @@ class VLLMEngine(Engine):
         except HTTPRequestError as err:  # "HTTP 500: <vLLM's detail>", "URLError: <reason>", ...
             raise WeightSyncError(f"server {url}{path}: {err}") from None
 
-    def on_all(self, path: str, body: dict | None = None) -> list:
-        """The same call on every server at once (a weight-update step must reach all of them)."""
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            return list(pool.map(lambda url: self.call(url, path, body), self.urls))
-
     def checked(self, url: str, path: str, expected: dict, body: dict | None = None) -> None:
         """A control call whose answer must be `expected` (the pinned vLLM's success answer)."""
-        answer = self.call(url, path, body)
-        if not answer_is(answer, expected):
-            raise WeightSyncError(f"server {url}{path} refused: {str(answer)[:200]!r}")
+        check_answer(url, path, self.call(url, path, body), lambda answer: answer_is(answer, expected),
+                     f"expected {expected}")
 
     def checked_on_all(self, path: str, expected: dict, body: dict | None = None) -> None:
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            list(pool.map(lambda url: self.checked(url, path, expected, body), self.urls))
+        self.on_all_checked(path, body, lambda answer: answer_is(answer, expected), f"expected {expected}")
 
     def reset_prefix_cache(self, url: str) -> None:
         """Drop every cached prefix (a later prompt sharing a block would read older weights' KV)."""

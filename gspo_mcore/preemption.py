@@ -58,6 +58,7 @@ class StopRequest:
         self.signum: int | None = None
         self.since = 0.0
         self.phase: str | None = None
+        self.said_stopping = False  # "stopping now" is printed once, however many signals follow
         self.on_abandon = on_abandon  # rank 0: aborts the requests in flight, so the rollout's threads return
         self.duplicate_s = duplicate_window_s()
         for sig in SIGNALS:
@@ -73,9 +74,9 @@ class StopRequest:
         if signum == self.signum and time.monotonic() - self.since < self.duplicate_s:
             return  # the same signal twice at once: the terminal's and torchrun's, or Slurm's and torchrun's
         if self.signum is not None or self.phase is None:
-            said, self.said_stopping = getattr(self, "said_stopping", False), True
+            said, self.said_stopping = self.said_stopping, True
             if not said and (dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized()):
-                print(f"{name}: stopping now", file=sys.stderr, flush=True)  # once, however many signals follow
+                print(f"{name}: stopping now", file=sys.stderr, flush=True)
             stop_at_once()  # the servers this run started are killed on the way out, not drained
             raise SystemExit(128 + signum)
         self.signum, self.since = signum, time.monotonic()

@@ -66,21 +66,23 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) shellcheck sandbox
 	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=25 tests
 
-# The launch scripts' linter, from Debian's packages (the tests run it).
-shellcheck:
-	@command -v shellcheck >/dev/null || { \
+# A command from a Debian package, installed when missing (as root, or through sudo).
+# $(1): the command, $(2): the package.
+define debian_command
+	@command -v $(1) >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; \
-	  else echo "make: shellcheck is missing: install the Debian package shellcheck" >&2; exit 1; fi; \
-	  $$SUDO apt-get install -y -q shellcheck >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q shellcheck >/dev/null; }; }
+	  else echo "make: $(1) is missing: install the Debian package $(2)" >&2; exit 1; fi; \
+	  $$SUDO apt-get install -y -q $(2) >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $(2) >/dev/null; }; }
+endef
 
-# The sandbox for model-written code (gspo_mcore/sandbox): Debian's bubblewrap (the tests run it).
+# The launch scripts' linter (the tests run it).
+shellcheck:
+	$(call debian_command,shellcheck,shellcheck)
+
+# The sandbox for model-written code (gspo_mcore/sandbox): bubblewrap (the tests run it).
 sandbox:
-	@command -v bwrap >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; \
-	  else echo "make: bwrap is missing: install the Debian package bubblewrap" >&2; exit 1; fi; \
-	  $$SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q bubblewrap >/dev/null; }; }
+	$(call debian_command,bwrap,bubblewrap)
 
 # The GPU image (see Dockerfile); needs docker and network access to the base image.
 docker:

@@ -117,13 +117,30 @@ def last_error_line(log_file: Path, tail_bytes: int = 65536) -> str:
 
 _STOPPING_AT_ONCE = False
 SERVER_TMP_PREFIX = "gspo-server-"  # + the starting process's id: a server's TMPDIR
+# The servers make Unix sockets in their TMPDIR (SGLang's ZMQ IPC files are `tempfile` names,
+# `<TMPDIR>/tmpXXXXXXXX`; vLLM's, `<VLLM_RPC_BASE_PATH = TMPDIR>/<uuid4>` in
+# utils/network_utils.get_open_zmq_ipc_path), and a socket's path must fit in sockaddr_un.sun_path:
+# 107 bytes. Room is left for the longer name, a uuid4's 36 bytes.
+SOCKET_PATH_MAX = 107
+SOCKET_NAME_ROOM = 36
+SHORT_TMP_ROOT = "/tmp"
+
+
+def server_tmp_root() -> Path:
+    """Where a server's TMPDIR is made: the user's temporary directory, unless the sockets made in
+    it could not be named there (a long TMPDIR: a Slurm job's scratch path, a test's tmp_path),
+    then /tmp. Either way the directory is the server's own and goes when it stops."""
+    root = Path(tempfile.gettempdir())
+    longest_dir = len(str(root / f"{SERVER_TMP_PREFIX}{2 ** 22}-xxxxxxxx"))
+    return root if longest_dir + 1 + SOCKET_NAME_ROOM <= SOCKET_PATH_MAX else Path(SHORT_TMP_ROOT)
 
 
 def remove_orphaned_tmp_dirs() -> list[Path]:
     """Servers' TMPDIRs left by processes that were SIGKILLed before they could stop their servers
     (`gspo-server-<pid>-*`, that pid gone); what was removed."""
     removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{SERVER_TMP_PREFIX}*-*"):
+    for path in (p for root in dict.fromkeys([Path(tempfile.gettempdir()), server_tmp_root()])
+                 for p in root.glob(f"{SERVER_TMP_PREFIX}*-*")):
         pid = path.name.removeprefix(SERVER_TMP_PREFIX).partition("-")[0]
         if not pid.isdigit() or pid_running(int(pid)):
             continue
@@ -169,9 +186,9 @@ class ManagedServer:
         self.log_start = log.tell()  # this start's lines begin here (a retry appends to the same log)
         # Its own TMPDIR, removed by `stop`: a server stopped by signal runs no exit handler, and SGLang
         # left its IPC socket files and wandb's directories in /tmp at every start. A short path: the
-        # IPC sockets' names must fit in 107 bytes.
+        # IPC sockets' names must fit in 107 bytes (`server_tmp_root`).
         remove_orphaned_tmp_dirs()
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"{SERVER_TMP_PREFIX}{os.getpid()}-"))
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"{SERVER_TMP_PREFIX}{os.getpid()}-", dir=server_tmp_root()))
         env = {**(os.environ if self.env is None else self.env), "TMPDIR": str(self.tmp_dir)}
         self.process = start_redacted(self.cmd, log, self.secrets, env, new_session=True)
         if not self.secrets:

@@ -3,9 +3,13 @@
 
 import json
 import re
+import shutil
 import sys
 import threading
 import time
+import uuid
+
+from pathlib import Path
 
 import pytest
 
@@ -62,18 +66,54 @@ def test_a_server_tmpdir_left_by_a_killed_trainer_goes_at_the_next_start(tmp_pat
     import subprocess
     import tempfile
 
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    short = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # tmp_path may be too long (see below)
+    monkeypatch.setenv("TMPDIR", str(short))
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     try:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
-        orphan, live = tmp_path / f"gspo-server-{dead.pid}-abc", tmp_path / f"gspo-server-{os.getpid()}-def"
+        orphan, live = short / f"gspo-server-{dead.pid}-abc", short / f"gspo-server-{os.getpid()}-def"
         (orphan / "ipc").mkdir(parents=True)
         live.mkdir()
         port = free_port()
         with fake_server(tmp_path, port) as server:
-            assert server.tmp_dir.parent == tmp_path and server.tmp_dir.name.startswith(f"gspo-server-{os.getpid()}-")
+            assert server.tmp_dir.parent == short and server.tmp_dir.name.startswith(f"gspo-server-{os.getpid()}-")
         assert not orphan.exists() and live.exists()
+    finally:
+        tempfile.tempdir = None
+        shutil.rmtree(short)
+
+
+def test_a_long_tmpdir_puts_the_servers_tmpdir_where_its_sockets_can_be_named(tmp_path, monkeypatch):
+    """A TMPDIR of 77 bytes (a test's tmp_path in CI) made SGLang's ZMQ IPC path 111 bytes, past
+    sun_path's 107: the server exited at start. The server's own TMPDIR then goes to /tmp, still
+    removed at stop; a short TMPDIR is kept."""
+    import os
+    import socket
+    import tempfile
+
+    from gspo_mcore.processes import SOCKET_PATH_MAX, server_tmp_root
+
+    long_dir = tmp_path / ("d" * max(1, 80 - len(str(tmp_path))))
+    long_dir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long_dir))
+    tempfile.tempdir = None
+    try:
+        assert server_tmp_root() == Path("/tmp")
+        with fake_server(tmp_path, free_port()) as server:
+            tmp = server.tmp_dir
+            assert tmp.parent == Path("/tmp") and tmp.name.startswith(f"gspo-server-{os.getpid()}-")
+            # what SGLang makes there: a tempfile name, bound as a Unix socket
+            name = str(tmp / str(uuid.uuid4()))  # vLLM's name, the longer
+            assert len(name) <= SOCKET_PATH_MAX
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.bind(name)
+        assert not tmp.exists()
+        short = tempfile.mkdtemp(prefix="t", dir="/tmp")
+        monkeypatch.setenv("TMPDIR", short)
+        tempfile.tempdir = None
+        assert server_tmp_root() == Path(short)
+        os.rmdir(short)
     finally:
         tempfile.tempdir = None
 

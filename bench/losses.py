@@ -38,7 +38,8 @@ LOSS_ARMS = {
     "grpo": ("GRPO: token ratio, clip 0.2 / 0.28", GRPO),
     "sapo": ("SAPO: soft gate, tau 1.0 / 1.05", ["loss.function=sapo"]),
     "gmpo": ("GMPO: geometric mean of token ratios clipped at e^+-0.4", ["loss.function=gmpo"]),
-    "luspo": ("LUSPO: GSPO scaled by response length", ["loss.function=luspo"]),
+    "luspo": ("LUSPO: GSPO scaled by response length, its clip 2e-3 / 2.5e-3",
+              ["loss.function=luspo", "loss.clip_low=2e-3", "loss.clip_high=2.5e-3"]),
     "cispo": ("CISPO: stop-gradient IS weight truncated at 5, token-mean", ["loss.function=cispo"]),
     # Not in the default grid (--arms): the mismatch corrections on GSPO.
     "gspo-tis": ("GSPO + token TIS at 2", ["loss.mismatch_correction=token_tis"]),

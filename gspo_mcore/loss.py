@@ -416,16 +416,17 @@ def grpo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]
 
 
 def luspo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """LUSPO (Liu et al., arXiv 2602.05261, Sec. 4): GSPO's clipped sequence term (eq. 5-7 above)
-    scaled by its response length |y_i|, averaged over sequences, against GSPO's bias toward short
+    """LUSPO (Liu et al., arXiv 2602.05261, Sec. 4.3, its eq. 7): GSPO's clipped sequence term
+    (eq. 5-7 above) scaled by its response length |y_i|, averaged over sequences, against GSPO's bias toward short
     responses. Its aggregation is that scaling: seq-mean-token-sum of the term spread over the
-    sequence's tokens (PAPER_AGGREGATION; TRL's `luspo`: mean_i(|y_i| l_i)). Equal lengths L: L x GSPO."""
+    sequence's tokens (PAPER_AGGREGATION; TRL's `luspo`: mean_i(|y_i| l_i)). Equal lengths L: L x GSPO.
+    The clip band is GSPO's fields (the paper trained with 2e-3 / 2.5e-3, its Sec. 5.1)."""
     return _clipped_loss(inputs, cfg, "sequence")
 
 
 def sapo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SAPO (Gao et al., arXiv 2511.20347, eq. 5-6 with the gate of eq. 10-12, as verl numbers
-    them): J = E[1/G sum_i 1/|y_i| sum_t f_it(r_it) A_it], a soft gate in place of the clip,
+    """SAPO (Gao et al., arXiv 2511.20347, eq. 5 the objective, eq. 6 the gate; tau 1.0 / 1.05 its
+    Sec. 5.1): J = E[1/G sum_i 1/|y_i| sum_t f_it(r_it) A_it], a soft gate in place of the clip,
     f_it(r) = sigmoid(tau_it (r - 1)) 4 / tau_it, tau_it = loss.sapo_tau_pos where A_it > 0 else
     loss.sapo_tau_neg, r_it the token ratio against pi_old. f'(1) = 1: on-policy its gradient is
     the policy gradient, GSPO's (and GSPO-token's)."""
@@ -441,8 +442,8 @@ def sapo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]
 
 
 def gmpo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GMPO (Zhao et al., arXiv 2507.20673, its objective as TRL's paper index writes it): the
-    geometric mean of the token ratios, each clipped first, in log space and on the side its
+    """GMPO (Zhao et al., arXiv 2507.20673 v3, eq. 4; its clip (e^-0.4, e^0.4) in Sec. 3 and
+    Algorithm 1): the geometric mean of the token ratios, each clipped first, in log space and on the side its
     advantage's sign makes binding (PPO's min):
     J = E[1/G sum_i (prod_t min(r_it^sgn A_i, clip(r_it^sgn A_i, e^-eps, e^eps))^sgn A_i)^(1/|y_i|) A_i],
     eps = loss.gmpo_log_clip (the paper's 0.4). With no token clipped it is GSPO unclipped: the

@@ -29,6 +29,7 @@ from gspo_mcore.errors import InputError, run_cli
 from gspo_mcore.evaluation import Evaluator
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore import engines
+from gspo_mcore.engines.capabilities import DiskLoad
 from gspo_mcore.http import api_key_from_env
 
 
@@ -90,6 +91,8 @@ def main(argv=None) -> int:
     with ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-")))
         base = load_config(args.config, args.overrides)
+        if args.urls:  # running servers load the weights from disk
+            engines.engine_class(base.rollout.engine).require(DiskLoad, "gspo-eval --urls")
         hf_dir = model_dir(args.model.resolve(), scratch, base.model.hf_dir)
         config = load_config(args.config, [*args.overrides, f"model.hf_dir={hf_dir}"])
         if not config.eval.datasets:

@@ -5,7 +5,7 @@ import ast
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 SOURCES = sorted(p for root in ("gspo_mcore", "checkpoint_convert") for p in (REPO / root).rglob("*.py")
                  if "sglang_cpu/shim" not in str(p))
@@ -47,7 +47,9 @@ SGLANG_ENDPOINTS = {"/generate", "/abort_request", "/get_server_info", "/pause_g
                     "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
                     "/resume_memory_occupation"}
 VLLM_ENDPOINTS = {"/inference/v1/generate", "/v1/completions", "/abort_requests", "/server_info", "/pause", "/resume",
-                  "/collective_rpc", "/reset_prefix_cache", "/sleep", "/wake_up"}
+                  "/collective_rpc", "/reset_prefix_cache", "/sleep", "/wake_up", "/init_weight_transfer_engine",
+                  "/start_weight_update", "/update_weights", "/finish_weight_update",
+                  "/shutdown_weight_transfer_engine"}
 ENDPOINTS = SGLANG_ENDPOINTS | VLLM_ENDPOINTS
 PACKAGE = [p for p in SOURCES if p.parts[len(REPO.parts)] == "gspo_mcore"]
 

@@ -1,6 +1,8 @@
-"""Inference engines behind one interface (`Engine`, gspo_mcore/engines/base.py), one package each,
-chosen by `rollout.engine`. Adding one: a package here with a class implementing `Engine`, its
-name in `ENGINES` and in `RolloutConfig.engine`'s choices (docs/11-code-map.md, "Adding an engine")."""
+"""Inference engines behind one interface (`Engine`, gspo_mcore/engines/base.py: the core; the
+optional capabilities in gspo_mcore/engines/capabilities.py), one package each, chosen by
+`rollout.engine`. Adding one: a package here with a class implementing `Engine` and the
+capabilities it supports, its name in `ENGINES` and in `RolloutConfig.engine`'s choices
+(docs/11-code-map.md, "Adding an engine")."""
 
 from __future__ import annotations
 

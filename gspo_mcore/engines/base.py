@@ -1,13 +1,17 @@
-"""What the trainer, the producer, the evaluator, the weight sync and the planner ask of an
-inference engine: one interface, `Engine`, one package per engine (gspo_mcore/engines/<name>/).
+"""What the trainer, the producer, the evaluator and the planner ask of every inference engine: one
+small interface, `Engine`, one package per engine (gspo_mcore/engines/<name>/).
 
-An `Engine` speaks to every server of one run (their URLs, their API key). Generation goes through
-the client it makes (`client()`: token ids in; a `Rollout` out: tokens, per-token log-probs of the
-distribution sampled, per-token weight versions, routed experts, finish reason). Class-level
-methods answer before any server runs: the launch command a config describes, and the memory the
-planner counts. Every failure of a control call is a `WeightSyncError` naming the server and what
-was asked: a half-applied update must stop the run, never let it train on rollouts of unknown
-weights.
+The core, which every engine implements: its launch command and memory model (class methods,
+answered before any server runs), the generation client (`client_class`: token ids in; a
+`Rollout` out: tokens, per-token log-probs of the distribution sampled, per-token weight versions,
+routed experts, finish reason; the abort of everything in flight), pause and resume around a push,
+health and capacity. Each weight-transfer path, the release of a colocated server's memory and the
+sync check's probe are optional capabilities (gspo_mcore/engines/capabilities.py), refused by
+`check_config` in one line when a config asks for one the engine lacks.
+
+An `Engine` speaks to every server of one run (their URLs, their API key). Every failure of a
+control call is a `WeightSyncError` naming the server and what was asked: a half-applied update
+must stop the run, never let it train on rollouts of unknown weights.
 """
 
 from __future__ import annotations
@@ -15,11 +19,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
-import torch
-
+from gspo_mcore.config import ConfigError
+from gspo_mcore.engines.capabilities import asked, methods
 from gspo_mcore.errors import InputError, WeightSyncError
+from gspo_mcore.http import HTTPRequestError, request_json
+
+GB = 2**30
+
+
+def server_urls(urls: list[str]) -> list[str]:
+    """The servers' base URLs (no trailing slash); none is an error."""
+    if not urls:
+        raise InputError("rollout: no server URLs")
+    return [u.rstrip("/") for u in urls]
 
 
 def check_answer(url: str, path: str, answer: object, accepted, expected: str) -> None:
@@ -42,6 +56,12 @@ def check_sampling_params(params: dict) -> None:
         raise InputError("sampling: temperature must be > 0 (greedy decoding has no log-probs to train on)")
 
 
+def kv_bytes_per_token(arch, engine_tp: int, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token on each of a server's `engine_tp` GPUs: the KV heads
+    split over TP, each GPU keeping at least one."""
+    return 2 * arch.num_layers * max(1, arch.num_key_value_heads // engine_tp) * arch.head_dim * dtype_bytes
+
+
 @dataclass(frozen=True)
 class EngineMemory:
     """Per engine GPU, for the planner: the weights, the KV cache per token, and what the engine
@@ -51,38 +71,28 @@ class EngineMemory:
     margin_gb: float
     usable_fraction: float  # of a GPU the engine gives to weights and KV cache when it has the GPU alone
 
+    @classmethod
+    def bf16_over_tp(cls, arch, engine_tp: int, total_params: int, *, margin_gb: float,
+                     usable_fraction: float) -> "EngineMemory":
+        """bf16 weights and KV cache, both split over the server's TP ranks."""
+        return cls(weights_gb=total_params * 2 / engine_tp / GB, kv_bytes_per_token=kv_bytes_per_token(arch, engine_tp),
+                   margin_gb=margin_gb, usable_fraction=usable_fraction)
+
 
 class Engine(ABC):
-    """Every server of one inference engine a run uses (see the module docstring)."""
+    """Every server of one inference engine a run uses (see the module docstring).
+
+    `pause(keep_tokens=True)` / `resume` must prefill a continued request again under the new
+    weights: the trainer takes every routed expert of a response continued after a push as its
+    last token's version's."""
 
     name: ClassVar[str]
-    # What a request continued after a pause that kept its tokens is routed by: True when the
-    # engine prefills the whole sequence again under the new weights (so all of a response's
-    # routed experts are its last token's version's), False when each token keeps its own.
-    reprefills_continued_requests: ClassVar[bool]
-    # The servers take a pushed weight from one trainer rank only (rank 0 of one group per server:
-    # vLLM's transfer engine broadcasts from src 0 and keeps one communicator), so the other
-    # owners' buckets reach the servers through trainer rank 0 (DistributedWeightSync relays them).
-    single_sender: ClassVar[bool] = False
+    # Both engines prefill a continued request again (the invariant above); read by the producer.
+    reprefills_continued_requests: ClassVar[bool] = True
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
-        if not urls:
-            raise InputError("rollout: no server URLs")
-        self.urls = [u.rstrip("/") for u in urls]
+        self.urls = server_urls(urls)
         self.timeout_s, self.api_key = timeout_s, api_key
-
-    # ---------------------------------------------------------------- control calls
-    # Each engine's `call(url, path, body)` posts one control request and returns its answer
-    # (raising WeightSyncError for a failed request).
-    def on_all(self, path: str, body: dict | None = None) -> list:
-        """The same call on every server at once (a weight-update step must reach all of them)."""
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            return list(pool.map(lambda url: self.call(url, path, body), self.urls))
-
-    def on_all_checked(self, path: str, body: dict | None, accepted, expected: str) -> None:
-        """`on_all`, each server's answer checked (`check_answer`)."""
-        for url, answer in zip(self.urls, self.on_all(path, body)):
-            check_answer(url, path, answer, accepted, expected)
 
     # ---------------------------------------------------------------- before any server runs
     @classmethod
@@ -105,7 +115,54 @@ class Engine(ABC):
 
     @classmethod
     def check_config(cls, config) -> None:
-        """A ConfigError naming the field for what the run config asks and this engine cannot do."""
+        """A ConfigError naming the field for what the run config asks and this engine cannot do:
+        here every capability it asks for (capabilities.asked); an engine adds its own limits."""
+        for field, capability in asked(config):
+            cls.require(capability, field)
+
+    @classmethod
+    def require(cls, capability: type, asking: str) -> None:
+        """A ConfigError in one line unless this engine has `capability`, which `asking` (the
+        field=value, or the command, that needs it) asks for."""
+        if not issubclass(cls, capability):
+            raise ConfigError(f"rollout.engine={cls.name} cannot {asking}: {cls.__name__} does not implement "
+                              f"{capability.__name__} ({methods(capability)})")
+
+    # ---------------------------------------------------------------- HTTP
+    def request(self, url: str, path: str, body: dict | None = None, method: str = "POST") -> object:
+        """One control request's answer (JSON, or the text of a plain-text 200); a failed request
+        is a WeightSyncError naming the server and the route ("HTTP 400: <the engine's
+        message>", "URLError: <reason>", ...)."""
+        try:
+            return request_json(f"{url}{path}", body, self.timeout_s, method=method, api_key=self.api_key)
+        except HTTPRequestError as err:
+            raise WeightSyncError(f"server {url}{path}: {err}") from None
+
+    def call(self, url: str, path: str, body: dict | None = None) -> object:
+        """POST `body` to url+path: the answer (an engine may read its own refusals in it)."""
+        return self.request(url, path, body)
+
+    def answers(self, url: str, path: str) -> bool:
+        """The server answers a GET of `path` without an error."""
+        try:
+            self.request(url, path, None, "GET")
+            return True
+        except WeightSyncError:
+            return False
+
+    def on_each(self, fn: Callable[[str], object]) -> list:
+        """`fn(url)` for every server at once (a weight-update step must reach all of them)."""
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            return list(pool.map(fn, self.urls))
+
+    def on_all(self, path: str, body: dict | None = None) -> list:
+        """The same call on every server at once."""
+        return self.on_each(lambda url: self.call(url, path, body))
+
+    def on_all_checked(self, path: str, body: dict | None, accepted, expected: str) -> None:
+        """`on_all`, each server's answer checked (`check_answer`)."""
+        for url, answer in zip(self.urls, self.on_all(path, body)):
+            check_answer(url, path, answer, accepted, expected)
 
     # ---------------------------------------------------------------- the servers
     @abstractmethod
@@ -117,20 +174,17 @@ class Engine(ABC):
         """How many requests of `request_tokens` (prompt + response) the server runs at once, with
         room for each in its KV cache (`default` when it does not say)."""
 
-    @abstractmethod
-    def tp_size(self, url: str) -> int:
-        """The server's tensor-parallel size (its GPUs, each a member of a weight group)."""
-
     # ---------------------------------------------------------------- generation
+    @property
     @abstractmethod
+    def client_class(self) -> type:
+        """The engine's generation client (an EngineClient: `request`, one generation; `abort_all`)."""
+
     def client(self, vocab_size: int, *, request_timeout_s: float = 600.0, max_attempts: int = 5,
                max_concurrency: int = 64, routing_shape: tuple[int, int] | None = None):
         """The generation client for these servers (`generate`, `generate_one`, `generate_one_async`, `close`)."""
-
-    @abstractmethod
-    def prompt_logprobs(self, url: str, sequences: list[list[int]]) -> list[list[float]]:
-        """The log-prob of each token of each sequence given the ones before it (positions
-        1..n-1), from one prefill each: the weight sync check's probe."""
+        return self.client_class(self.urls, vocab_size, request_timeout_s=request_timeout_s, max_attempts=max_attempts,
+                                 max_concurrency=max_concurrency, routing_shape=routing_shape, api_key=self.api_key)
 
     @abstractmethod
     def pause(self, keep_tokens: bool = True) -> None:
@@ -140,59 +194,3 @@ class Engine(ABC):
     @abstractmethod
     def resume(self) -> None:
         """After a push: paused requests continue under the new weights."""
-
-    # ---------------------------------------------------------------- colocated memory
-    @abstractmethod
-    def release_memory(self) -> None:
-        """Colocated runs: the engine frees its weights and KV cache while the trainer trains."""
-
-    @abstractmethod
-    def resume_memory(self) -> None:
-        """... and takes them back before the push."""
-
-    # ---------------------------------------------------------------- weight updates
-    @abstractmethod
-    def begin_update(self) -> None:
-        """Open the weight-update session on every server."""
-
-    @abstractmethod
-    def end_update(self, weight_version: str) -> None:
-        """Close it: from now on every server generates with the new weights, tagged `weight_version`."""
-
-    @abstractmethod
-    def load_from_disk(self, hf_dir, weight_version: str) -> None:
-        """Every server loads the Hugging Face checkpoint `hf_dir` (a file system both see)."""
-
-    @abstractmethod
-    def open_weight_group(self, url: str, name: str, master_address: str, backend: str, timeout_s: float):
-        """A process group of this trainer rank (rank 0) and the server's TP workers; returns it."""
-
-    @abstractmethod
-    def close_weight_group(self, url: str, name: str, group) -> None:
-        """Leave it on both sides (best effort)."""
-
-    @abstractmethod
-    def send_bucket(self, groups: list[tuple[str, str, object]], bucket: list[tuple[str, torch.Tensor]],
-                    flat: torch.Tensor) -> None:
-        """One bucket of (name, tensor) in the engine's dtype, packed as `flat` (`pack_bucket`, its
-        data landed), to every server of `groups` ((url, name, group) each), over the groups."""
-
-    def pack_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """The bucket as the one flat byte tensor the engine reads (a colocated push shares it):
-        the tensors' bytes, concatenated in order, which both engines read (SGLang's
-        "flattened_bucket", vLLM's packed format: packed_tensor.pack_tensors)."""
-        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
-
-    @abstractmethod
-    def prepare_sharing(self, on_gpu: bool) -> None:
-        """Before a colocated push: make shared tensors readable by the engine's processes."""
-
-    @abstractmethod
-    def shared_payload(self, flat: torch.Tensor, layout: list[tuple[str, tuple[int, ...]]],
-                       dtype: torch.dtype) -> object:
-        """A handle to `flat` (the packed tensors `layout`) that another process on this host can
-        map (picklable: the trainer ranks gather them)."""
-
-    @abstractmethod
-    def load_shared(self, url: str, payloads: list) -> None:
-        """The server's TP ranks load one payload each (the same host's trainer ranks' copies)."""

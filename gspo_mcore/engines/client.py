@@ -25,8 +25,8 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 
-from gspo_mcore.engines.base import check_sampling_params
-from gspo_mcore.errors import InputError, RolloutError
+from gspo_mcore.engines.base import check_sampling_params, server_urls
+from gspo_mcore.errors import RolloutError
 from gspo_mcore.http_async import open_session
 from gspo_mcore.samples import Rollout
 
@@ -170,9 +170,7 @@ class EngineClient(ABC):
                  routing_shape: tuple[int, int] | None = None, api_key: str | None = None):
         """`routing_shape` (layers, top-k): also ask for each token's routed experts (the servers
         must be started to return them). `api_key`: the servers' API key."""
-        if not urls:
-            raise InputError("rollout: no server URLs")
-        self.urls = [u.rstrip("/") for u in urls]
+        self.urls = server_urls(urls)
         self.routing_shape, self.api_key = routing_shape, api_key
         self.vocab_size, self.request_timeout_s = vocab_size, request_timeout_s
         self.max_attempts, self.backoff_s, self.max_concurrency = max_attempts, backoff_s, max_concurrency

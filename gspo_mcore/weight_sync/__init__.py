@@ -3,15 +3,17 @@
 The trainer's weights leave as Hugging Face tensors (`owned_hf_weights`: TP shards gathered,
 global expert ids, every pipeline stage; each tensor on exactly one rank), in buckets of
 bounded size, streamed. One interface, `WeightSync` (`push(version)`, `close()`), one class
-per path to the engine (gspo_mcore.engines: each speaks the engine's own endpoints and layout),
-chosen by `weight_sync.method` in `build`:
-- `DistributedWeightSync`: each rank that owns tensors broadcasts its buckets to the servers
-  over its own process group (NCCL on GPUs, gloo on CPU) inside the engine's weight-update session
+per path to the engine, chosen by `weight_sync.method` in `build`; each calls only the methods of
+the engine capability its path needs (gspo_mcore/engines/capabilities.py, which speak the
+engine's own endpoints and layout; a config asking for one the engine lacks was refused at start):
+- `DistributedWeightSync` (`ProcessGroupPush`): each rank that owns tensors broadcasts its
+  buckets to the servers over its own process group (NCCL on GPUs, gloo on CPU) inside the engine's weight-update session
   (an engine that takes one sender, vLLM: every bucket through rank 0);
-- `TensorWeightSync` (colocated): each server TP rank reads every bucket from the trainer rank
-  on its own GPU (CUDA IPC);
-- `DiskWeightSync`: an HF checkpoint on a shared file system that every server loads.
-`check_sync` proves a push worked: the engine's log-probs of probe sequences against the trainer's.
+- `TensorWeightSync` (colocated, `SharedMemoryPush`): each server TP rank reads every bucket from
+  the trainer rank on its own GPU (CUDA IPC);
+- `DiskWeightSync` (`DiskLoad`): an HF checkpoint on a shared file system that every server loads.
+`check_sync` (`SyncProbe`) proves a push worked: the engine's log-probs of probe sequences against
+the trainer's.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
 
 @contextmanager
 def update_session(engine, weight_version: str):
-    """The engine's weight-update session around a push by all trainer ranks (collective): rank 0
-    opens it once every rank is ready and closes it, tagging `weight_version`, once every rank
-    has sent. The ranks wait for rank 0's HTTP calls on the host group: an NCCL barrier would spin
+    """The engine's weight-update session (`UpdateSession`) around a push by all trainer ranks
+    (collective): rank 0 opens it once every rank is ready and closes it, tagging
+    `weight_version`, once every rank has sent. The ranks wait for rank 0's HTTP calls on the host group: an NCCL barrier would spin
     a kernel on every GPU meanwhile, on the GPUs a colocated engine is loading on."""
     if dist.get_rank() == 0:
         engine.begin_update()

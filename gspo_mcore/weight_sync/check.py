@@ -1,4 +1,5 @@
-"""Proof that a push worked: the engine's log-probs of probe sequences against the trainer's."""
+"""Proof that a push worked: the engine's log-probs of probe sequences (`SyncProbe.prompt_logprobs`)
+against the trainer's."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Push through a Hugging Face checkpoint on a shared file system (written by the checkpointer's
-`save_hf_checkpoint`) that every server loads (`Engine.load_from_disk`)."""
+`save_hf_checkpoint`) that every server loads (`DiskLoad.load_from_disk`)."""
 
 from __future__ import annotations
 

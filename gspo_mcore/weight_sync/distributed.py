@@ -17,10 +17,11 @@ class DistributedWeightSync:
     """Push the trainer's weights into running servers over process groups.
 
     Each trainer rank that owns tensors is rank 0 of one group per server (that server's TP
-    workers are ranks 1..tp; the engine opens it: `Engine.open_weight_group`). Per bucket, the
-    owner packs it in the engine's layout and sends it to every server (`Engine.send_bucket`).
-    An engine whose servers take weights from one sender only (`Engine.single_sender`: vLLM)
-    gets every bucket from rank 0, which receives the other owners' buckets first (relayed).
+    workers are ranks 1..tp; the engine opens it: `ProcessGroupPush.open_weight_group`). Per
+    bucket, the owner packs it in the engine's layout and sends it to every server
+    (`ProcessGroupPush.send_bucket`). An engine whose servers take weights from one sender only
+    (`ProcessGroupPush.single_sender`: vLLM) gets every bucket from rank 0, which receives the
+    other owners' buckets first (relayed).
     Construction and `push` are collective over all trainer ranks.
     """
 

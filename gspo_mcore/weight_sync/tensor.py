@@ -65,7 +65,7 @@ class TensorWeightSync:
     """Push into colocated servers through memory they can map: the i-th server (URL order) of
     a host runs its TP rank k on that host's GPU i * tp + k (as the colocated launch places
     them) and reads each bucket from the copy of the trainer rank with that LOCAL_RANK on that
-    host (`Engine.shared_payload` / `load_shared`; CUDA IPC on GPUs, shared
+    host (`SharedMemoryPush.shared_payload` / `load_shared`; CUDA IPC on GPUs, shared
     memory files on CPU). NCCL cannot do this: a communicator refuses two ranks on one GPU.
     Every trainer rank needs every bucket, so each is first broadcast from its owner, round by
     round (`owned_rounds`).

@@ -1,6 +1,7 @@
-"""SGLang 0.5.23 behind the `Engine` interface: its control endpoints (weight updates, versions,
-cache, memory, pause), its launch command, its memory model and its weight-transfer layout (the
-"flattened_bucket": a bucket's tensors' bytes concatenated in order)."""
+"""SGLang 0.5.23 behind the `Engine` interface, with every capability (process groups, colocated
+shared memory, disk, memory release, the sync check's probe): its control endpoints (weight
+updates, versions, cache, memory, pause), its launch command, its memory model and its
+weight-transfer layout (the "flattened_bucket": a bucket's tensors' bytes concatenated in order)."""
 
 from __future__ import annotations
 
@@ -13,24 +14,21 @@ import torch
 import torch.distributed as dist
 
 from gspo_mcore.engines.base import Engine, EngineMemory
+from gspo_mcore.engines.capabilities import (DiskLoad, MemoryRelease, ProcessGroupPush, SharedMemoryPush, SyncProbe,
+                                             dtype_name)
 from gspo_mcore.engines.sglang.client import SGLangClient
 from gspo_mcore.engines.sglang.server import server_for_config
 from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.http import HTTPRequestError, request_json
 from gspo_mcore.netaddr import address_towards, listening_store
-
-GB = 2**30
 
 
 def _status_ok(answer: dict) -> bool:
     return answer.get("status") == "ok"
 
 
-class SGLangEngine(Engine):
+class SGLangEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRelease, SyncProbe):
     name = "sglang"
-    # A request paused in "retract" mode is prefilled again under the new weights when it continues
-    # (Req.reset_for_retract drops its routed experts; srt/managers/schedule_batch.py).
-    reprefills_continued_requests = True
+    client_class = SGLangClient
     # Beside the weights and the KV cache (CUDA graphs, activations, allocator slack).
     MARGIN_GB = 4.0
     # --mem-fraction-static's default share of a GPU for weights and KV cache, less a little.
@@ -43,11 +41,8 @@ class SGLangEngine(Engine):
 
     @classmethod
     def memory(cls, arch, engine_tp: int, total_params: int) -> EngineMemory:
-        """bf16 weights split over its TP ranks; K and V of every layer, KV heads split over TP."""
-        kv_per_token = 2 * arch.num_layers * max(1, arch.num_key_value_heads // engine_tp) * arch.head_dim * 2
-        return EngineMemory(weights_gb=total_params * 2 / engine_tp / GB,
-                            kv_bytes_per_token=kv_per_token, margin_gb=cls.MARGIN_GB,
-                            usable_fraction=cls.USABLE_FRACTION)
+        return EngineMemory.bf16_over_tp(arch, engine_tp, total_params, margin_gb=cls.MARGIN_GB,
+                                         usable_fraction=cls.USABLE_FRACTION)
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
         super().__init__(urls, timeout_s, api_key)
@@ -55,34 +50,25 @@ class SGLangEngine(Engine):
 
     # ---------------------------------------------------------------- HTTP
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
-        """POST `body` as JSON to url+path; the answer as a dict ({"text": ...} for a plain-text 200)."""
-        answer = self._request(url, path, body, "POST")
+        """POST `body` as JSON to url+path; the answer as a dict ({"text": ...} for a plain-text
+        200); an answer of success false is a WeightSyncError with SGLang's message."""
+        answer = self.request(url, path, body)
         if isinstance(answer, str):
             return {"text": answer}  # /flush_cache answers with text
         if isinstance(answer, dict) and answer.get("success") is False:
             raise WeightSyncError(f"server {url}{path}: {answer.get('message', answer)}")
         return answer if isinstance(answer, dict) else {"result": answer}
 
-    def _request(self, url: str, path: str, body: dict | None, method: str) -> object:
-        try:
-            return request_json(f"{url}{path}", body, self.timeout_s, method=method, api_key=self.api_key)
-        except HTTPRequestError as err:  # "HTTP 400: <SGLang's message>", "URLError: <reason>", ...
-            raise WeightSyncError(f"server {url}{path}: {err}") from None
-
     # ---------------------------------------------------------------- the servers
     def server_info(self, url: str) -> dict:
         """The server's /get_server_info: its launch arguments and scheduler state."""
-        answer = self._request(url, "/get_server_info", None, "GET")  # GET only in SGLang
+        answer = self.request(url, "/get_server_info", None, "GET")  # GET only in SGLang
         if not isinstance(answer, dict):
             raise WeightSyncError(f"server {url}/get_server_info: not a server description: {str(answer)[:200]!r}")
         return answer
 
     def healthy(self, url: str) -> bool:
-        try:
-            self._request(url, "/health", None, "GET")  # 200 with an empty body
-            return True
-        except WeightSyncError:
-            return False
+        return self.answers(url, "/health")  # 200 with an empty body
 
     def tp_size(self, url: str) -> int:
         info = self.server_info(url)
@@ -110,24 +96,12 @@ class SGLangEngine(Engine):
         return running
 
     # ---------------------------------------------------------------- generation
-    def client(self, vocab_size: int, *, request_timeout_s: float = 600.0, max_attempts: int = 5,
-               max_concurrency: int = 64, routing_shape: tuple[int, int] | None = None) -> SGLangClient:
-        return SGLangClient(self.urls, vocab_size, request_timeout_s=request_timeout_s, max_attempts=max_attempts,
-                            max_concurrency=max_concurrency, routing_shape=routing_shape, api_key=self.api_key)
-
-    def prompt_logprobs(self, url: str, sequences: list[list[int]]) -> list[list[float]]:
-        out = []
-        for seq in sequences:  # one at a time: batching with others may change MoE routing
-            answer = self.call(url, "/generate", {
-                "input_ids": seq, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-                "return_logprob": True, "logprob_start_len": 0,
-            })
-            entries = answer.get("meta_info", {}).get("input_token_logprobs") or []
-            values = [e[0] for e in entries[1:]]  # the first token has no log-prob
-            if len(values) != len(seq) - 1 or any(v is None for v in values):
-                raise WeightSyncError(f"server {url}/generate: no prompt log-probs for the probe sequence")
-            out.append([float(v) for v in values])
-        return out
+    def prefill_logprobs(self, url: str, sequence: list[int]) -> list:
+        """/generate with `logprob_start_len` 0: meta_info's input_token_logprobs ([log-prob, id, text] each)."""
+        answer = self.call(url, "/generate", {"input_ids": sequence, "return_logprob": True, "logprob_start_len": 0,
+                                              "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}})
+        entries = answer.get("meta_info", {}).get("input_token_logprobs") or []
+        return [e[0] for e in entries[1:]]  # the first token has no log-prob
 
     def pause(self, keep_tokens: bool = True) -> None:
         """`keep_tokens` (rollout.partial): running requests are retracted, keeping their generated
@@ -143,7 +117,9 @@ class SGLangEngine(Engine):
 
     def resume(self) -> None:
         """Retracted requests are prefilled again (prompt + the tokens so far, under the new
-        weights; the earlier tokens keep their log-probs) and continue."""
+        weights; the earlier tokens keep their log-probs) and continue: Req.reset_for_retract
+        drops their routed experts (srt/managers/schedule_batch.py), so all of a continued
+        response's are its last token's version's (the `Engine` invariant)."""
         self.on_all_checked("/continue_generation", {"torch_empty_cache": False}, _status_ok,
                             "expected status ok (generation continued)")
 
@@ -164,7 +140,7 @@ class SGLangEngine(Engine):
         answer checked, each a precondition of the engine's log-probs being the new weights'
         (SGLang 0.5.23: end_weight_update {"success": true}; update_weight_version {"success": true,
         "new_version": V}; /flush_cache's text "Cache flushed..." with 200, 400 when
-        Scheduler.flush_cache found requests running, which `_request` raises)."""
+        Scheduler.flush_cache found requests running, which `request` raises)."""
         self.on_all_checked("/end_weight_update", None, lambda a: a.get("success") is True,
                             "expected success true (weight-update session closed)")
         # Requests in flight (asynchronous modes: paused, retracted) keep going: never abort them.
@@ -211,18 +187,15 @@ class SGLangEngine(Engine):
         dist.destroy_process_group(group)
         self._stores.pop(name, None)
 
-    def send_bucket(self, groups: list[tuple[str, str, object]], bucket: list[tuple[str, torch.Tensor]],
-                    flat: torch.Tensor) -> None:
-        """Per server, in a fixed order: post `/update_weights_from_distributed` and at once
-        broadcast the flat bucket, so a server only ever waits for a sender already broadcasting
-        to it (owners pushing concurrently cannot deadlock, whatever order servers see requests)."""
-        body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket], "flush_cache": False, "load_format": "flattened_bucket"}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            for url, name, group in groups:
-                answer = pool.submit(self.call, url, "/update_weights_from_distributed", {**body, "group_name": name})
-                dist.broadcast(flat, group_src=0, group=group)
-                answer.result()
+    def post_bucket(self, url: str, name: str, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """The bucket's names, dtypes and shapes, read off the flattened bucket it receives."""
+        self.call(url, "/update_weights_from_distributed", {
+            "names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket], "flush_cache": False, "load_format": "flattened_bucket",
+            "group_name": name})
+
+    def broadcast(self, group, flat: torch.Tensor) -> None:
+        dist.broadcast(flat, group_src=0, group=group)
 
     def prepare_sharing(self, on_gpu: bool) -> None:
         if on_gpu:

@@ -20,19 +20,18 @@ import base64
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from gspo_mcore.config import ConfigError
 from gspo_mcore.engines.base import Engine, EngineMemory, check_answer
+from gspo_mcore.engines.capabilities import (DiskLoad, MemoryRelease, ProcessGroupPush, SharedMemoryPush, SyncProbe,
+                                             dtype_name)
 from gspo_mcore.engines.vllm import ipc, nccl
 from gspo_mcore.engines.vllm.client import VLLMClient
 from gspo_mcore.engines.vllm.server import server_for_config
 from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.http import HTTPRequestError, request_json
 
-GB = 2**30
 # What vLLM 0.33.0 answers when a control call did what was asked (vllm/entrypoints/rl/online/api_router.py:
 # pause_generation, resume_generation, start_weight_update, update_weights, finish_weight_update,
 # update_weight_version; serve/dev/cache/api_router.py: reset_prefix_cache). Each is a precondition of
@@ -63,12 +62,9 @@ def nccl_version_of(result: object) -> int | None:
     return None
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRelease, SyncProbe):
     name = "vllm"
-    # A request paused with mode=keep and the cache cleared is preempted: its prompt and tokens so
-    # far are computed again under the new weights when it resumes (EngineCoreProc.pause_scheduler
-    # -> _reset_caches(reset_running_requests=True); measured token by token on 0.32.0).
-    reprefills_continued_requests = True
+    client_class = VLLMClient
     # Its transfer engine broadcasts from rank 0 of one communicator per worker (src=0 in
     # NCCLWeightTransferEngine.receive_weights; a second init replaces the first).
     single_sender = True
@@ -94,10 +90,8 @@ class VLLMEngine(Engine):
 
     @classmethod
     def memory(cls, arch, engine_tp: int, total_params: int) -> EngineMemory:
-        """bf16 weights split over its TP ranks; K and V of every layer, KV heads split over TP."""
-        kv_per_token = 2 * arch.num_layers * max(1, arch.num_key_value_heads // engine_tp) * arch.head_dim * 2
-        return EngineMemory(weights_gb=total_params * 2 / engine_tp / GB, kv_bytes_per_token=kv_per_token,
-                            margin_gb=cls.MARGIN_GB, usable_fraction=cls.USABLE_FRACTION)
+        return EngineMemory.bf16_over_tp(arch, engine_tp, total_params, margin_gb=cls.MARGIN_GB,
+                                         usable_fraction=cls.USABLE_FRACTION)
 
     @classmethod
     def push_buffer_bytes(cls, method: str, bucket_bytes: int, senders: int) -> int:
@@ -111,7 +105,8 @@ class VLLMEngine(Engine):
 
     @classmethod
     def check_config(cls, config) -> None:
-        """What this engine cannot do yet, or not on CPU, in one line each."""
+        """Beside the capabilities (Engine.check_config): what it cannot do on CPU, in one line each."""
+        super().check_config(config)
         ws, device = config.weight_sync, config.distributed.device
         if ws.method in ("distributed", "tensor") and device == "cpu":
             raise ConfigError(f"weight_sync.method: {ws.method!r} on rollout.engine vllm needs CUDA (vLLM's transfer "
@@ -124,12 +119,6 @@ class VLLMEngine(Engine):
                               "is CUDA only")
 
     # ---------------------------------------------------------------- HTTP
-    def call(self, url: str, path: str, body: dict | None = None, method: str = "POST") -> object:
-        try:
-            return request_json(f"{url}{path}", body, self.timeout_s, method=method, api_key=self.api_key)
-        except HTTPRequestError as err:  # "HTTP 500: <vLLM's detail>", "URLError: <reason>", ...
-            raise WeightSyncError(f"server {url}{path}: {err}") from None
-
     def checked(self, url: str, path: str, expected: dict, body: dict | None = None) -> None:
         """A control call whose answer must be `expected` (the pinned vLLM's success answer)."""
         check_answer(url, path, self.call(url, path, body), lambda answer: answer_is(answer, expected),
@@ -149,18 +138,14 @@ class VLLMEngine(Engine):
     # ---------------------------------------------------------------- the servers
     def server_info(self, url: str) -> dict:
         """/server_info?config_format=json: the engine's whole configuration."""
-        answer = self.call(url, "/server_info?config_format=json", method="GET")
+        answer = self.request(url, "/server_info?config_format=json", method="GET")
         config = answer.get("vllm_config") if isinstance(answer, dict) else None
         if not isinstance(config, dict):
             raise WeightSyncError(f"server {url}/server_info: not a server description: {str(answer)[:200]!r}")
         return config
 
     def healthy(self, url: str) -> bool:
-        try:
-            self.call(url, "/health", method="GET")
-            return True
-        except WeightSyncError:
-            return False
+        return self.answers(url, "/health")
 
     def tp_size(self, url: str) -> int:
         parallel = self.server_info(url).get("parallel_config") or {}
@@ -179,29 +164,17 @@ class VLLMEngine(Engine):
         return running
 
     # ---------------------------------------------------------------- generation
-    def client(self, vocab_size: int, *, request_timeout_s: float = 600.0, max_attempts: int = 5,
-               max_concurrency: int = 64, routing_shape: tuple[int, int] | None = None) -> VLLMClient:
-        return VLLMClient(self.urls, vocab_size, request_timeout_s=request_timeout_s, max_attempts=max_attempts,
-                          max_concurrency=max_concurrency, routing_shape=routing_shape, api_key=self.api_key)
-
-    def prompt_logprobs(self, url: str, sequences: list[list[int]]) -> list[list[float]]:
+    def prefill_logprobs(self, url: str, sequence: list[int]) -> list:
         """/v1/completions with `prompt_logprobs`: the log-softmax of the raw logits (vLLM applies
         no temperature to prompt tokens), what the sync check compares at temperature 1."""
-        out = []
-        for seq in sequences:  # one at a time: batching with others may change MoE routing
-            answer = self.call(url, "/v1/completions", {"prompt": seq, "max_tokens": 1, "temperature": 1.0,
-                                                       "prompt_logprobs": 0, "detokenize": False})
-            try:
-                entries = answer["choices"][0]["prompt_logprobs"][1:]  # the first token has none
-                values = [entry[str(token)]["logprob"] for entry, token in zip(entries, seq[1:])]
-            except (KeyError, TypeError, IndexError) as err:
-                raise WeightSyncError(f"server {url}/v1/completions: no prompt log-probs for the probe sequence "
-                                      f"({err!r})") from None
-            if len(values) != len(seq) - 1:
-                raise WeightSyncError(f"server {url}/v1/completions: {len(values)} prompt log-probs for "
-                                      f"{len(seq) - 1} tokens")
-            out.append([float(v) for v in values])
-        return out
+        answer = self.call(url, "/v1/completions", {"prompt": sequence, "max_tokens": 1, "temperature": 1.0,
+                                                   "prompt_logprobs": 0, "detokenize": False})
+        try:
+            entries = answer["choices"][0]["prompt_logprobs"][1:]  # the first token has none
+            return [entry[str(token)]["logprob"] for entry, token in zip(entries, sequence[1:])]
+        except (KeyError, TypeError, IndexError) as err:
+            raise WeightSyncError(f"server {url}/v1/completions: no prompt log-probs for the probe sequence "
+                                  f"({err!r})") from None
 
     def pause(self, keep_tokens: bool = True) -> None:
         """`keep_tokens` (rollout.partial): mode keep, the cache cleared: running requests keep their
@@ -212,6 +185,10 @@ class VLLMEngine(Engine):
         self.checked_on_all(f"/pause?mode={mode}", PAUSED)
 
     def resume(self) -> None:
+        """A request paused with mode keep and the cache cleared was preempted: its prompt and tokens
+        so far are computed again under the new weights (EngineCoreProc.pause_scheduler ->
+        _reset_caches(reset_running_requests=True); measured token by token on 0.32.0), the
+        `Engine` invariant."""
         self.checked_on_all("/resume", RESUMED)
 
     # ---------------------------------------------------------------- colocated memory
@@ -243,8 +220,7 @@ class VLLMEngine(Engine):
         else:
             self.checked_on_all("/update_weight_version", {"success": True, "new_version": weight_version},
                                 {"new_version": weight_version})
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            list(pool.map(self.reset_prefix_cache, self.urls))
+        self.on_each(self.reset_prefix_cache)
 
     def load_from_disk(self, hf_dir, weight_version: str) -> None:
         body = {"method": "load_weights_from_disk", "kwargs": {"weights_path": str(hf_dir)}}
@@ -318,20 +294,17 @@ class VLLMEngine(Engine):
             pass  # best effort: the run may be failing because the server is gone
         self.communicators = max(0, self.communicators - 1)
 
-    def send_bucket(self, groups, bucket, flat: torch.Tensor) -> None:
-        """Per server: post /update_weights (the bucket's names, dtypes and shapes), broadcast the
-        packed bucket, and wait for the answer, which comes once every worker received and
-        loaded it (WeightTransferEngine.receive_weights, then a device synchronize). The broadcast
-        is queued before the answer can come; if the server refuses the bucket instead, it
-        never completes, and waits on the group's own stream (nccl.WeightGroup)."""
-        update_info = {"names": [n for n, _ in bucket],
-                       "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+    def post_bucket(self, url: str, name: str, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """/update_weights with the bucket's names, dtypes and shapes: answered once every worker
+        received and loaded it (WeightTransferEngine.receive_weights, then a device synchronize).
+        The broadcast is queued before the answer can come; if the server refuses the bucket
+        instead, it never completes, and waits on the group's own stream (nccl.WeightGroup)."""
+        update_info = {"names": [n for n, _ in bucket], "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
                        "shapes": [list(t.shape) for _, t in bucket]}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            for url, _, comm in groups:
-                answer = pool.submit(self.checked, url, "/update_weights", UPDATED, {"update_info": update_info})
-                nccl.broadcast(comm, flat)
-                answer.result()
+        self.checked(url, "/update_weights", UPDATED, {"update_info": update_info})
+
+    def broadcast(self, group, flat: torch.Tensor) -> None:
+        nccl.broadcast(group, flat)
 
     # ---------------------------------------------------------------- CUDA IPC (colocated)
     def prepare_sharing(self, on_gpu: bool) -> None:
@@ -348,7 +321,7 @@ class VLLMEngine(Engine):
         torch keeps an exported block from reuse until then."""
         uuid, args = ipc.export(flat)
         itemsize = dtype.itemsize
-        return {"names": [name for name, _ in layout], "dtype_names": [str(dtype).removeprefix("torch.")] * len(layout),
+        return {"names": [name for name, _ in layout], "dtype_names": [dtype_name(dtype)] * len(layout),
                 "shapes": [list(shape) for _, shape in layout],
                 "tensor_sizes": [math.prod(shape) * itemsize for _, shape in layout],
                 "ipc_handles_pickled": ipc.pickled({uuid: args})}

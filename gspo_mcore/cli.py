@@ -2,6 +2,7 @@
 
     gspo-train --config FILE [--output-dir DIR] [--overwrite] [--print-config] [key=value ...]
     gspo-train --output-dir DIR --resume [--config FILE] [key=value ...]
+    gspo-train --help-config    (every config key: type, default, meaning, whether --resume may change it)
 
 The arguments, the output directory and the config (a typo, a bad value, a run already in
 OUTPUT_DIR) are checked before Megatron and transformers are imported (seconds), so they answer
@@ -20,8 +21,24 @@ from pathlib import Path
 from gspo_mcore.errors import run_cli
 
 
+class HelpConfig(argparse.Action):
+    """`--help-config`: like --help, answers at once whatever else the command line says."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from gspo_mcore.config_reference import listing
+
+        sys.stdout.write(listing())
+        parser.exit()
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="gspo-train", description="GSPO training of a Qwen3-MoE on Megatron-Core")
+    parser.add_argument("--help-config", action=HelpConfig,
+                        help="list every config key with its type, default and meaning (docs/config_reference.md) "
+                             "and exit")
     parser.add_argument("--config", help="the run config (YAML); with --resume, optional: OUTPUT_DIR/config.yaml")
     parser.add_argument("--output-dir", default=None, help="default: runs/<config name>")
     parser.add_argument("--resume", action="store_true",

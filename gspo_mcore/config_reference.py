@@ -1,7 +1,8 @@
-"""Every config key with its type, default and meaning, from gspo_mcore/config.py itself: the
-dataclasses give the keys, types and defaults, the string under each field (or under a group
-of fields) its meaning. One source for docs/config_reference.md (a test checks the page is this
-module's output) and for any other listing of the keys.
+"""Every config key with its type, default and meaning, from gspo_mcore/config/schema.py itself:
+the dataclasses give the keys, types, defaults and what a `--resume` may change (field metadata),
+the string under each field (or under a group of fields) its meaning. One source for
+docs/config_reference.md (a test checks the page is this module's output) and for
+`gspo-train --help-config` (`listing`).
 
     python -m gspo_mcore.config_reference [--write]   (print the page, or rewrite docs/config_reference.md)
 """
@@ -23,10 +24,12 @@ from gspo_mcore.files import atomic_output
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "config_reference.md"
 HEADER = """# Config reference
 
-*Every key of a run config, its type and default, generated from `gspo_mcore/config.py`
-(`python -m gspo_mcore.config_reference --write`; a test fails when this page is not its output).
-A YAML config sets them by section (`train: {steps: 40}`), an override by dotted key
-(`train.steps=40`); `gspo-train --print-config` shows a config with every default filled in.*
+*Every key of a run config, its type and default, generated from `gspo_mcore/config/schema.py`
+(`python -m gspo_mcore.config_reference --write`; a test fails when this page is not its output;
+`gspo-train --help-config` prints the same list). A YAML config sets them by section
+(`train: {steps: 40}`), an override by dotted key (`train.steps=40`); `gspo-train --print-config`
+shows a config with every default filled in. A key marked **resume** may change on `--resume`;
+any other change refuses the resume.*
 """
 
 
@@ -36,12 +39,12 @@ class Key:
     type: str
     default: object
     doc: str
+    resume: bool  # a `--resume` may change it (schema metadata RESUME)
 
 
 def field_docs(cls) -> dict[str, str]:
-    """{field: the string literal right after it}. A string after several fields may be theirs
-    together (clip_low, clip_high) or the last one's only: it is shown for the last one, and
-    the others point to it."""
+    """{field: the string literal right after it}. A string after several fields is theirs
+    together (clip_low, clip_high): it is shown for the last one, and the others point to it."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     docs, pending = {}, []
     for node in tree.body[0].body:
@@ -52,7 +55,7 @@ def field_docs(cls) -> dict[str, str]:
             if last is not None:
                 docs[last] = inspect.cleandoc(node.value.value)
             for name in before:
-                docs[name] = f"(undocumented; the next key's text may cover it: `{last}`)"
+                docs[name] = f"(with `{last}`: see there)"
             pending = []
     return docs
 
@@ -73,7 +76,7 @@ def section_keys(cls, prefix: str) -> list[Key]:
             continue
         annotation = inspect.get_annotations(cls)[f.name]
         shown = annotation if isinstance(annotation, str) else getattr(hints[f.name], "__name__", str(hints[f.name]))
-        out.append(Key(f"{prefix}.{f.name}", shown, _default(f), docs.get(f.name, "")))
+        out.append(Key(f"{prefix}.{f.name}", shown, _default(f), docs.get(f.name, ""), bool(f.metadata.get("resume"))))
         item = typing.get_args(hints[f.name])
         if typing.get_origin(hints[f.name]) is list and item and dataclasses.is_dataclass(item[0]):
             out += section_keys(item[0], f"{prefix}.{f.name}[]")
@@ -81,7 +84,7 @@ def section_keys(cls, prefix: str) -> list[Key]:
 
 
 def keys() -> list[Key]:
-    """Every key of every section, in the order config.py declares them."""
+    """Every key of every section, in the order the schema declares them."""
     hints = typing.get_type_hints(Config)
     return [key for section in dataclasses.fields(Config) for key in section_keys(hints[section.name], section.name)]
 
@@ -102,9 +105,20 @@ def page() -> str:
         if name != section:
             section = name
             lines += ["", f"## {section}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        doc = " ".join(key.doc.split()).replace("|", "\\|")
+        doc = ("**resume.** " if key.resume else "") + " ".join(key.doc.split()).replace("|", "\\|")
         kind = key.type.replace("|", "\\|")
         lines.append(f"| `{key.name}` | `{kind}` | `{_yaml_value(key.default)}` | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def listing(width: int = 100) -> str:
+    """Plain text for a terminal: each key, its type and default (and whether a resume may change
+    it), then its meaning indented."""
+    lines = []
+    for key in keys():
+        lines.append(f"{key.name} ({key.type}, default {_yaml_value(key.default)}{', resume' if key.resume else ''})")
+        if key.doc:
+            lines += textwrap.wrap(" ".join(key.doc.split()), width, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(lines) + "\n"
 
 

@@ -2,9 +2,11 @@
 GSPO lineage (SAPO, GMPO, LUSPO, CISPO); the train-inference mismatch correction (TIS / MIS).
 
 Pure tensor functions (no Megatron). Equations cite Zheng et al., "Group Sequence Policy
-Optimization", arXiv 2507.18071, unless a function names its own paper. `old_logprobs` are the
-behaviour policy's token log-probs as returned by the inference engine: no recomputation by the
-trainer.
+Optimization", arXiv 2507.18071, unless a function names its own paper. `old_logprobs` is
+pi_old: by default the inference engine's token log-probs of the tokens it sampled; a step's first
+minibatch takes its own forward, detached (loss.on_policy_first_minibatch); the asynchronous modes
+take pi_prox (loss.proximal: a forward of the batch, or the first minibatch's); comparison runs
+recompute it (train.recompute_old_logprobs). `LossInputs` says which.
 
 Every level first builds a per-token loss matrix [B, T] (a sequence-level term is spread
 over its tokens), then `aggregate` reduces it. Passing the *global* counts of the whole
@@ -511,7 +513,7 @@ def foreign_fields(function: str) -> dict[str, str]:
 @functools.cache
 def load_loss_function(name: str) -> LossFunction:
     """`loss.function`: a built-in (LOSSES) or `module:function`, imported and its signature
-    checked once (the run checks it at start-up: gspo_mcore.train.check_inputs)."""
+    checked once (the run checks it at start-up: gspo_mcore.start.check_inputs)."""
     function = by_name(name, LOSSES, "loss.function")
     try:
         inspect.signature(function).bind(None, None)

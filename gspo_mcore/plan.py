@@ -22,8 +22,10 @@ what the largest phase leaves):
   push and the check, so no cached blocks stay).
 Also the engine's KV capacity on its own GPUs, the host memory of an offloaded optimizer (and
 whether Megatron's precision-aware optimizer, on the GPU and faster, would fit instead), the disk
-a checkpoint and the Hugging Face export take, and the FLOPs of one step. A refused plan still
-prints its breakdown.
+a checkpoint and the Hugging Face export take, and the FLOPs of one step (every pass it makes:
+the update, and the forwards of the batch for pi_prox / pi_old, strict exactness and the KL
+reference where they apply). A refused plan still prints its breakdown. The model is
+gspo_mcore.planner (memory_model, costs); this module composes it and is its command line.
 
 The estimates are arithmetic on the shapes, not measurements: activations follow
 Korthikanti et al. 2022 (sequence parallel, flash attention) adapted to top-k experts;
@@ -34,340 +36,20 @@ it). Nothing here has been run on a GPU from this project's machines.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
 
 from gspo_mcore.config import Config, ConfigError, load_config
-from gspo_mcore.engines import EngineMemory, engine_class, requests_in_flight
+from gspo_mcore.engines import engine_class
 from gspo_mcore.errors import run_cli
-from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
 from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
-from gspo_mcore.models.qwen3_moe.model import check_layout as check_model_layout
-import warnings
-
-GB = 1024**3  # memory in GiB, as torch and nvidia-smi count it
-ESTIMATE_TOLERANCE = 1.5  # how far a measured peak may exceed the estimate (the module docstring)
-DISK_GB = 1000**3  # disk in GB, as df -H and drive sizes count it
-# An H100 80GB HBM3 has 81,559 MiB (nvidia-smi's total), not 80 GiB.
-H100_GB = 79.6
-# Held by the trainer process beyond what torch allocates: its CUDA context and NCCL's
-# communicator buffers. A stated allowance, not a measurement.
-TRAINER_CONTEXT_GB = 2.0
-PHASES = ("training", "weight push", "sync check", "rollout")
-# What lowers each phase's memory, for the refusal message.
-PHASE_ADVICE = {
-    "training": "lower train.max_tokens_per_microbatch, raise distributed.expert_parallel / pipeline_parallel, "
-                "or set model.recompute: full / optimizer.cpu_offload: true",
-    "weight push": "lower rollout.max_total_tokens or weight_sync.bucket_mb, raise rollout.engine_tp, "
-                   "or set optimizer.cpu_offload: true",
-    "sync check": "lower rollout.max_new_tokens (the probe length) or rollout.max_total_tokens, "
-                  "set optimizer.cpu_offload: true, or set weight_sync.check_every: 0",
-    "rollout": "lower rollout.max_total_tokens, raise rollout.engine_tp, or set optimizer.cpu_offload: true",
-}
-
-
-class MemoryRefused(ConfigError):
-    """A layout whose estimate does not fit; carries the plan so the refusal can show it."""
-    def __init__(self, message: str, result: dict):
-        super().__init__(message)
-        self.result = result
-
-
-@dataclass(frozen=True)
-class Layout:
-    total_gpus: int
-    trainer_gpus: int
-    rollout_gpus: int
-    dp: int
-    expert_dp: int
-
-
-def param_counts(arch: Qwen3MoeArch) -> dict[str, int]:
-    """Parameters by kind (dense = replicated over EP; experts = split by EP)."""
-    h, layers = arch.hidden_size, arch.num_layers
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    attention = h * (q + 2 * kv) + q * h + 2 * arch.head_dim + 2 * h  # qkv, o, q/k norms, 2 RMSNorms
-    moe_layers = sum(arch.moe_layers)
-    dense_mlp = (layers - moe_layers) * 3 * h * arch.intermediate_size
-    router = moe_layers * h * arch.num_experts
-    experts = moe_layers * arch.num_experts * 3 * h * arch.moe_intermediate_size
-    embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2) + h
-    dense = layers * attention + dense_mlp + router + embeddings
-    active = dense + moe_layers * arch.num_experts_per_tok * 3 * h * arch.moe_intermediate_size
-    return {"dense": dense, "experts": experts, "total": dense + experts, "active": active}
-
-
-def check_layout(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int) -> Layout:
-    d, r, t = config.distributed, config.rollout, config.train
-    total = nodes * gpus_per_node
-    rollout_gpus = 0 if (config.weight_sync.colocate or r.urls) else r.num_servers * r.engine_tp
-    trainer = total - rollout_gpus
-    if trainer <= 0:
-        raise ConfigError(f"rollout: {r.num_servers} servers x engine_tp {r.engine_tp} = {rollout_gpus} GPUs "
-                          f"leave none of the {total} for training")
-    if r.engine_tp > gpus_per_node:
-        raise ConfigError(f"rollout.engine_tp {r.engine_tp} exceeds the {gpus_per_node} GPUs of a node")
-    if not (config.weight_sync.colocate or r.urls) and rollout_gpus % r.engine_tp:
-        raise ConfigError("rollout: servers must not straddle nodes")
-    if config.weight_sync.colocate and r.num_servers * r.engine_tp != total:
-        raise ConfigError(f"weight_sync.colocate: {r.num_servers} servers x rollout.engine_tp {r.engine_tp} "
-                          f"must cover the {total} GPUs the trainer shares with them")
-    if arch.num_key_value_heads % r.engine_tp and r.engine_tp % arch.num_key_value_heads:
-        raise ConfigError(f"rollout.engine_tp {r.engine_tp} does not split num_key_value_heads "
-                          f"{arch.num_key_value_heads}")
-    check_model_layout(arch, d, trainer)  # the trainer's own check: ranks, heads, vocab, experts, layers, FFN
-    dp = trainer // (d.tensor_parallel * d.pipeline_parallel)
-    expert_dp = trainer // (d.expert_parallel * d.expert_tensor_parallel * d.pipeline_parallel)
-    samples = t.rollout_batch_size * t.group_size
-    if samples < t.num_minibatches * dp:
-        raise ConfigError(f"train: {t.rollout_batch_size} prompts x {t.group_size} responses = {samples} sequences "
-                          f"cannot give each of {t.num_minibatches} minibatches one per data-parallel rank ({dp})")
-    return Layout(total, trainer, rollout_gpus, dp, expert_dp)
-
-
-def _layer_bytes_per_token(config: Config, arch: Qwen3MoeArch) -> float:
-    """Bytes (bf16) one layer's forward keeps per token: attention (norm in, qkv, flash output,
-    o-proj in) split by TP under sequence parallel; experts: k copies of the token (dispatch)
-    and 3 FFN tensors."""
-    d, h = config.distributed, arch.hidden_size
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
-    return 2 * (4 * h + q + 2 * kv + q) / d.tensor_parallel + 2 * k * (2 * h + 3 * f / d.expert_tensor_parallel)
-
-
-def activation_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> float:
-    d, t = config.distributed, config.train
-    tokens = t.max_tokens_per_microbatch
-    layer = tokens * _layer_bytes_per_token(config, arch)
-    layers_here = arch.num_layers // d.pipeline_parallel
-    in_flight = min(d.pipeline_parallel, max(1, t.rollout_batch_size * t.group_size // (t.num_minibatches * layout.dp)))
-    if config.model.recompute == "full":  # each layer's input, + the one layer recomputed
-        stored = layers_here * tokens * 2 * arch.hidden_size / d.tensor_parallel * in_flight + layer
-    else:
-        stored = layers_here * layer * in_flight
-    # The layer in backward holds its activations' gradients beside them (and the expert
-    # all-to-all its send and receive copies): its working set counts twice.
-    return stored + layer
-
-
-def logits_bytes(arch: Qwen3MoeArch, tokens: int, tp: int) -> float:
-    """bf16 logits: two [tokens, vocab / TP] copies at a time (GPTModel's [s, b, v] output and
-    its contiguous [b, s, v] copy, the first freed once copied: the output layer saves its input,
-    not its output; in backward, that copy and its gradient), + gspo_mcore.logprobs' float32 chunk."""
-    return arch.vocab_size / tp * tokens * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4
-
-
-def response_tokens(config: Config) -> int:
-    """The longest response a sequence carries: one turn, or a multi-turn trajectory's budget
-    (its model and environment tokens)."""
-    r = config.rollout
-    return r.max_new_tokens if r.function == "single_turn" else r.max_trajectory_tokens
-
-
-def check_forward_bytes(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> float:
-    """The sync check's trainer forward (weight_sync.check_sync): one probe at a time, of up to
-    prompt + max_new_tokens tokens, forward only (one layer's working set at a time) + its logits."""
-    probe = prompt_tokens + response_tokens(config)
-    return probe * _layer_bytes_per_token(config, arch) + logits_bytes(arch, probe, config.distributed.tensor_parallel)
-
-
-def trainer_state_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict[str, float]:
-    """Weights, fp32 gradient buffers and optimizer states on the busiest trainer GPU (the first
-    pipeline stage), and the host memory of an offloaded optimizer."""
-    d = config.distributed
-    counts = param_counts(arch)
-    dense_local = counts["dense"] / (d.tensor_parallel * d.pipeline_parallel)
-    expert_local = counts["experts"] / (d.expert_parallel * d.expert_tensor_parallel * d.pipeline_parallel)
-    weight_bytes = 2 if config.model.dtype == "bfloat16" else 4
-    sharded = dense_local + expert_local
-    if config.optimizer.distributed_optimizer:
-        sharded = dense_local / layout.dp + expert_local / layout.expert_dp
-    optimizer = sharded * optimizer_bytes_per_param(config)
-    out = {"weights": (dense_local + expert_local) * weight_bytes, "gradients": (dense_local + expert_local) * 4,
-           "optimizer": optimizer}
-    if config.optimizer.cpu_offload:  # in host memory, not on the GPU
-        # + the pinned fp32 copies of this rank's gradient shard that the offloaded step reads
-        out["host_optimizer"], out["optimizer"] = optimizer + sharded * 4, 0.0
-    return out
-
-
-def optimizer_bytes_per_param(config: Config) -> int:
-    """Optimizer state per parameter it holds: fp32 main weights (bf16 runs) + Adam's two fp32
-    moments; optimizer.precision_aware: TE's FusedAdam keeps the master weight as the 16 low
-    bits beside the bf16 weight (store_param_remainders, TE >= 2.1) and bf16 moments."""
-    if config.optimizer.precision_aware:
-        return 2 + 2 + 2
-    return (4 if config.model.dtype == "bfloat16" else 0) + 8
-
-
-def requests_in_flight_estimate(config: Config, prompt_tokens: int) -> dict[str, int]:
-    """What the rollout client keeps in flight (gspo_mcore.train: each server's running limit and
-    KV room for a full-length request, one slot per server kept free), from the config."""
-    r = config.rollout
-    request = prompt_tokens + response_tokens(config)
-    kv = max(1, r.max_total_tokens // request)
-    per_server = min(r.max_running_requests, kv)
-    return {"request_tokens": request, "kv_requests_per_server": kv, "requests_per_server": per_server,
-            "requests_in_flight": requests_in_flight([per_server] * r.num_servers)}
-
-
-def check_kv_budget(config: Config, memory: dict) -> None:
-    """rollout.max_total_tokens over what an engine GPU beside its weights holds is refused."""
-    room = memory.get("engine_kv_cache_tokens")
-    if room is not None and config.rollout.max_total_tokens > room:
-        raise ConfigError(f"rollout.max_total_tokens {config.rollout.max_total_tokens:,}: more KV cache than an "
-                          f"engine GPU holds beside its weights (~{room:,} tokens)")
-
-
-def engine_memory(config: Config, arch: Qwen3MoeArch) -> EngineMemory:
-    """What one GPU of the config's engine holds for this model (the engine's own model)."""
-    return engine_class(config.rollout.engine).memory(arch, config.rollout.engine_tp, param_counts(arch)["total"])
-
-
-def push_buffers_gb(config: Config, layout: Layout) -> float:
-    """What an engine GPU holds transiently while it takes a push (Engine.push_buffer_bytes): the
-    trainer ranks owning distinct pieces of a layer (pipeline stages x expert shards) send
-    interleaved."""
-    d = config.distributed
-    senders = min(layout.trainer_gpus, d.pipeline_parallel * d.expert_parallel * d.expert_tensor_parallel)
-    return engine_class(config.rollout.engine).push_buffer_bytes(config.weight_sync.method,
-                                                                  config.weight_sync.bucket_mb << 20, senders) / GB
-
-
-def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int = 512) -> dict[str, float]:
-    """GiB per trainer GPU (the busiest: first pipeline stage) and per engine GPU."""
-    state = trainer_state_bytes(config, arch, layout)
-    host = state.pop("host_optimizer", None)
-    tokens, tp = config.train.max_tokens_per_microbatch, config.distributed.tensor_parallel
-    trainer = {**state, "activations": activation_bytes(config, arch, layout),
-               "logits": logits_bytes(arch, tokens, tp)}
-    out = {f"trainer_{k}_gb": v / GB for k, v in trainer.items()}
-    out["trainer_total_gb"] = sum(trainer.values()) / GB
-    out["trainer_static_gb"] = sum(state.values()) / GB
-    out["trainer_check_forward_gb"] = check_forward_bytes(config, arch, prompt_tokens) / GB
-    if host is not None:
-        out["host_optimizer_gb_per_gpu"] = host / GB
-    engine = engine_memory(config, arch)
-    out["engine_weights_gb"], out["engine_margin_gb"] = engine.weights_gb, engine.margin_gb
-    out["engine_push_buffers_gb"] = push_buffers_gb(config, layout)
-    out["engine_kv_bytes_per_token"] = engine.kv_bytes_per_token
-    if config.weight_sync.colocate:  # what the engine holds on a GPU the trainer shares
-        out["engine_kv_cache_gb"] = config.rollout.max_total_tokens * engine.kv_bytes_per_token / GB
-        out["engine_resident_gb"] = engine.weights_gb + out["engine_kv_cache_gb"] + engine.margin_gb
-    return out
-
-
-def phase_totals(config: Config, memory: dict[str, float]) -> dict[str, float]:
-    """GiB per trainer GPU in each phase of a step (the trainer's CUDA context not included);
-    a colocated engine's share is in every phase (only its allowance while released)."""
-    static, engine = memory["trainer_static_gb"], memory.get("engine_resident_gb", 0.0)
-    released = memory["engine_margin_gb"] if config.weight_sync.colocate else 0.0
-    bucket = config.weight_sync.bucket_mb / 1024 * 2  # the flat bucket and its engine-dtype copy
-    engine_push = engine + (memory["engine_push_buffers_gb"] if config.weight_sync.colocate else 0.0)
-    phases = {"training": memory["trainer_total_gb"] + released, "weight push": static + bucket + engine_push,
-              "sync check": static + memory["trainer_check_forward_gb"] + engine, "rollout": static + engine}
-    if not config.weight_sync.check_every:
-        del phases["sync check"]
-    return phases
-
-
-def check_fits(config: Config, result: dict) -> None:
-    """Refuse the first phase over the GPU's usable memory, naming it and what lowers it."""
-    for phase, total in result["phases_gb"].items():
-        if total > result["usable_gb"]:
-            who = ("weight_sync.colocate: during the {} phase the trainer and the engine (weights, KV cache for "
-                   f"rollout.max_total_tokens {config.rollout.max_total_tokens}, {result['engine_margin_gb']:g} GiB allowance) need"
-                   if config.weight_sync.colocate else "during the {} phase the trainer needs").format(phase)
-            raise MemoryRefused(
-                f"{who} an estimated {total:.1f} GiB per GPU > {result['usable_gb']:.1f} GiB "
-                f"usable (--gpu-memory-gb {result['gpu_memory_gb']:g} less {TRAINER_CONTEXT_GB:g} for the trainer's "
-                f"CUDA context): {PHASE_ADVICE[phase]}", result)
-
-
-def disk_estimate(config: Config, arch: Qwen3MoeArch) -> dict[str, float]:
-    """GB on disk: one checkpoint (weights, fp32 master weights of a bf16 run, Adam's two
-    moments), how many at once, the Hugging Face export, and what a disk weight sync writes per push."""
-    params, t = param_counts(arch)["total"], config.train
-    weight_bytes = 2 if config.model.dtype == "bfloat16" else 4
-    # Adam's two moments (SGD: Megatron's momentum buffer) + fp32 master weights of a bf16 run;
-    # precision-aware: the moments saved unscaled to fp32, the master weights as their 16-bit
-    # remainders (DistributedOptimizer._get_main_param_and_optimizer_states, TE's get_unscaled_state)
-    state_bytes = (8 if config.optimizer.name == "adam" else 4) + (4 if weight_bytes == 2 else 0)
-    if config.optimizer.precision_aware:
-        state_bytes = 8 + 2
-    # Saves every save_every steps and at the end (train.save_final); the newest keep_checkpoints
-    # stay, the oldest removed only once the next is complete.
-    saves = ((t.steps - 1) // t.save_every if t.save_every else 0) + int(t.save_final)
-    at_once = min(saves, t.keep_checkpoints + 1) if t.keep_checkpoints else saves
-    engine_bytes = 2 if config.rollout.engine_dtype == "bfloat16" else 4
-    return {"checkpoint_gb": params * (weight_bytes + state_bytes) / DISK_GB, "checkpoints_on_disk": at_once,
-            "hf_export_gb": params * weight_bytes / DISK_GB if t.export_hf else 0.0,
-            "weight_sync_disk_gb": params * engine_bytes / DISK_GB if config.weight_sync.method == "disk" else 0.0}
-
-
-def routing_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int) -> dict[str, float]:
-    """The engine's routed experts (rollout.return_routed_experts), at full-length responses:
-    what rank 0's host holds (a batch and the requests in flight) and what the busiest trainer
-    rank receives per step (its data-parallel share of the batch, its pipeline stage's MoE
-    layers: gspo_mcore.routing_delivery). Expert ids travel in the smallest unsigned type."""
-    if not config.rollout.return_routed_experts:
-        return {}
-    t, pp = config.train, config.distributed.pipeline_parallel
-    itemsize = 1 if arch.num_experts <= 2**8 else 2
-    row = (prompt_tokens + response_tokens(config)) * arch.num_experts_per_tok * itemsize  # one layer of a response
-    sequences = t.rollout_batch_size * t.group_size
-    held = sequences + requests_in_flight_estimate(config, prompt_tokens)["requests_in_flight"]
-    stage_layers = -(-sum(arch.moe_layers) // pp)
-    return {"routing_rank0_host_gb": held * row * arch.num_layers / GB,
-            "routing_per_rank_gb": -(-sequences // layout.dp) * row * stage_layers / GB}
-
-
-def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> dict[str, float]:
-    """Upper bound at full-length responses: generation 2N per token; training 6N per token
-    per epoch (no old-policy forward: GSPO uses the engine's log-probs); attention included."""
-    t = config.train
-    counts = param_counts(arch)
-    sequences = t.rollout_batch_size * t.group_size
-    seq_len = prompt_tokens + response_tokens(config)
-    attention = 2 * 2 * arch.num_layers * arch.num_attention_heads * arch.head_dim * seq_len / 2  # causal, per token
-    generated = sequences * response_tokens(config)  # an upper bound: environment tokens are prefilled
-    train_tokens = sequences * seq_len
-    generation = generated * (2 * counts["active"] + attention)
-    training = t.ppo_epochs * train_tokens * 3 * (2 * counts["active"] + attention)
-    if t.recompute_old_logprobs:
-        training += train_tokens * (2 * counts["active"] + attention)
-    if config.model.recompute == "full":
-        training += t.ppo_epochs * train_tokens * (2 * counts["active"] + attention)
-    return {"rollout_tflops": generation / 1e12, "train_tflops": training / 1e12,
-            "tokens_per_step": train_tokens}
-
-
-# The code sandbox's own cost per program and per test (bench/sandbox.py: a sandbox started ~55-60
-# ms, a test's fork and report 3-10 ms of harness time, on this project's 2-core machine).
-SANDBOX_START_S, SANDBOX_TEST_S = 0.06, 0.01
-CODE_REWARDS = ("code", "code_all", "gspo_mcore.rewards.code:")
-
-
-def code_reward_estimate(config: Config) -> dict[str, float]:
-    """A code reward's CPU per step (reward.name `code`, `code_all` or gspo_mcore.rewards.code's):
-    every response started in a sandbox (once per group when batched) and run on its tests,
-    harness time only (trivial programs), and the bound with every test at its CPU limit; the wall
-    time at reward.workers sandboxes in parallel. {} for other rewards."""
-    name, code = config.reward.name, config.reward.code
-    if not (name in CODE_REWARDS[:2] or name.startswith(CODE_REWARDS[2])):
-        return {}
-    responses = config.train.rollout_batch_size * config.train.group_size * config.rollout.oversample
-    tests = code.max_train_tests  # the training cap (code_all runs every test: the count is per problem)
-    starts = responses / (config.train.group_size if config.reward.batched else 1)
-    harness = starts * SANDBOX_START_S + responses * tests * SANDBOX_TEST_S
-    bound = harness + responses * tests * code.cpu_s
-    return {"code_reward_core_s": harness, "code_reward_core_s_bound": bound,
-            "code_reward_wall_s": harness / config.reward.workers,
-            "code_reward_wall_s_bound": bound / config.reward.workers,
-            "code_tests_per_s_per_node": config.reward.workers / (SANDBOX_TEST_S + SANDBOX_START_S / tests)}
+from gspo_mcore.planner.costs import code_reward_estimate, disk_estimate, flops_per_step, routing_estimate
+from gspo_mcore.planner.memory_model import (ESTIMATE_TOLERANCE, GB, H100_GB, TRAINER_CONTEXT_GB, MemoryRefused,
+                                             check_fits, check_kv_budget, check_layout, engine_memory, memory_estimate,
+                                             param_counts, phase_totals, precision_aware_alternative,
+                                             requests_in_flight_estimate)
 
 
 def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu_memory_gb: float,
@@ -411,23 +93,6 @@ def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu
 # the GPU, for Qwen3-30B-A3B (quoted by issue #37; not measured here: launch/gpu_check.py's
 # section 3 prints this machine's own ratio at 2 layers).
 OFFLOAD_STEP_TIME = "1.9-4.2x"
-
-
-def precision_aware_alternative(config: Config, arch: Qwen3MoeArch, layout: Layout, usable: float,
-                                prompt_tokens: int) -> dict:
-    """An offloading config's plan with the precision-aware optimizer on the GPU instead: its
-    optimizer GiB per GPU and the margin at its tightest phase (negative: does not fit); {} when
-    the config cannot take it (optimizer.precision_aware's own conditions)."""
-    optimizer = dataclasses.replace(config.optimizer, cpu_offload=False, precision_aware=True)
-    try:
-        alternative = dataclasses.replace(config, optimizer=optimizer).validate()
-    except ConfigError:
-        return {}
-    memory = memory_estimate(alternative, arch, layout, prompt_tokens)
-    phases = phase_totals(alternative, memory)
-    tightest = max(phases, key=phases.get)
-    return {"precision_aware_optimizer_gb": memory["trainer_optimizer_gb"],
-            "precision_aware_tightest_phase": tightest, "precision_aware_margin_gb": usable - phases[tightest]}
 
 
 def report(config: Config, result: dict, out) -> None:
@@ -484,8 +149,9 @@ def report(config: Config, result: dict, out) -> None:
           f"reward.code.cpu_s: {r['code_reward_core_s_bound']:,.0f}), ~{r['code_reward_wall_s']:,.1f} s wall at "
           f"reward.workers {config.reward.workers} (bound {r['code_reward_wall_s_bound']:,.0f} s); "
           f"~{r['code_tests_per_s_per_node']:,.0f} trivial tests/s per node")
+    passes = ", ".join(r["train_forward_passes"])
     w(f"one step (upper bound, full-length responses): rollout {r['rollout_tflops']:.0f} TFLOP, "
-      f"train {r['train_tflops']:.0f} TFLOP")
+      f"train {r['train_tflops']:.0f} TFLOP (the update" + (f"; forwards of the batch: {passes}" if passes else "") + ")")
 
 
 def shell_lines(config: Config, result: dict) -> list[str]:

@@ -2,11 +2,11 @@
 
 The file is the config the run trains with (every field, defaults included, loadable again with
 `--config`), headed by the package version and the git revision of the code. On `--resume` the
-new config is compared with it field by field: a field of APPLIED_ON_RESUME takes its new value,
-said in one line (the learning rate and its schedule, the step count, the save cadence, where the
-servers are, timeouts); any other changed field (the model, the data, the sampling, the loss, the
-batch shape, the layout: what changes the model or the data order) refuses the resume in one
-line naming the fields.
+new config is compared with it field by field: a field the schema marks as one a resume may change
+(`metadata=RESUME` in gspo_mcore.config.schema: the learning rate and its schedule, the step count,
+the save cadence, where the servers are, timeouts) takes its new value, said in one line; any
+other changed field (the model, the data, the sampling, the loss, the batch shape, the layout:
+what changes the model or the data order) refuses the resume in one line naming the fields.
 """
 
 from __future__ import annotations
@@ -18,19 +18,12 @@ from pathlib import Path
 
 import yaml
 
-from gspo_mcore.config import LEVEL_FUNCTIONS, Config, ConfigError, config_yaml, from_dict, load_config
+from gspo_mcore.config import LEVEL_FUNCTIONS, Config, ConfigError, config_yaml, from_dict, load_config, resume_fields
 from gspo_mcore.files import atomic_output
 
 FILE = "config.yaml"
-APPLIED_ON_RESUME = frozenset({
-    "optimizer.lr", "optimizer.lr_warmup_steps", "optimizer.lr_decay", "optimizer.min_lr",
-    "train.steps", "train.save_every", "train.keep_checkpoints", "train.save_final", "train.export_hf",
-    "train.wandb_project", "rollout.urls", "rollout.num_servers", "rollout.request_timeout_s",
-    "rollout.max_attempts", "rollout.max_running_requests", "weight_sync.check_every",
-    "weight_sync.master_address", "weight_sync.disk_dir", "weight_sync.bucket_mb",
-    "distributed.timeout_minutes", "distributed.rollout_timeout_minutes", "reward.workers", "reward.timeout_s",
-    "reward.url", "train.strict_exactness", "train.strict_exactness_tolerance",
-})
+# The fields a resume applies: those the schema marks `metadata=RESUME`.
+APPLIED_ON_RESUME = resume_fields()
 
 
 def flat(config: Config) -> dict:

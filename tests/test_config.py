@@ -254,3 +254,53 @@ def test_the_precision_aware_optimizer_and_cpu_offload_are_one_or_the_other():
                                           r"optimizer.cpu_offload fp32 ones on the host: set one$"):
         load_config(None, [*gpu, "optimizer.precision_aware=true", "optimizer.cpu_offload=true"])
     assert load_config(None, [*gpu, "optimizer.precision_aware=true"]).optimizer.precision_aware
+
+
+def test_help_config_lists_every_key_with_its_default_and_meaning(capsys):
+    """`gspo-train --help-config`: every key of the schema, its type and default, whether a resume
+    may change it, and its doc string; like --help it needs no --config and exits 0."""
+    from gspo_mcore.cli import parse_args
+    from gspo_mcore.config_reference import keys
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--help-config"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if not line.startswith("    ")]
+    assert [line.split(" (", 1)[0] for line in heads] == [key.name for key in keys()]
+    assert all(key.doc for key in keys()), [key.name for key in keys() if not key.doc]  # every field has its doc
+    assert "train.group_size (int, default 8)\n    Responses per prompt (the group GSPO normalises advantages over).\n" in out
+    assert "optimizer.lr (float, default 1.0e-06, resume)\n" in out
+    assert "reward.code.cpu_s (float, default 4.0)\n    CPU seconds per test" in out
+
+
+@pytest.mark.parametrize("section, values, message", [
+    ("TrainConfig", {"group_size": 1}, "train.group_size: must be >= 2"),
+    ("RolloutConfig", {"temperature": 0.0}, "rollout.temperature: must be > 0"),
+    ("RolloutConfig", {"max_staleness": -1}, "rollout.max_staleness: must be >= 0"),
+    ("LossConfig", {"behavior_weight_cap": 0.5}, "loss.behavior_weight_cap: must be >= 1"),
+    ("WeightSyncConfig", {"method": "tensor"}, "weight_sync.method: 'tensor' needs weight_sync.colocate"),
+    ("DistributedConfig", {"timeout_minutes": 0}, "distributed.timeout_minutes: must be > 0"),
+])
+def test_each_section_checks_its_own_fields(section, values, message):
+    """A section's check reads that section alone (gspo_mcore.config.schema), and a whole config
+    with that section refuses to load with the same line."""
+    import dataclasses
+
+    from gspo_mcore.config import schema
+
+    cls = getattr(schema, section)
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        cls(**values).check()
+    name = next(f.name for f in dataclasses.fields(Config) if f.type in (section, cls))
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(None, [f"{name}.{key}={value}" for key, value in values.items()])
+
+
+def test_checks_across_sections_pass_each_section_alone():
+    """What needs two sections is gspo_mcore.config.validate's: each section passes its own check."""
+    config = Config()
+    config.rollout.mode, config.reward.norm = "async", "batch"
+    config.rollout.check(), config.reward.check()
+    with pytest.raises(ConfigError, match="^reward.norm: 'batch' has no batch in rollout.mode 'async'"):
+        config.validate()

@@ -11,7 +11,8 @@ from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.errors import InputError
 from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.plan import H100_GB, PHASES, TRAINER_CONTEXT_GB, MemoryRefused, main, param_counts, plan
+from gspo_mcore.plan import main, plan
+from gspo_mcore.planner.memory_model import H100_GB, PHASES, TRAINER_CONTEXT_GB, MemoryRefused, param_counts
 
 HF_30B = REPO / "configs/hf/qwen3-30b-a3b.config.json"
 HF_235B = REPO / "configs/hf/qwen3-235b-a22b.config.json"
@@ -364,7 +365,7 @@ def test_a_code_reward_is_planned_in_cpu_seconds_and_tests_per_second():
     """#38: the sandbox's CPU per step, harness-only and bounded by every test at its CPU limit;
     a group in one sandbox starts once per group; no line for other rewards."""
     from gspo_mcore.config import load_config
-    from gspo_mcore.plan import SANDBOX_START_S, SANDBOX_TEST_S, code_reward_estimate
+    from gspo_mcore.planner.costs import SANDBOX_START_S, SANDBOX_TEST_S, code_reward_estimate
 
     config = load_config(REPO / "configs" / "qwen3_30b_a3b_gspo_code.yaml")
     t, code = config.train, config.reward.code
@@ -378,3 +379,59 @@ def test_a_code_reward_is_planned_in_cpu_seconds_and_tests_per_second():
                                                  ["reward.batched=false", "reward.name=code"]))
     assert unbatched["code_reward_core_s"] > got["code_reward_core_s"]
     assert code_reward_estimate(load_config(REPO / "configs" / "qwen3_30b_a3b_gspo.yaml")) == {}
+
+
+ASYNC = "qwen3_30b_a3b_gspo_async.yaml"  # rollout.mode async, bf16 (strict exactness off: auto)
+
+
+def _train_flops(config: str, overrides=()) -> dict:
+    from gspo_mcore.planner.costs import flops_per_step
+
+    return flops_per_step(load_config(REPO / "configs" / config, list(overrides)), load_hf_config(HF_30B), 512)
+
+
+def _one_more_forward(base: dict, got: dict, config: str, epochs: int = 1) -> bool:
+    """`got` makes one forward of the batch (2N per token) more than `base`, whose update is 6N
+    per token per epoch, 8N with model.recompute full (the forward again in backward)."""
+    full = load_config(REPO / "configs" / config).model.recompute == "full"
+    units = epochs * (4 if full else 3)
+    return got["train_tflops"] == pytest.approx(base["train_tflops"] * (units + 1) / units)
+
+
+@pytest.mark.parametrize("overrides, passes", [
+    ((), {"proximal": 1}),  # loss.proximal recompute, the default: pi_prox from a forward of the batch
+    (["train.recompute_old_logprobs=true"], {"proximal": 1}),  # pi_old is pi_prox's forward: no second one
+    (["train.strict_exactness=true"], {"proximal": 1}),  # the strict check reads the same forward
+    (["loss.proximal=first_minibatch", "train.strict_exactness=true"], {"strict_exactness": 1}),
+])
+def test_flops_count_the_proximal_forward_of_the_asynchronous_modes(overrides, passes):
+    base, got = _train_flops(ASYNC, ["loss.proximal=first_minibatch"]), _train_flops(ASYNC, overrides)
+    assert base["train_forward_passes"] == {} and got["train_forward_passes"] == passes
+    assert _one_more_forward(base, got, ASYNC)
+
+
+def test_flops_count_the_kl_references_forward():
+    base, got = _train_flops("qwen3_30b_a3b_gspo.yaml"), _train_flops("qwen3_30b_a3b_gspo.yaml", ["loss.kl_loss_coef=0.01"])
+    assert base["train_forward_passes"] == {} and got["train_forward_passes"] == {"reference": 1}
+    assert _one_more_forward(base, got, "qwen3_30b_a3b_gspo.yaml")
+    both = _train_flops(ASYNC, ["loss.kl_loss_coef=0.01"])  # the proximal forward and the reference's
+    assert both["train_forward_passes"] == {"proximal": 1, "reference": 1}
+
+
+@pytest.mark.parametrize("overrides, passes", [
+    (["train.strict_exactness=true"], {"strict_exactness": 1}),
+    (["train.recompute_old_logprobs=true"], {"old_logprobs": 1}),
+    (["train.recompute_old_logprobs=true", "train.strict_exactness=true"], {"old_logprobs": 1}),  # one forward, both
+])
+def test_flops_count_the_strict_exactness_and_recomputed_old_logprobs_forwards(overrides, passes):
+    base, got = _train_flops("qwen3_30b_a3b_gspo.yaml"), _train_flops("qwen3_30b_a3b_gspo.yaml", overrides)
+    assert got["train_forward_passes"] == passes and _one_more_forward(base, got, "qwen3_30b_a3b_gspo.yaml")
+    epochs = _train_flops("qwen3_30b_a3b_gspo.yaml", [*overrides, "train.ppo_epochs=2"])
+    assert _one_more_forward(_train_flops("qwen3_30b_a3b_gspo.yaml", ["train.ppo_epochs=2"]), epochs,
+                             "qwen3_30b_a3b_gspo.yaml", epochs=2)
+
+
+def test_the_plan_says_which_forwards_its_flops_count(capsys):
+    code, out, _ = _plan_cli(["--config", f"configs/{ASYNC}", "--nodes", "2", "--hf-config", str(HF_30B),
+                              "loss.kl_loss_coef=0.01"], capsys)
+    assert code == 0 and "TFLOP (the update; forwards of the batch: proximal, reference)" in out

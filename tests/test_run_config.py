@@ -199,3 +199,35 @@ def test_help_and_usage_errors_answer_before_anything_heavy_is_imported():
         assert proc.returncode == code and "gspo-train" in proc.stdout + proc.stderr
         imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
         assert not {"torch", "megatron", "transformers"} & imported, sorted(imported)
+
+
+def test_what_a_resume_may_change_is_the_schemas_field_metadata():
+    """The resume policy is `metadata=RESUME` beside each field (gspo_mcore.config.schema), not a
+    list kept in step elsewhere: these are the fields it applied when it was a list."""
+    import dataclasses
+
+    from gspo_mcore.config import Config, resume_fields
+    from gspo_mcore.config_reference import keys
+    from gspo_mcore.run_config import APPLIED_ON_RESUME, flat
+
+    assert APPLIED_ON_RESUME == resume_fields() == {
+        "optimizer.lr", "optimizer.lr_warmup_steps", "optimizer.lr_decay", "optimizer.min_lr",
+        "train.steps", "train.save_every", "train.keep_checkpoints", "train.save_final", "train.export_hf",
+        "train.wandb_project", "rollout.urls", "rollout.num_servers", "rollout.request_timeout_s",
+        "rollout.max_attempts", "rollout.max_running_requests", "weight_sync.check_every",
+        "weight_sync.master_address", "weight_sync.disk_dir", "weight_sync.bucket_mb",
+        "distributed.timeout_minutes", "distributed.rollout_timeout_minutes", "reward.workers", "reward.timeout_s",
+        "reward.url", "train.strict_exactness", "train.strict_exactness_tolerance"}
+    assert APPLIED_ON_RESUME <= set(flat(Config()))
+    assert {key.name for key in keys() if key.resume} == APPLIED_ON_RESUME  # what --help-config and the page say
+
+    @dataclasses.dataclass
+    class Inner:
+        n: int = dataclasses.field(default=1, metadata={"resume": True})
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Inner = dataclasses.field(default_factory=Inner)
+        m: int = 2
+
+    assert resume_fields(Outer) == {"inner.n"}  # a section within a section is read too

@@ -1,25 +1,30 @@
-"""Typed run configuration, loaded from YAML. One section per concern, one source of truth."""
+"""The run configuration's schema: one dataclass per section, each field with its type, default
+and doc string (docs/config_reference.md and `gspo-train --help-config` are generated from them),
+and each section's own checks (`check`) beside its fields. Checks that read several sections are
+gspo_mcore.config.validate's; reading YAML and overrides is gspo_mcore.config.load's.
+
+A field a `--resume` may change carries `metadata=RESUME` (the learning rate and its schedule, the
+step count, the save cadence, where the servers are, timeouts): `resume_fields()` lists them for
+gspo_mcore.run_config; any other field changes the model or the data order and refuses a resume.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
-
-import yaml
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Literal, get_type_hints
 
 from gspo_mcore.advantages import RewardNorm
-from gspo_mcore.errors import InputError
 from gspo_mcore.loss import Aggregation, KLEstimator, MismatchCorrection, foreign_fields
+from gspo_mcore.config.validate import ConfigError, validate
 from gspo_mcore.rewards.code_config import CodeRewardConfig
 
+RESUME = {"resume": True}  # field metadata: `--resume` applies a new value of this field
 
-class ConfigError(InputError):
-    """A config file or override that does not fit the dataclasses below."""
+
+def _at_least(section, prefix: str, names: tuple[str, ...], bound: int) -> None:
+    for name in names:
+        if getattr(section, name) < bound:
+            raise ConfigError(f"{prefix}.{name}: must be >= {bound}")
 
 
 @dataclass
@@ -47,30 +52,44 @@ class DistributedConfig:
     tensor_parallel: int = 1
     """TP size; sequence parallelism is always on when TP > 1 (Megatron requires it for MoE)."""
     pipeline_parallel: int = 1
+    """PP size: pipeline stages, each a contiguous run of layers."""
     expert_parallel: int = 1
+    """EP size: each MoE layer's experts split over this many ranks."""
     expert_tensor_parallel: int = 1
     """TP size inside each expert (1 = experts unsplit, the usual choice for fine-grained MoE)."""
-    timeout_minutes: float = 30.0
+    timeout_minutes: float = field(default=30.0, metadata=RESUME)
     """The trainer's collectives: a rank that waits longer than this for its peers fails the run."""
-    rollout_timeout_minutes: float = 240.0
+    rollout_timeout_minutes: float = field(default=240.0, metadata=RESUME)
     """How long the other ranks wait, on the host, for rank 0's rollout batch (generation, with
     every sampling round): longer than the longest step's rollout."""
+
+    def check(self) -> None:
+        _at_least(self, "distributed", ("tensor_parallel", "pipeline_parallel", "expert_parallel",
+                                        "expert_tensor_parallel"), 1)
+        for name in ("timeout_minutes", "rollout_timeout_minutes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"distributed.{name}: must be > 0")
 
 
 @dataclass
 class OptimizerConfig:
     name: Literal["adam", "sgd"] = "adam"
-    lr: float = 1e-6
+    """Megatron's optimizer: `adam` or `sgd`."""
+    lr: float = field(default=1e-6, metadata=RESUME)
+    """The learning rate (after the warmup, before any decay)."""
     weight_decay: float = 0.0
+    """Weight decay coefficient."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    lr_warmup_steps: int = 0
+    """Adam's beta1, beta2 and epsilon."""
+    lr_warmup_steps: int = field(default=0, metadata=RESUME)
     """Training steps (rollout batches) over which the learning rate rises linearly from 0 to
     `lr` (step k of the warmup uses lr x k / lr_warmup_steps)."""
-    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay: Literal["constant", "linear", "cosine"] = field(default="constant", metadata=RESUME)
     """After the warmup: keep `lr`, or decay it to `min_lr` at train.steps."""
-    min_lr: float = 0.0
+    min_lr: float = field(default=0.0, metadata=RESUME)
+    """The learning rate lr_decay reaches at train.steps."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     distributed_optimizer: bool = True
@@ -84,6 +103,15 @@ class OptimizerConfig:
     weight lacks (megatron-core 0.16.1 with TE >= 2.1), 6 bytes of state per parameter instead
     of 12. Needs model.dtype bfloat16, optimizer.name adam and the distributed optimizer."""
 
+    def check(self) -> None:
+        if self.precision_aware and self.cpu_offload:
+            raise ConfigError("optimizer.precision_aware: keeps bf16 Adam moments on the GPU, optimizer.cpu_offload fp32 "
+                              "ones on the host: set one")
+        if self.lr <= 0:
+            raise ConfigError(f"optimizer.lr: {self.lr} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optimizer.min_lr: {self.min_lr} must be within [0, optimizer.lr]")
+
 
 @dataclass
 class LossConfig:
@@ -92,7 +120,7 @@ class LossConfig:
     (token ratio, for comparison runs), the GSPO lineage `sapo` (soft gate), `gmpo` (geometric
     mean of log-space-clipped token ratios), `luspo` (GSPO scaled by response length), `cispo`
     (clipped, stop-gradient importance weight), or a function of yours, `module:function`, called
-    as `fn(inputs: gspo_mcore.loss.LossInputs, config: LossConfig) -> (loss, metrics)` like these.
+    as `fn(inputs: LossInputs, config: LossConfig) -> (loss, metrics)` like these (both in gspo_mcore.api).
     KL, entropy bonus, behaviour weights and the mismatch figures are added around it."""
     clip_low: float = 3e-4
     clip_high: float = 4e-4
@@ -145,6 +173,7 @@ class LossConfig:
     """KL penalty to the reference policy (the initial weights, frozen; a second model whose
     log-probs are computed before each step's updates); off in the paper's setup."""
     kl_estimator: KLEstimator = "k3"
+    """The per-token KL estimator of kl_loss_coef's term: k1, k2 or k3 (gspo_mcore.loss.kl_penalty)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss minus this times the policy entropy (aggregated like the loss)."""
     behavior_weight_cap: float = 2.0
@@ -161,6 +190,32 @@ class LossConfig:
     """Report the policy entropy (`entropy` in metrics.jsonl; one more pass over the logits).
     Always reported when entropy_coef > 0."""
 
+    def check(self) -> None:
+        band = self.token_mask_band
+        if band is not None and (len(band) != 2 or not 0 < band[0] < 1 < band[1]):
+            raise ConfigError("loss.token_mask_band: expected [low, high] with 0 < low < 1 < high")
+        if self.band_from_mismatch is not None and self.band_from_mismatch <= 0:
+            raise ConfigError("loss.band_from_mismatch: must be > 0")
+        if self.sequence_mask_threshold is not None and self.sequence_mask_threshold < 0:
+            raise ConfigError("loss.sequence_mask_threshold: must be >= 0")
+        if self.horizon is not None and self.horizon < 1:
+            raise ConfigError("loss.horizon: must be >= 1")
+        for name in ("kl_loss_coef", "entropy_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"loss.{name}: must be >= 0")
+        for name, why in foreign_fields(self.function).items():
+            if getattr(self, name) != getattr(LossConfig, name):
+                raise ConfigError(f"loss.{name}: {why}")
+        for name in ("sapo_tau_pos", "sapo_tau_neg", "gmpo_log_clip"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"loss.{name}: must be > 0")
+        if self.cispo_weight_max <= 1 or (self.cispo_weight_min is not None and not 0 < self.cispo_weight_min < 1):
+            raise ConfigError("loss.cispo_weight_min / cispo_weight_max: expected 0 < min < 1 < max")
+        if self.mismatch_threshold <= 1:
+            raise ConfigError("loss.mismatch_threshold: must be > 1")
+        if self.behavior_weight_cap < 1:
+            raise ConfigError("loss.behavior_weight_cap: must be >= 1")
+
 
 @dataclass
 class DataConfig:
@@ -170,6 +225,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     messages_key: str = "messages"
     answer_key: str = "answer"
+    """The record fields of the prompt text, the chat messages and the reference answer."""
     tokenizer_dir: str | None = None
     """Tokenizer (with its chat template); None: model.hf_dir's."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -184,15 +240,16 @@ class RewardConfig:
     (gspo_mcore/rewards/__init__.py)."""
     batched: bool = False
     """The reward takes a prompt's group in one call: lists in, a list of rewards out."""
-    url: str | None = None
+    url: str | None = field(default=None, metadata=RESUME)
     """A server the reward calls (a reward model served by SGLang), passed as its `url` argument."""
-    timeout_s: float = 10.0
+    timeout_s: float = field(default=10.0, metadata=RESUME)
     """Per call (a response; a group when batched); a crash or timeout scores 0 and is counted."""
     max_error_fraction: float = 0.5
     """The share of a round's reward calls that may fail (raise, time out, return NaN; a response
     masked by reward.code.infrastructure_errors counts as one) before the run stops, quoting the first failure (every one is in OUTPUT_DIR/logs/reward_errors.log);
     a round where every call failed always stops it."""
-    workers: int = 2
+    workers: int = field(default=2, metadata=RESUME)
+    """Reward worker processes: calls run this many at a time."""
     norm: RewardNorm = "none"
     """Reward normalisation before the group advantages: over the batch, per prompt group, or
     by running moments across steps."""
@@ -204,6 +261,10 @@ class RewardConfig:
     """The code reward's settings and the sandbox's per-test limits (gspo_mcore/rewards/code_config.py,
     docs/13-code-rl.md); read by `code`, `code_all` and `code_group_reward`."""
 
+    def check(self) -> None:
+        if self.code.problem() is not None:
+            raise ConfigError(f"reward.code.{self.code.problem()}")
+
 
 @dataclass
 class RolloutConfig:
@@ -213,9 +274,10 @@ class RolloutConfig:
     engine_python: str = ""
     """The Python that runs a server the run starts (relative paths from the repository); empty:
     this one. vLLM on CPU runs in its own venv: `.venv-vllm/bin/python` (make install-vllm)."""
-    urls: list[str] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list, metadata=RESUME)
     """Running engine servers. Empty: the run starts `num_servers` itself (the CPU default, tests)."""
-    num_servers: int = 1
+    num_servers: int = field(default=1, metadata=RESUME)
+    """Servers the run starts itself (urls empty), each on engine_tp GPUs."""
     mode: Literal["sync", "one_step_off", "async"] = "sync"
     """sync: generate a batch, train on it, push, repeat. one_step_off: batch k+1 is generated
     while batch k trains. async: groups stay in flight on every server continuously, paced so
@@ -249,14 +311,19 @@ class RolloutConfig:
     """Extra arguments of the engine's server (`sglang.launch_server`, vLLM's API server) for a
     server the run starts itself."""
     max_total_tokens: int = 8192
-    max_running_requests: int = 64
+    """A server's KV cache in tokens (a server the run starts gets it; the client keeps no more
+    requests in flight than fit it, and the planner sizes the GPUs with it)."""
+    max_running_requests: int = field(default=64, metadata=RESUME)
+    """The most requests a server runs at once (a server the run starts gets it; the client keeps no more in flight)."""
     max_new_tokens: int = 1024
+    """The longest response a request may generate, in tokens."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a response ends with the token that completes one (kept, with its log-prob).
-    A server the run starts then loads the tokenizer (SGLang matches them on text); servers
+    A server the run starts then loads the tokenizer (the engine matches them on text); servers
     started elsewhere must not run with --skip-tokenizer-init."""
-    request_timeout_s: float = 600.0
-    max_attempts: int = 5
+    request_timeout_s: float = field(default=600.0, metadata=RESUME)
+    """Per request: how long the client waits for the answer."""
+    max_attempts: int = field(default=5, metadata=RESUME)
     """Per request: retries with exponential backoff across servers, then the run stops."""
     return_routed_experts: bool = False
     """Ask the engine for each token's routed experts (servers started with
@@ -265,7 +332,7 @@ class RolloutConfig:
     function: str = "single_turn"
     """How a prompt becomes trajectories: `single_turn` (one response per request), `tool_loop`
     (the model calls `tools`), or `module:function`, an async function (task, engine) ->
-    Trajectory | list (gspo_mcore.rollout.functions; docs/03-multi-turn.md)."""
+    Trajectory | list (their types in gspo_mcore.api; docs/03-multi-turn.md)."""
     tools: list[str] = field(default_factory=list)
     """`module:function` of plain Python functions with type hints and a docstring (their JSON
     schemas reach the model through the chat template), run in worker processes."""
@@ -275,30 +342,58 @@ class RolloutConfig:
     """Multi-turn functions: the most tokens after the prompt (model and environment)."""
     tool_timeout_s: float = 10.0
     tool_workers: int = 2
+    """Tool calls: the time limit of one call (seconds), and the worker processes that run them."""
+
+    def check(self) -> None:
+        _at_least(self, "rollout", ("max_sampling_rounds", "num_servers", "engine_tp", "max_new_tokens",
+                                    "max_attempts"), 1)
+        if self.function == "single_turn" and self.tools:
+            raise ConfigError("rollout.tools: the single_turn rollout calls no tools; set rollout.function: tool_loop "
+                              "(or a function of yours)")
+        if self.function == "tool_loop" and not self.tools:
+            raise ConfigError("rollout.function: tool_loop needs rollout.tools (module:function, ...)")
+        if self.max_turns < 1 or self.max_trajectory_tokens < 1 or self.tool_timeout_s <= 0 or self.tool_workers < 1:
+            raise ConfigError("rollout.max_turns, max_trajectory_tokens, tool_workers must be >= 1 and "
+                              "tool_timeout_s > 0")
+        if self.mode == "sync" and not self.partial:
+            raise ConfigError("rollout.partial: false applies to the asynchronous modes (a synchronous push has no "
+                              "request in flight); set rollout.mode or drop it")
+        if self.max_staleness < 0:
+            raise ConfigError("rollout.max_staleness: must be >= 0")
+        if self.oversample < 1:
+            raise ConfigError("rollout.oversample: must be >= 1")
+        if self.temperature <= 0:
+            raise ConfigError("rollout.temperature: must be > 0 (greedy decoding has no log-probs to train on)")
 
 
 @dataclass
 class WeightSyncConfig:
     method: Literal["distributed", "tensor", "disk"] = "distributed"
-    """distributed: process groups trainer -> SGLang (gloo on CPU, NCCL on GPU), servers on
+    """distributed: process groups trainer -> engine (gloo on CPU, NCCL on GPU), servers on
     other GPUs; tensor: colocated servers read each bucket from the trainer rank on their GPU
     (CUDA IPC; shared memory on CPU), needs expert_tensor_parallel 1; disk: HF
     safetensors on a shared file system + /update_weights_from_disk."""
-    bucket_mb: int = 512
-    master_address: str = "127.0.0.1"
-    """Address of this trainer node as the SGLang servers see it (distributed method);
+    bucket_mb: int = field(default=512, metadata=RESUME)
+    """A weight push's bucket size (MiB): the weights travel bucket by bucket."""
+    master_address: str = field(default="127.0.0.1", metadata=RESUME)
+    """Address of this trainer node as the engine's servers see it (distributed method);
     `auto`: the address each owner rank reaches its server from (multi-node, where owner ranks
     sit on several nodes). The weight-sync store listens on this address only."""
-    disk_dir: str | None = None
+    disk_dir: str | None = field(default=None, metadata=RESUME)
     """disk method: where to write the checkpoint (shared file system); None: OUTPUT_DIR/weights_sync."""
     colocate: bool = False
     """Servers share the trainer's GPUs: release their memory for training, resume before the push."""
-    check_every: int = 0
+    check_every: int = field(default=0, metadata=RESUME)
     """Every N steps, after the push, compare the engine's log-probs of probe sequences with the
     trainer's (stop if they differ beyond `check_tolerance`); 0: never."""
     check_tolerance: float | None = None
     """The largest median |engine - trainer| log-prob over the probes' response tokens the check
     accepts; None: by rollout.engine_dtype (float32 0.01, bfloat16 0.2; wrong weights give ~1)."""
+
+    def check(self) -> None:
+        _at_least(self, "weight_sync", ("bucket_mb",), 1)
+        if self.method == "tensor" and not self.colocate:
+            raise ConfigError("weight_sync.method: 'tensor' needs weight_sync.colocate (the servers on the trainer's GPUs)")
 
 
 @dataclass
@@ -314,6 +409,7 @@ class EvalDatasetConfig:
     temperature: float = 1.0
     """0: greedy (the eval/<name>/greedy accuracy)."""
     max_new_tokens: int = 1024
+    """The longest response of this evaluation, in tokens."""
     max_prompts: int = 0
     """The first N records only; 0: all."""
 
@@ -323,14 +419,32 @@ class EvalConfig:
     """Held-out evaluation on the engine right after a push (the weights evaluated are the
     version the step tagged), every `every` steps, before the first step and after the last."""
     datasets: list[EvalDatasetConfig] = field(default_factory=list)
+    """Held-out prompt sets, each with its own settings (eval.datasets[].*)."""
     every: int = 0
     """Steps between evaluations; 0: only before the first step and after the last."""
+
+    def check(self) -> None:
+        names = [d.name for d in self.datasets]
+        for i, d in enumerate(self.datasets):
+            if not d.name or "/" in d.name or not d.path:
+                raise ConfigError(f"eval.datasets[{i}]: needs a name (no '/') and a path")
+            if d.samples < 1 or d.max_new_tokens < 1 or d.temperature < 0 or d.max_prompts < 0:
+                raise ConfigError(f"eval.datasets[{i}] ({d.name}): samples and max_new_tokens must be >= 1, "
+                                  "temperature and max_prompts >= 0")
+            if d.temperature == 0 and d.samples != 1:
+                raise ConfigError(f"eval.datasets[{i}] ({d.name}): temperature 0 (greedy) gives one answer: samples 1")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"eval.datasets: names must differ ({names})")
+        if self.every < 0:
+            raise ConfigError("eval.every: must be >= 0")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = field(default=100, metadata=RESUME)
+    """Training steps: a rollout batch and its update each."""
     seed: int = 1234
+    """The run's seed: prompt order, minibatch order and sampling seeds derive from it (gspo_mcore.seeds)."""
     rollout_batch_size: int = 32
     """Prompts per step."""
     group_size: int = 8
@@ -338,11 +452,12 @@ class TrainConfig:
     num_minibatches: int = 4
     """Optimizer steps per rollout batch (the paper: 4); the first is on-policy."""
     ppo_epochs: int = 1
+    """Passes over a rollout batch per step, each num_minibatches optimizer steps."""
     max_tokens_per_microbatch: int = 8192
     """Token budget per microbatch per GPU (padded length x sequences); a longer sequence goes alone."""
     recompute_old_logprobs: bool = False
     """Comparison runs: pi_old from a trainer forward instead of the engine's log-probs."""
-    strict_exactness: Literal["auto", "true", "false"] = "auto"
+    strict_exactness: Literal["auto", "true", "false"] = field(default="auto", metadata=RESUME)
     """Stop the run when a sequence's train-inference mismatch at theta_old (per-sequence
     |log s_i| over the tokens the current weights generated) exceeds
     `strict_exactness_tolerance`, writing the offending sequences to
@@ -350,22 +465,22 @@ class TrainConfig:
     float32 (rollout.engine_dtype and model.dtype), where the two agree to ~1e-6; `true` forces
     it (a bf16 engine's mismatch is ~1e-3: it fires); `false` off. On, every step forwards the
     whole batch once at theta_old (none more when pi_old or pi_prox is recomputed anyway)."""
-    strict_exactness_tolerance: float = 1e-4
+    strict_exactness_tolerance: float = field(default=1e-4, metadata=RESUME)
     """The largest per-sequence |log s_i| strict exactness accepts (float32 on both sides gives ~1e-6)."""
     routing_replay: bool = False
     """Comparison runs (R3): the trainer's MoE routers take the engine's routed experts in
     forward and backward (megatron-core's RouterReplay) instead of routing freely. Needs
     rollout.return_routed_experts."""
-    save_every: int = 0
+    save_every: int = field(default=0, metadata=RESUME)
     """Checkpoint (model, optimizer, RNG, data position, step) every N steps; 0: only at the end."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = field(default=3, metadata=RESUME)
     """Keep the newest N checkpoints (older ones are removed once a newer one is complete); 0: all."""
-    save_final: bool = True
+    save_final: bool = field(default=True, metadata=RESUME)
     """Checkpoint the last step (false: smoke runs that keep nothing; a 30B-A3B checkpoint with
     Adam states is ~430 GB)."""
-    export_hf: bool = True
+    export_hf: bool = field(default=True, metadata=RESUME)
     """Write the final weights as a Hugging Face checkpoint (OUTPUT_DIR/hf)."""
-    wandb_project: str | None = None
+    wandb_project: str | None = field(default=None, metadata=RESUME)
     """Also log the metrics to this Weights & Biases project (the `wandb` package; WANDB_MODE=offline
     writes OUTPUT_DIR/wandb without a network, for `wandb sync` later). None: metrics.jsonl and
     TensorBoard only."""
@@ -373,6 +488,17 @@ class TrainConfig:
     """Every N steps, OUTPUT_DIR/samples/step_N.jsonl: `log_samples` training responses (prompt,
     response, reward, advantage) and the evaluation's first responses when it ran; 0: never."""
     log_samples: int = 8
+    """Training responses per samples file (log_samples_every)."""
+
+    def check(self) -> None:
+        _at_least(self, "train", ("steps", "rollout_batch_size", "group_size", "num_minibatches", "ppo_epochs",
+                                  "max_tokens_per_microbatch"), 1)
+        if self.group_size < 2:
+            raise ConfigError("train.group_size: must be >= 2 (a group of one has no advantage to learn from)")
+        if self.strict_exactness_tolerance <= 0:
+            raise ConfigError("train.strict_exactness_tolerance: must be > 0")
+        if self.keep_checkpoints < 0:
+            raise ConfigError("train.keep_checkpoints: must be >= 0")
 
 
 @dataclass
@@ -388,138 +514,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    def _check_optimizer(self) -> None:
-        if self.optimizer.cpu_offload and (self.distributed.device != "cuda" or not self.optimizer.distributed_optimizer):
-            raise ConfigError("optimizer.cpu_offload: needs distributed.device 'cuda' and optimizer.distributed_optimizer")
-        if self.optimizer.precision_aware and self.optimizer.cpu_offload:
-            raise ConfigError("optimizer.precision_aware: keeps bf16 Adam moments on the GPU, optimizer.cpu_offload fp32 "
-                              "ones on the host: set one")
-        if self.optimizer.precision_aware and (self.distributed.device != "cuda" or not self.optimizer.distributed_optimizer
-                                               or self.optimizer.name != "adam" or self.model.dtype != "bfloat16"):
-            raise ConfigError("optimizer.precision_aware: needs distributed.device 'cuda' (Transformer Engine's FusedAdam), "
-                              "optimizer.distributed_optimizer, optimizer.name 'adam' and model.dtype 'bfloat16'")
-        if self.optimizer.lr <= 0:
-            raise ConfigError(f"optimizer.lr: {self.optimizer.lr} must be > 0")
-        if not 0 <= self.optimizer.min_lr <= self.optimizer.lr:
-            raise ConfigError(f"optimizer.min_lr: {self.optimizer.min_lr} must be within [0, optimizer.lr]")
-        if not 0 <= self.optimizer.lr_warmup_steps < self.train.steps:
-            raise ConfigError(f"optimizer.lr_warmup_steps: {self.optimizer.lr_warmup_steps} must be within "
-                              f"[0, train.steps) ({self.train.steps})")
-
-    def _check_rollout_mode(self) -> None:
-        if self.rollout.mode != "sync" and self.weight_sync.colocate:
-            raise ConfigError(f"rollout.mode: {self.rollout.mode!r} overlaps generation and training, which colocated "
-                              "servers cannot (they share the trainer's GPUs): use a split config or mode 'sync'")
-        if self.rollout.mode == "async" and self.reward.norm == "batch":
-            raise ConfigError("reward.norm: 'batch' has no batch in rollout.mode 'async' (groups finish one by one): "
-                              "use 'group', 'running' or 'none'")
-        if self.rollout.mode == "sync" and not self.rollout.partial:
-            raise ConfigError("rollout.partial: false applies to the asynchronous modes (a synchronous push has no "
-                              "request in flight); set rollout.mode or drop it")
-        if self.rollout.max_staleness < 0 or self.loss.behavior_weight_cap < 1:
-            raise ConfigError("rollout.max_staleness must be >= 0 and loss.behavior_weight_cap >= 1")
-
-    def _check_rollout_function(self) -> None:
-        r = self.rollout
-        if r.function == "single_turn" and r.tools:
-            raise ConfigError("rollout.tools: the single_turn rollout calls no tools; set rollout.function: tool_loop "
-                              "(or a function of yours)")
-        if r.function == "tool_loop" and not r.tools:
-            raise ConfigError("rollout.function: tool_loop needs rollout.tools (module:function, ...)")
-        if r.max_turns < 1 or r.max_trajectory_tokens < 1 or r.tool_timeout_s <= 0 or r.tool_workers < 1:
-            raise ConfigError("rollout.max_turns, max_trajectory_tokens, tool_workers must be >= 1 and "
-                              "tool_timeout_s > 0")
-
-    def _check_eval(self) -> None:
-        names = [d.name for d in self.eval.datasets]
-        for i, d in enumerate(self.eval.datasets):
-            if not d.name or "/" in d.name or not d.path:
-                raise ConfigError(f"eval.datasets[{i}]: needs a name (no '/') and a path")
-            if d.samples < 1 or d.max_new_tokens < 1 or d.temperature < 0 or d.max_prompts < 0:
-                raise ConfigError(f"eval.datasets[{i}] ({d.name}): samples and max_new_tokens must be >= 1, "
-                                  "temperature and max_prompts >= 0")
-            if d.temperature == 0 and d.samples != 1:
-                raise ConfigError(f"eval.datasets[{i}] ({d.name}): temperature 0 (greedy) gives one answer: samples 1")
-            if d.temperature == 0 and self.rollout.function != "single_turn":
-                # A rollout function's engine calls check their sampling as training's do.
-                raise ConfigError(f"eval.datasets[{i}] ({d.name}): temperature 0 (greedy) runs single-turn "
-                                  f"only, not through rollout.function {self.rollout.function}")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"eval.datasets: names must differ ({names})")
-        if self.eval.every < 0:
-            raise ConfigError("eval.every: must be >= 0")
-
-    def _check_loss(self) -> None:
-        loss = self.loss
-        band = loss.token_mask_band
-        if band is not None and (len(band) != 2 or not 0 < band[0] < 1 < band[1]):
-            raise ConfigError("loss.token_mask_band: expected [low, high] with 0 < low < 1 < high")
-        if loss.band_from_mismatch is not None and loss.band_from_mismatch <= 0:
-            raise ConfigError("loss.band_from_mismatch: must be > 0")
-        if loss.sequence_mask_threshold is not None and loss.sequence_mask_threshold < 0:
-            raise ConfigError("loss.sequence_mask_threshold: must be >= 0")
-        if loss.horizon is not None and loss.horizon < 1:
-            raise ConfigError("loss.horizon: must be >= 1")
-        for name in ("kl_loss_coef", "entropy_coef"):
-            if getattr(loss, name) < 0:
-                raise ConfigError(f"loss.{name}: must be >= 0")
-        for name, why in foreign_fields(loss.function).items():
-            if getattr(loss, name) != getattr(LossConfig, name):
-                raise ConfigError(f"loss.{name}: {why}")
-        for name in ("sapo_tau_pos", "sapo_tau_neg", "gmpo_log_clip"):
-            if getattr(loss, name) <= 0:
-                raise ConfigError(f"loss.{name}: must be > 0")
-        if loss.cispo_weight_max <= 1 or (loss.cispo_weight_min is not None and not 0 < loss.cispo_weight_min < 1):
-            raise ConfigError("loss.cispo_weight_min / cispo_weight_max: expected 0 < min < 1 < max")
-        if loss.mismatch_threshold <= 1:
-            raise ConfigError("loss.mismatch_threshold: must be > 1")
-        if loss.mismatch_correction != "none" and self.rollout.mode != "sync":
-            raise ConfigError(f"loss.mismatch_correction: applies in rollout.mode sync (in {self.rollout.mode} the "
-                              "behaviour weight carries pi_prox / pi_engine)")
-
     def validate(self) -> "Config":
-        self._check_eval()
-        self._check_rollout_function()
-        self._check_optimizer()
-        self._check_rollout_mode()
-        if self.model.spec == "te" and self.distributed.device != "cuda":
-            raise ConfigError("model.spec: 'te' (Transformer Engine) needs distributed.device 'cuda'")
-        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel"):
-            if getattr(self.distributed, name) < 1:
-                raise ConfigError(f"distributed.{name}: must be >= 1")
-        for name in ("timeout_minutes", "rollout_timeout_minutes"):
-            if getattr(self.distributed, name) <= 0:
-                raise ConfigError(f"distributed.{name}: must be > 0")
-        for section, name in (("train", "steps"), ("train", "rollout_batch_size"), ("train", "group_size"),
-                              ("train", "num_minibatches"), ("train", "ppo_epochs"), ("rollout", "max_sampling_rounds"),
-                              ("train", "max_tokens_per_microbatch"), ("rollout", "num_servers"), ("rollout", "engine_tp"),
-                              ("rollout", "max_new_tokens"), ("rollout", "max_attempts"), ("weight_sync", "bucket_mb")):
-            if getattr(getattr(self, section), name) < 1:
-                raise ConfigError(f"{section}.{name}: must be >= 1")
-        ws, d = self.weight_sync, self.distributed
-        if ws.method == "distributed" and ws.colocate and d.device == "cuda":
-            raise ConfigError("weight_sync.method: 'distributed' cannot reach colocated servers (NCCL refuses two ranks "
-                              "on one GPU): use 'tensor' (or 'disk')")
-        if ws.method == "tensor" and not ws.colocate:
-            raise ConfigError("weight_sync.method: 'tensor' needs weight_sync.colocate (the servers on the trainer's GPUs)")
-        if ws.method == "tensor" and d.expert_tensor_parallel != 1:
-            raise ConfigError("weight_sync.method: 'tensor' needs distributed.expert_tensor_parallel 1")
-        if self.train.routing_replay and not self.rollout.return_routed_experts:
-            raise ConfigError("train.routing_replay: needs rollout.return_routed_experts (the routing to replay)")
-        if self.rollout.oversample < 1:
-            raise ConfigError("rollout.oversample: must be >= 1")
-        if self.train.group_size < 2:
-            raise ConfigError("train.group_size: must be >= 2 (a group of one has no advantage to learn from)")
-        self._check_loss()
-        if self.reward.code.problem() is not None:
-            raise ConfigError(f"reward.code.{self.reward.code.problem()}")
-        if self.rollout.temperature <= 0:
-            raise ConfigError("rollout.temperature: must be > 0 (greedy decoding has no log-probs to train on)")
-        if self.train.strict_exactness_tolerance <= 0:
-            raise ConfigError("train.strict_exactness_tolerance: must be > 0")
-        if self.train.keep_checkpoints < 0:
-            raise ConfigError("train.keep_checkpoints: must be >= 0")
-        return self
+        """Every section's own checks, then those across sections (gspo_mcore.config.validate)."""
+        return validate(self)
 
     @property
     def sync_check_tolerance(self) -> float:
@@ -541,141 +538,14 @@ class Config:
         return self.loss.horizon or self.rollout.max_new_tokens
 
 
-def _convert(tp, value, where: str):
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:  # Optional[X]
-        if value is None:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, where)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return from_dict(tp, value, where)
-    if origin is Literal:
-        if isinstance(value, bool) and str(value).lower() in args:  # YAML's true/false for "true"/"false"
-            value = str(value).lower()
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
-        return value
-    if tp is Any:
-        return value
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"{where}: expected a mapping with string keys, got {value!r}")
-        return {k: _convert(args[1], v, f"{where}.{k}") for k, v in value.items()}
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
-        return value
-    if tp in (int, float, str):
-        if isinstance(value, bool) or (tp is int and isinstance(value, float)):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
-        try:
-            return tp(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
-    raise ConfigError(f"{where}: unsupported field type {tp}")
-
-
-# Fields that moved to the section that reads them: a config written for the old place gets told.
-# loss.level's values as loss.function's (what a run directory's config.yaml of an older version
-# holds: gspo_mcore.run_config reads it with them).
-LEVEL_FUNCTIONS = {"sequence": "gspo", "sequence_token": "gspo_token", "token": "grpo"}
-# Fields another replaced: a one-line error naming the new field.
-REPLACED = {
-    "loss.level": "loss.function (" + ", ".join(f"{old}: {new}" for old, new in LEVEL_FUNCTIONS.items()) + ")",
-}
-MOVED = {
-    "loss.temperature": "rollout.temperature",
-    "train.reward_norm": "reward.norm",
-    "train.advantage_std_norm": "reward.advantage_std_norm",
-    "train.advantage_clip": "reward.advantage_clip",
-    "train.group_filter": "rollout.group_filter",
-    "train.oversample": "rollout.oversample",
-    "train.max_sampling_rounds": "rollout.max_sampling_rounds",
-}
-
-
-def from_dict(cls, data: dict, where: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        key = f"{where + '.' if where else ''}{unknown[0]}"
-        if key in MOVED:
-            raise ConfigError(f"{key}: moved to {MOVED[key]}")
-        if key in REPLACED:
-            raise ConfigError(f"{key}: replaced by {REPLACED[key]}")
-        close = difflib.get_close_matches(unknown[0], sorted(names), n=1)
-        hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else ""
-        raise ConfigError(f"{key}: unknown config {'field' if where else 'section'}{hint}")
-    kwargs = {
-        key: _convert(hints[key], value, f"{where + '.' if where else ''}{key}") for key, value in data.items()
-    }
-    return cls(**kwargs)
-
-
-def _set_override(data: dict, override: str) -> None:
-    key, sep, raw = override.partition("=")
-    if not sep:
-        raise ConfigError(f"override {override!r}: expected key=value")
-    *parents, leaf = key.split(".")
-    node = data
-    for depth, part in enumerate(parents):
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {'.'.join(parents[:depth + 1])} is not a section")
-    try:
-        node[leaf] = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {override!r}: not a valid value ({str(err).splitlines()[0]})") from None
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def _read_yaml(path: Path, seen: tuple = ()) -> dict:
-    """A config file; `base: OTHER.yaml` (relative to this file) is read first and this
-    file's sections are merged over it, key by key."""
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    if path.resolve() in seen:
-        raise ConfigError(f"{path}: `base` chain loops back to itself")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a UTF-8 text file") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: base: expected a file name")
-    return _merge(_read_yaml(path.parent / base, (*seen, path.resolve())), data)
-
-
-def config_yaml(config: Config) -> str:
-    """The resolved config (base files merged, overrides applied, every default filled in) as
-    YAML that load_config reads back to the same config."""
-    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> Config:
-    """The config of `path` (or of `data`, a config's sections as read from YAML) with `overrides`."""
-    data = {} if path is None and data is None else (data if data is not None else _read_yaml(Path(path)))
-    for override in overrides:
-        _set_override(data, override)
-    return from_dict(Config, data).validate()
+def resume_fields(cls=None, prefix: str = "") -> frozenset[str]:
+    """The dotted names of the fields a `--resume` may change (metadata RESUME), sections within
+    sections included."""
+    cls, names = cls or Config, set()
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        if f.metadata.get("resume"):
+            names.add(f"{prefix}{f.name}")
+        if is_dataclass(hints[f.name]):
+            names |= resume_fields(hints[f.name], f"{prefix}{f.name}.")
+    return frozenset(names)

@@ -1,4 +1,4 @@
-"""gspo-mcore: GSPO for Qwen3-MoE on Megatron-Core, rollouts from SGLang."""
+"""gspo-mcore: GSPO for Qwen3-MoE on Megatron-Core, rollouts from SGLang or vLLM."""
 
 import warnings
 

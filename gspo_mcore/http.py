@@ -1,12 +1,12 @@
-"""JSON over HTTP to an SGLang server: one request function and the two ways it fails.
+"""JSON over HTTP to an engine server: one request function and the two ways it fails.
 
-`HTTPStatusError`: the server answered and refused (its status and SGLang's `message`).
+`HTTPStatusError`: the server answered and refused (its status and its error message).
 `ConnectionFailure`: the answer is unknown (no connection, a timeout, or a server dying
 mid-answer: an `IncompleteRead`, or a JSON body cut off); callers may retry it.
 A 200 whose body is not JSON and not labelled JSON (SGLang's /flush_cache answers text)
 comes back as the text.
 
-Servers reachable from other hosts run with SGLang's `--api-key`. The key reaches a run through
+Servers reachable from other hosts run with the engine's `--api-key`. The key reaches a run through
 the environment (`API_KEY_ENV`, made per job by the launch scripts; a run makes one for the
 servers it starts); entry points read it once (`api_key_from_env`) and pass it to the clients,
 whose every request carries it.

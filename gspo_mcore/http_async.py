@@ -1,7 +1,7 @@
 """gspo_mcore.http's POST on an event loop (aiohttp), for clients with many requests in flight.
 
 The same two failures as the blocking helper, worded alike (a log reads the same whichever sent
-the request): `HTTPStatusError` with SGLang's message, `ConnectionFailure` for no answer or a
+the request): `HTTPStatusError` with the server's message, `ConnectionFailure` for no answer or a
 broken one ("URLError: ..." for no connection, "IncompleteRead: ..." for a body cut short).
 The answer comes back as bytes, for the caller to decode as it needs (gspo_mcore.engines.sglang.
 response reads SGLang's long arrays with numpy).

@@ -158,7 +158,7 @@ SCHEMA: tuple[Metric, ...] = (
            "one in sync; rollout.return_routed_experts; null otherwise or when none)", update=True),
     Metric("routing_mismatch_fraction_per_layer", "the same per MoE layer", update=True),
     Metric("routing_mismatch_fraction_older", "asynchronous modes: the same over the responses older weights "
-           "routed (a response's routing is its last token's version: SGLang re-prefills a retracted request); "
+           "routed (a response's routing is its last token's version: the engines re-prefill a continued request); "
            "the policy's change as well as the numerics; null in sync", update=True),
     Metric("routing_mb_per_rank_max", "MB of the engine's routed experts the busiest trainer rank received this "
            "step: each rank gets its own rollouts' rows for its own MoE layers (gspo_mcore.routing_delivery; "

@@ -33,7 +33,7 @@ def host_group():
     """A gloo group of every trainer rank, for waits on the host (set by init_distributed): the
     other ranks wait here for rank 0's rollout batch, a blocking socket read, where an NCCL
     broadcast would spin a kernel on their GPUs for the whole rollout (taking SMs from a
-    colocated SGLang) and time out with the trainer's collectives (distributed.timeout_minutes)."""
+    a colocated engine) and time out with the trainer's collectives (distributed.timeout_minutes)."""
     return _HOST_GROUP
 
 

@@ -1,6 +1,6 @@
 """Child processes that never outlive the run: servers in their own process group, stopped on
 every exit path, tied to the parent by the kernel (also on SIGKILL), their logs free of secrets.
-Used for SGLang servers (gspo_mcore.rollout) and reward workers (gspo_mcore.rewards)."""
+Used for engine servers (gspo_mcore.engines) and reward and tool workers (gspo_mcore.rewards, gspo_mcore.tools)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install install-vllm clean docker shellcheck sandbox
+.PHONY: demo test test-fast test-slow install install-vllm clean docker shellcheck sandbox
 
 SGLANG_CPU := gspo_mcore/engines/sglang/sglang_cpu
 
@@ -63,8 +63,18 @@ demo: $(STAMP)
 # Three workers on two cores: the slow tests wait on servers and processes starting (measured:
 # two workers kept 1.35 of the 2 cores busy). Tests that share a module's server (or a layout's
 # launch) stay together (xdist_group).
+PYTEST := $(PY) -m pytest -q -n 3 --dist loadgroup --durations=25
 test: $(STAMP) $(VLLM_STAMP) shellcheck sandbox
-	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=25 tests
+	$(PYTEST) tests
+
+# The two tiers of `make test`, each test in exactly one: the fast one (pure functions, configs,
+# static checks, clients against stand-in servers; under 2 minutes) fails a broken build early.
+# Both install everything `make test` does: some fast tests run vLLM's Python (.venv-vllm).
+test-fast: $(STAMP) $(VLLM_STAMP) shellcheck sandbox
+	$(PYTEST) -m "not slow" tests
+
+test-slow: $(STAMP) $(VLLM_STAMP) shellcheck sandbox
+	$(PYTEST) -m slow tests
 
 # A command from a Debian package, installed when missing (as root, or through sudo).
 # $(1): the command, $(2): the package.

@@ -1,13 +1,11 @@
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+# Re-exported for the modules that still import them from here; new code imports tests/helpers.py.
+from helpers import REPO, last_json_line, run_module  # noqa: F401
 
 # One OpenMP thread per process (the servers the tests start, the ranks, torch in the workers)
 # unless the caller chose: `make test` runs three workers on two cores, where a second thread
@@ -90,33 +88,6 @@ def vllm_server(model_dir, log, env: dict | None = None, **options):
     cmd = vllm_command(str(model_dir), port, python=str(REPO / ".venv-vllm" / "bin" / "python"), dtype="float32",
                        **options)
     return ManagedServer(cmd, f"http://127.0.0.1:{port}", log, env={**server_env(), **(env or {})})
-
-
-def run_module(args: list[str], nproc: int = 1, timeout: int = 300, warnings: bool = False) -> subprocess.CompletedProcess:
-    """Run `python -m ...` (nproc 1) or `torchrun --nproc_per_node N -m ...`; fail with its log.
-    `warnings`: Python's own warning display, as a user runs it (else PYTHONWARNINGS=ignore)."""
-    if nproc == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if warnings:
-        del env["PYTHONWARNINGS"]
-    # Output through files, not pipes: a daemon the job leaves behind (torch_shm_manager, kept
-    # by a server that mapped shared tensors) would hold a pipe open and block the read.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        returncode = subprocess.run(cmd, stdout=out, stderr=err, text=True, timeout=timeout, env=env,
-                                    cwd=REPO).returncode
-        out.seek(0), err.seek(0)
-        proc = subprocess.CompletedProcess(cmd, returncode, out.read(), err.read())
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def last_json_line(text: str) -> dict:
-    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
 # ------------------------------------------------------------ one torchrun launch per layout

@@ -4,20 +4,19 @@ the tool loop (every step calls the tool; the environment's tokens are in the tr
 the held-out evaluation, run through the same tool loop, rises with it."""
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO, environment, metrics
 
 # Slow: the writer's warm start (~25 s) and a 30-step run with its own server. Its own xdist group.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent_cpu")]
 
 
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+ENV = environment()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def agent_run(agent_task):
 
 def test_the_agent_task_learns_to_look_up_the_prompts_key_within_ten_minutes(agent_run):
     out, seconds = agent_run
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 31))
     rewards = [r["reward_mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10

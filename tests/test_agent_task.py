@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from gspo_mcore import agent_task
 from gspo_mcore.agent_task import lookup, lookup_reward, make_agent_task, tool_call
 from gspo_mcore.tools.runner import ToolCall, load_tools, parse_tool_calls
-from test_trajectories import ScriptedModel
+from helpers import ScriptedClient
 
 TOOLS = ["gspo_mcore.agent_task:lookup"]
 
@@ -61,7 +61,7 @@ def test_the_tool_loop_splices_the_result_as_the_template_renders_the_whole_conv
     from gspo_mcore.tools.runner import ToolRunner
 
     value = lookup("t_12", "k_3")
-    model = ScriptedModel(tokenizer, [tool_call("t_12", "k_3"), value])
+    model = ScriptedClient.replying(tokenizer, [tool_call("t_12", "k_3"), value])
     runner = ToolRunner(TOOLS, workers=1, timeout_s=30)
     try:
         engine = EngineHandle(model, tokenizer, 0, {"temperature": 1.0}, seed=0, tools=runner,
@@ -89,7 +89,7 @@ def test_a_malformed_call_shows_as_an_error_not_an_empty_response(tokenizer):
     from gspo_mcore.tools.runner import ToolRunner
 
     malformed = '<tool_call> { "name" : "lookup" , "arguments" : { "table" : "t_12" } } </tool_call>'  # no key
-    model = ScriptedModel(tokenizer, [malformed, "v_1"])
+    model = ScriptedClient.replying(tokenizer, [malformed, "v_1"])
     runner = ToolRunner(TOOLS, workers=1, timeout_s=30)
     try:
         engine = EngineHandle(model, tokenizer, 0, {"temperature": 1.0}, seed=0, tools=runner,

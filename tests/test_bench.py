@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, last_json_line, run_module
+from helpers import REPO, last_json_line, run_module
 
 
 # bench -> the keys of its last line (a full run's; the smoke run must print the same).

@@ -15,11 +15,11 @@ from checkpoint_convert import convert
 from checkpoint_convert.dcp_io import DCPReader
 from gspo_mcore.safetensors_io import HFCheckpointReader
 from checkpoint_convert.synthetic import QWEN3_30B_A3B, QWEN3_235B_A22B, write_synthetic_checkpoint
-from conftest import REPO, last_json_line, run_module
+from helpers import REPO, last_json_line, run_module
 from gspo_mcore.errors import InputError
 from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 
-pytestmark = pytest.mark.slow  # runs the converter CLI in subprocesses (and torchrun)
+# Slow (`slow` on each): those that run the converter CLI or torchrun in subprocesses.
 
 
 def cli(*args, check=True):
@@ -45,6 +45,7 @@ def converted(tiny_hf_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_output_has_the_files_megatron_lm_expects(converted):
     assert (converted / "latest_checkpointed_iteration.txt").read_text() == "release"
     release = converted / "release"
@@ -54,6 +55,7 @@ def test_output_has_the_files_megatron_lm_expects(converted):
     assert not list(converted.parent.glob("*.tmp-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_round_trip_is_bitwise(tmp_path, dtype):
     hf = make_tiny_checkpoint(tmp_path / "hf", seed=5, dtype=dtype)
@@ -68,6 +70,7 @@ def test_round_trip_is_bitwise(tmp_path, dtype):
     assert (back / "config.json").read_text() == (hf / "config.json").read_text()
 
 
+@pytest.mark.slow
 def test_dtype_cast(tiny_hf_dir, tmp_path):
     cli("hf-to-mcore", "--hf-dir", str(tiny_hf_dir), "--output-dir", str(tmp_path / "m"), "--dtype", "bf16", "--quiet")
     reader = DCPReader(tmp_path / "m" / "release")
@@ -79,6 +82,7 @@ def test_dtype_cast(tiny_hf_dir, tmp_path):
     assert figures["ok"] and figures["weights_rounded_to"] == "bfloat16"  # a float32 model, compared as converted
 
 
+@pytest.mark.slow
 def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
     """Keys, global shapes, dtypes and values equal those of Megatron's own save of the model
     (the local spec; the converter adds the extra states of the TE spec's standalone norms)."""
@@ -104,6 +108,7 @@ def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
             assert torch.equal(ours.read(key), megatron.read(key)), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["EP2", "PP2", "TP2-SP"])
 def test_converted_checkpoint_loads_under_layouts(tiny_hf_dir, converted, layout):
     overrides = {"EP2": ["distributed.expert_parallel=2"], "PP2": ["distributed.pipeline_parallel=2"],
@@ -114,6 +119,7 @@ def test_converted_checkpoint_loads_under_layouts(tiny_hf_dir, converted, layout
     assert figures["max_abs_logit_diff"] <= 1e-4 and figures["export_bitwise_identical"], figures
 
 
+@pytest.mark.slow
 def test_trainer_checkpoint_under_ep2_back_to_hf(tiny_hf_dir, tmp_path):
     """A checkpoint Megatron saved with experts split over 2 ranks: every expert comes back."""
     run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved"),
@@ -123,6 +129,7 @@ def test_trainer_checkpoint_under_ep2_back_to_hf(tiny_hf_dir, tmp_path):
     assert_same_checkpoint(tiny_hf_dir, tmp_path / "back")
 
 
+@pytest.mark.slow
 def test_verify_passes_and_fails(tiny_hf_dir, converted, tmp_path):
     proc = cli("verify", "--hf-dir", str(tiny_hf_dir), "--mcore-dir", str(converted))
     figures = last_json_line(proc.stdout)
@@ -172,11 +179,13 @@ def to_mcore(hf, out, *extra):
     return cli("hf-to-mcore", "--hf-dir", str(hf), "--output-dir", str(out), "--quiet", *extra, check=False)
 
 
+@pytest.mark.slow
 def test_missing_config(hf_copy, tmp_path):
     (hf_copy / "config.json").unlink()
     assert_rejected(to_mcore(hf_copy, tmp_path / "out"), tmp_path / "out", "config.json not found")
 
 
+@pytest.mark.slow
 def test_not_qwen3_moe(hf_copy, tmp_path):
     cfg = json.loads((hf_copy / "config.json").read_text())
     cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
@@ -190,12 +199,14 @@ def _edit_tensors(hf, fn):
     save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
 
 
+@pytest.mark.slow
 def test_missing_tensor(hf_copy, tmp_path):
     _edit_tensors(hf_copy, lambda t: t.pop("model.layers.3.mlp.experts.5.down_proj.weight"))
     assert_rejected(to_mcore(hf_copy, tmp_path / "out"), tmp_path / "out",
                     "missing tensor 'model.layers.3.mlp.experts.5.down_proj.weight'")
 
 
+@pytest.mark.slow
 def test_wrong_shape(hf_copy, tmp_path):
     def bad(t):
         t["model.layers.2.self_attn.k_proj.weight"] = torch.zeros(48, 64)
@@ -205,12 +216,14 @@ def test_wrong_shape(hf_copy, tmp_path):
                     "'model.layers.2.self_attn.k_proj.weight' has shape [48, 64], expected [64, 64]")
 
 
+@pytest.mark.slow
 def test_truncated_safetensors(hf_copy, tmp_path):
     data = (hf_copy / "model.safetensors").read_bytes()
     (hf_copy / "model.safetensors").write_bytes(data[: len(data) // 3])
     assert_rejected(to_mcore(hf_copy, tmp_path / "out"), tmp_path / "out", "model.safetensors")
 
 
+@pytest.mark.slow
 def test_output_exists_unless_overwrite(tiny_hf_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -244,6 +257,7 @@ def test_failure_midway_leaves_nothing(tiny_hf_dir, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_no_valid_looking_output(tmp_path):
     hf = write_synthetic_checkpoint(tmp_path / "hf", {**QWEN3_30B_A3B, **SMALL, "hidden_size": 256,
                                                       "num_hidden_layers": 24})
@@ -268,6 +282,7 @@ def _peak_rss_mb(hf, out) -> float:
     return float(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_layers(tmp_path):
     big = {**QWEN3_30B_A3B, **SMALL, "hidden_size": 256, "moe_intermediate_size": 128}  # ~25 MB per layer
     few = write_synthetic_checkpoint(tmp_path / "few", {**big, "num_hidden_layers": 2})
@@ -279,6 +294,7 @@ def test_peak_memory_does_not_grow_with_layers(tmp_path):
     assert rss_many < 600, rss_many  # interpreter + torch (~270 MB) + about one layer
 
 
+@pytest.mark.slow
 def test_progress_bar_on_stderr_unless_quiet(tiny_hf_dir, tmp_path):
     proc = cli("hf-to-mcore", "--hf-dir", str(tiny_hf_dir), "--output-dir", str(tmp_path / "m"))
     assert "hf-to-mcore: 113/113 tensors" in proc.stderr and "MB/s" in proc.stderr and "ETA" in proc.stderr
@@ -286,6 +302,7 @@ def test_progress_bar_on_stderr_unless_quiet(tiny_hf_dir, tmp_path):
     assert quiet.stderr == ""
 
 
+@pytest.mark.slow
 def test_mcore_to_hf_with_the_wrong_config_names_the_tensor(converted, tmp_path):
     other = write_synthetic_checkpoint(tmp_path / "other", {**QWEN3_30B_A3B, **SMALL})
     out = tmp_path / "back"
@@ -294,6 +311,7 @@ def test_mcore_to_hf_with_the_wrong_config_names_the_tensor(converted, tmp_path)
     assert_rejected(proc, out, "embedding.word_embeddings.weight", "has shape [256, 64], expected [512, 64]")
 
 
+@pytest.mark.slow
 def test_truncated_distcp_is_named_and_leaves_nothing(converted, tiny_hf_dir, tmp_path):
     broken = tmp_path / "mcore"
     shutil.copytree(converted, broken)
@@ -305,6 +323,7 @@ def test_truncated_distcp_is_named_and_leaves_nothing(converted, tiny_hf_dir, tm
     assert_rejected(proc, out, "__2_0.distcp")
 
 
+@pytest.mark.slow
 def test_megatron_own_local_specs_load_the_output_strictly(tiny_hf_dir, converted):
     """A Megatron user's GPTModel from get_gpt_decoder_block_spec(use_transformer_engine=False)
     or get_gpt_layer_local_spec loads our checkpoint with a default (strict) load and gives the

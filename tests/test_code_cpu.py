@@ -2,19 +2,17 @@
 reward comes from a program run in the real sandbox, and the mean reward rises by >= 0.2 from the
 first 10 steps to the last 10."""
 
-import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO, environment, metrics
 
 # Slow: a 30-step run with its own server. Its own xdist group.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("code_cpu")]
 
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+ENV = environment()
 
 
 def test_the_code_task_learns_from_executed_programs(tmp_path):
@@ -29,7 +27,7 @@ def test_the_code_task_learns_from_executed_programs(tmp_path):
                           "train.strict_exactness=false"],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert all(r["reward_errors"] == 0 and r["reward_timeouts"] == 0 for r in rows)  # every program judged
     rewards = [r["reward_mean"] for r in rows]

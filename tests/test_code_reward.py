@@ -141,6 +141,7 @@ def test_the_reward_is_registered_and_reads_prepare_codes_answer():
 
 # ---- the commands
 
+@pytest.mark.slow  # the scoring command in subprocesses
 def test_prepare_code_and_the_scoring_command(tmp_path):
     raw = tmp_path / "lcb.jsonl"
     private = lcb_encoded(json.dumps([{"input": "5 7\n", "output": "12\n", "testtype": "stdin"}]))
@@ -264,9 +265,8 @@ def test_an_infrastructure_error_scores_zero_or_is_masked_as_reward_code_says(mo
 def test_a_masked_response_leaves_its_group_before_the_advantages(tmp_path):
     """reward.code.infrastructure_errors: mask: a response the reward returned None for neither
     scores 0 nor trains; the rest of its group is normalised without it."""
-    from test_rollout_source import GROUP, source_for
-
     from gspo_mcore.toy_task import make_prompts, make_tokenizer
+    from helpers import GROUP, source_for
 
     make_tokenizer(tmp_path / "tokenizer")
     make_prompts(tmp_path / "prompts.jsonl", 64, seed=0)

@@ -1,7 +1,6 @@
 """checkpoint_convert's input checks that run before anything is written (in-process: fast)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import pytest
 
 from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf, remove_stale_temporaries
 from checkpoint_convert.verify import verify
-from conftest import REPO
+from helpers import REPO, environment
 from gspo_mcore.errors import CheckpointError, InputError
 
 
@@ -37,6 +36,7 @@ def test_mcore_to_hf_refuses_its_inputs_as_output(converted, tiny_hf_dir, tmp_pa
     assert (converted / "latest_checkpointed_iteration.txt").is_file()
 
 
+@pytest.mark.slow  # the converter CLI in a subprocess
 def test_an_output_whose_parent_is_missing_is_one_line_exit_2_both_ways(converted, tiny_hf_dir, tmp_path):
     """It was a FileNotFoundError traceback from the disk-space check, exit 1."""
     out = tmp_path / "missing" / "out"
@@ -88,16 +88,18 @@ def test_a_config_with_fewer_layers_than_the_checkpoint_is_an_error(converted, f
         verify(config_dir, converted)
 
 
+@pytest.mark.slow  # the converter CLI in a subprocess
 def test_verify_does_not_warn_of_torchs_sharded_tensor_deprecation(converted, tiny_hf_dir):
     proc = subprocess.run([sys.executable, "-m", "checkpoint_convert", "verify", "--hf-dir", str(tiny_hf_dir),
                            "--mcore-dir", str(converted)], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=environment(warnings=True))
     assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["ok"], proc.stderr[-2000:]
     assert "ShardedTensor" not in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # the converter CLI in a subprocess
 def test_verify_takes_quiet_and_exits_2_on_a_checkpoint_the_config_does_not_cover(converted, fewer_layers):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = environment(warnings=True)
     proc = subprocess.run([sys.executable, "-m", "checkpoint_convert", "verify", "--hf-dir", str(fewer_layers[0]),
                            "--mcore-dir", str(converted), "--quiet"], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=120)

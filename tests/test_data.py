@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
 from gspo_mcore.data.prepare_math import INSTRUCTION, prepare
 from gspo_mcore.errors import InputError
@@ -156,7 +156,7 @@ def test_chat_template_ids():
 
 
 def test_the_data_pages_verl_row_loads_from_parquet_as_it_says(tmp_path):
-    from conftest import REPO
+    from helpers import REPO
 
     text = (REPO / "docs" / "05-data-and-rewards.md").read_text()
     row = json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))

@@ -1,13 +1,12 @@
 """`make demo` (gspo_mcore.demo): where it writes, and that it deletes nothing unless asked."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO, environment
 from gspo_mcore.demo import CONFIG, DEFAULT_OUTPUT, check_run_dir, parse_args, train_command
 from gspo_mcore.errors import InputError
 
@@ -28,7 +27,7 @@ def test_a_second_demo_into_a_run_is_refused_before_anything_starts_with_the_dem
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     (run / "notes.txt").write_text("mine")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    env = environment()
     proc = subprocess.run([sys.executable, "-m", "gspo_mcore.demo", "--output-dir", "out"], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]

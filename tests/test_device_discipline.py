@@ -8,7 +8,7 @@ import ast
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 FACTORIES = {"full", "zeros", "ones", "empty", "tensor", "arange", "as_tensor", "randn", "rand", "randint",
              "randperm", "linspace", "eye", "from_numpy", "empty_strided"}

@@ -8,6 +8,7 @@ import pytest
 from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.errors import InputError
 from gspo_mcore.evaluation import dataset_metrics, pass_at_k
+from helpers import ScriptedClient
 
 # n = 4 samples, c correct: 1 - C(4 - c, k) / C(4, k), by hand.
 HAND = {0: [0, 0, 0, 0], 1: [1 / 4, 1 / 2, 3 / 4, 1], 2: [1 / 2, 5 / 6, 1, 1], 3: [3 / 4, 1, 1, 1], 4: [1, 1, 1, 1]}
@@ -74,24 +75,15 @@ def test_gspo_eval_keeps_its_servers_logs():
     assert default_log_dir(Path("/nowhere/model")) == Path("gspo-eval-logs")
 
 
-class _ScriptedEngine:
-    """The rollout client's generate_one: answers the category the prompt asks for on even calls."""
+def _scripted_engine(tokenizer) -> ScriptedClient:
+    """Answers the category the prompt asks for on even calls, over two servers."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.urls, self.max_concurrency, self.calls = tokenizer, ["a", "b"], 4, []
-
-    async def generate_one_async(self, *request, evaluation=False):
-        return self.generate_one(*request)
-
-    def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):
-        from gspo_mcore.samples import Rollout
-
-        self.calls.append((name, server, weight_version))
-        category = re.search(r"name an? (\w+)", self.tokenizer.decode(prompt_ids)).group(1)
+    def reply(name, prompt_ids):
+        category = re.search(r"name an? (\w+)", tokenizer.decode(prompt_ids)).group(1)
         wrong = "fruit_1" if category == "color" else "color_1"
-        word = f"{category}_0" if int(name.split()[2].split("/")[0]) % 2 == 0 else wrong
-        ids = self.tokenizer.convert_tokens_to_ids([word, "<eos>"])
-        return Rollout(list(prompt_ids), ids, [-0.5, -0.5], "stop", weight_version, token_versions=(0, 0))
+        return f"{category}_0" if int(name.split()[2].split("/")[0]) % 2 == 0 else wrong
+
+    return ScriptedClient(tokenizer, reply, urls=["a", "b"], logprob=-0.5)
 
 
 async def answer_once(task, engine):
@@ -124,7 +116,7 @@ def test_evaluation_runs_the_rollout_function_as_training_does(tmp_path, functio
                                 "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1",
                                 f"eval.datasets=[{{name: toy, path: {tmp_path / 'eval.jsonl'}, samples: 4}}]"])
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
-    engine = _ScriptedEngine(tokenizer)
+    engine = _scripted_engine(tokenizer)
     evaluator = Evaluator(config, tokenizer)
     try:
         if function == "answer_twice":

@@ -5,19 +5,17 @@ checked against a stand-in that answers as SGLang 0.5.23 does (entrypoints/http_
 import json
 import math
 import random
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
-from conftest import REPO
 from gspo_mcore.config import load_config
 from gspo_mcore.engines.sglang.engine import SGLangEngine
 from gspo_mcore.errors import WeightSyncError
 from gspo_mcore.exactness import ExactnessError, check, mismatches, sequence_mismatch
 from gspo_mcore.loss import sequence_log_ratio
 from gspo_mcore.samples import Batch, Rollout
+from helpers import REPO, ToyHandler, toy_server, url
 from gspo_mcore.trajectory import Trajectory, to_rollout
 
 
@@ -124,68 +122,41 @@ def test_strict_exactness_reads_yaml_booleans_and_refuses_others(tmp_path):
 
 
 # ------------------------------------------------------------ SGLang's answers, checked
-class SGLang(BaseHTTPRequestHandler):
+class SGLang(ToyHandler):
     """The control routes of SGLang 0.5.23 as entrypoints/http_server.py answers them; `refuse`
     makes one route answer what a refusing server does."""
     refuse: dict = {}
     version = "default"
 
-    def log_message(self, *a):
-        pass
-
-    def _json(self, code, body):
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _text(self, code, text):
-        data = text.encode()
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+        body = self.body()
         if self.path in self.refuse:
             code, answer = self.refuse[self.path]
-            return self._text(code, answer) if isinstance(answer, str) else self._json(code, answer)
+            return self.text(code, answer) if isinstance(answer, str) else self.json(code, answer)
         if self.path in ("/pause_generation", "/continue_generation"):
             verb = "paused" if self.path == "/pause_generation" else "continued"
-            return self._json(200, {"message": f"Generation {verb} successfully.", "status": "ok"})
+            return self.json(200, {"message": f"Generation {verb} successfully.", "status": "ok"})
         if self.path == "/end_weight_update":
-            return self._json(200, {"success": True, "message": "Success."})
+            return self.json(200, {"success": True, "message": "Success."})
         if self.path == "/update_weight_version":
             type(self).version = body["new_version"]
-            return self._json(200, {"success": True, "message": f"Weight version updated to {body['new_version']}",
+            return self.json(200, {"success": True, "message": f"Weight version updated to {body['new_version']}",
                                     "new_version": body["new_version"]})
         if self.path == "/flush_cache":
-            return self._text(200, "Cache flushed.\nPlease check backend logs for more details. (When there are "
+            return self.text(200, "Cache flushed.\nPlease check backend logs for more details. (When there are "
                                    "running or waiting requests, the operation will not be performed.)\n")
-        self._json(404, {"detail": "Not Found"})
+        self.json(404, {"detail": "Not Found"})
 
 
 @pytest.fixture
 def sglang():
-    servers = []
-    for _ in range(2):
-        server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (SGLang,), {"refuse": {}}))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-    yield servers
-    for server in servers:
-        server.shutdown()
-
-
-def _url(server):
-    return f"http://127.0.0.1:{server.server_address[1]}"
+    with toy_server(type("Handler", (SGLang,), {"refuse": {}})) as one, \
+            toy_server(type("Handler", (SGLang,), {"refuse": {}})) as two:
+        yield [one, two]
 
 
 def test_sglang_answers_that_grant_exactness_pass(sglang):
-    engine = SGLangEngine([_url(s) for s in sglang], timeout_s=5)
+    engine = SGLangEngine([url(s) for s in sglang], timeout_s=5)
     engine.pause(keep_tokens=True)
     engine.end_update("step-4")
     engine.resume()
@@ -206,46 +177,41 @@ def test_sglang_answers_that_grant_exactness_pass(sglang):
 ])
 def test_a_refused_push_step_names_the_server_and_its_answer(sglang, route, refusal, expected):
     sglang[1].RequestHandlerClass.refuse[route] = refusal
-    engine = SGLangEngine([_url(s) for s in sglang], timeout_s=5)
-    with pytest.raises(WeightSyncError, match=f"^server {_url(sglang[1])}{route}: .*{expected}"):
+    engine = SGLangEngine([url(s) for s in sglang], timeout_s=5)
+    with pytest.raises(WeightSyncError, match=f"^server {url(sglang[1])}{route}: .*{expected}"):
         engine.end_update("step-4")
 
 
 @pytest.mark.parametrize("call, route", [("pause", "/pause_generation"), ("resume", "/continue_generation")])
 def test_a_pause_or_continue_not_acknowledged_stops_the_push(sglang, call, route):
     sglang[0].RequestHandlerClass.refuse[route] = (200, {"message": "Generation paused successfully."})
-    engine = SGLangEngine([_url(s) for s in sglang], timeout_s=5)
-    with pytest.raises(WeightSyncError, match=f"^server {_url(sglang[0])}{route}: expected status ok"):
+    engine = SGLangEngine([url(s) for s in sglang], timeout_s=5)
+    with pytest.raises(WeightSyncError, match=f"^server {url(sglang[0])}{route}: expected status ok"):
         getattr(engine, call)()
 
 
 def test_each_sglang_response_names_its_server_and_the_request_id_it_was_sent_with():
     """The id the client sends (`rid`, fresh per attempt) is what the server logs it by; the
     rollout carries it with the server and SGLang's retraction and prefix-cache counts."""
-    from conftest import REPO as repo
     from gspo_mcore.engines.sglang.client import SGLangClient
 
-    fixture = json.loads((repo / "tests" / "fixtures" / "sglang_0.5.23_generate.json").read_text())
+    fixture = json.loads((REPO / "tests" / "fixtures" / "sglang_0.5.23_generate.json").read_text())
     seen = []
 
     class Generate(SGLang):
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.body()
             if self.path != "/generate":  # the close's /abort_request
-                return self._json(200, {})
+                return self.json(200, {})
             seen.append(body["rid"])
             answer = fixture["response"][0] if isinstance(fixture["response"], list) else fixture["response"]
-            self._json(200, answer)
+            self.json(200, answer)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Generate)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = SGLangClient([_url(server)], 256)
+    with toy_server(Generate) as server:
+        client = SGLangClient([url(server)], 256)
         prompt = fixture["request"]["input_ids"]
         rollouts = client.generate([prompt, prompt], {"max_new_tokens": 5, "temperature": 1.0})
         client.close()
-    finally:
-        server.shutdown()
     assert len(set(seen)) == 2 and all(len(rid) == 32 for rid in seen)
     origins = sorted(r.origin[0] for r in rollouts)
-    assert origins == sorted(f"{_url(server)} rid={rid} retractions=0 cached_tokens=3" for rid in seen)
+    assert origins == sorted(f"{url(server)} rid={rid} retractions=0 cached_tokens=3" for rid in seen)

@@ -17,7 +17,7 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-from conftest import REPO
+from helpers import REPO
 
 sys.path.insert(0, str(REPO / "launch"))
 import gpu_check  # noqa: E402

@@ -5,12 +5,13 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 from gspo_mcore.errors import InputError
 
-pytestmark = pytest.mark.slow  # runs the CLIs in subprocesses (and torchrun)
+# Slow (`slow` on each): those that run a CLI in a subprocess.
 
 
+@pytest.mark.slow
 def test_gpu_modules_do_not_import_the_cpu_bridge():
     code = (
         "import sys\n"
@@ -28,6 +29,7 @@ def test_te_spec_without_transformer_engine_is_a_clear_error():
         decoder_block_spec(None, (), "te")
 
 
+@pytest.mark.slow
 def test_cuda_device_on_a_cpu_machine_is_a_clear_error(tiny_hf_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "gspo_mcore.parity", f"model.hf_dir={tiny_hf_dir}", "distributed.device=cuda"],

@@ -4,13 +4,10 @@ answers JSON, text, 4xx/5xx, or dies in the middle of its answer."""
 import json
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import REPO
 from gspo_mcore.errors import InputError
 from gspo_mcore.netaddr import free_port
 from gspo_mcore.engines.client import RetryableError
@@ -18,6 +15,7 @@ from gspo_mcore.engines.sglang.client import SGLangClient
 from gspo_mcore.errors import WeightSyncError
 from gspo_mcore.engines.sglang.engine import SGLangEngine
 from gspo_mcore.http import ConnectionFailure, HTTPStatusError, get_json, post_json
+from helpers import REPO, ToyHandler, toy_server, url as server_url
 from gspo_mcore.errors import RolloutError
 
 LONG = "m" * 1000
@@ -26,19 +24,7 @@ OPENAI_MESSAGE = ("Requested token count exceeds the model's maximum context len
                   "reduce the number of tokens in the input messages or the completion to fit within the limit.")
 
 
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *a):
-        pass
-
-    def _answer(self, code, data: bytes, content_type=None, length=None):
-        self.send_response(code)
-        if content_type:
-            self.send_header("Content-Type", content_type)
-        if length is not None:
-            self.send_header("Content-Length", str(length))
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(ToyHandler):
     def do_GET(self):
         self.received = None
         self._route()
@@ -49,39 +35,31 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self):
         routes = {
-            "/echo": lambda: self._json(200, {"method": self.command, "type": self.headers.get("Content-Type"),
+            "/echo": lambda: self.json(200, {"method": self.command, "type": self.headers.get("Content-Type"),
                                               "body": json.loads(self.received) if self.received else None}),
-            "/auth": lambda: self._json(200, {"authorization": self.headers.get("Authorization")}),
-            "/flush_cache": lambda: self._answer(200, b"Cache flushed.\n", length=15),  # SGLang: no Content-Type
-            "/refused": lambda: self._json(400, {"object": "error", "message": "outside a weight-update session"}),
-            "/refused_long": lambda: self._json(400, {"message": LONG}),
-            "/refused_openai": lambda: self._json(400, {"error": {"message": OPENAI_MESSAGE, "type": "BadRequest"}}),
-            "/refused_text": lambda: self._answer(404, b"Not Found", "text/plain", 9),
-            "/busy": lambda: self._json(503, {"error": "busy"}),
-            "/failed": lambda: self._json(200, {"success": False, "message": "shape mismatch"}),
-            "/get_server_info": lambda: self._json(200, {"tp_size": 2, "max_running_requests": 48,
+            "/auth": lambda: self.json(200, {"authorization": self.headers.get("Authorization")}),
+            "/flush_cache": lambda: self.answer(200, b"Cache flushed.\n", length=15),  # SGLang: no Content-Type
+            "/refused": lambda: self.json(400, {"object": "error", "message": "outside a weight-update session"}),
+            "/refused_long": lambda: self.json(400, {"message": LONG}),
+            "/refused_openai": lambda: self.json(400, {"error": {"message": OPENAI_MESSAGE, "type": "BadRequest"}}),
+            "/refused_text": lambda: self.answer(404, b"Not Found", "text/plain", 9),
+            "/busy": lambda: self.json(503, {"error": "busy"}),
+            "/failed": lambda: self.json(200, {"success": False, "message": "shape mismatch"}),
+            "/get_server_info": lambda: self.json(200, {"tp_size": 2, "max_running_requests": 48,
                                                          "max_total_num_tokens": 100_000}),
-            "/abort_request": lambda: (ABORTS.append(json.loads(self.received)), self._json(200, {})),
+            "/abort_request": lambda: (ABORTS.append(json.loads(self.received)), self.json(200, {})),
             # Dies mid-answer: fewer bytes than promised (IncompleteRead) ...
-            "/cut_short": lambda: self._answer(200, b'{"output_ids": [1,', "application/json", 100),
+            "/cut_short": lambda: self.answer(200, b'{"output_ids": [1,', "application/json", 100),
             # ... or, with no length given, a JSON body that just stops.
-            "/cut_open": lambda: self._answer(200, b'{"output_ids": [1,', "application/json"),
+            "/cut_open": lambda: self.answer(200, b'{"output_ids": [1,', "application/json"),
         }
         routes[self.path.removesuffix("/generate")]()  # the generate client's server is url/<route>
-
-    def _json(self, code, body):
-        data = json.dumps(body).encode()
-        self._answer(code, data, "application/json", len(data))
 
 
 @pytest.fixture(scope="module")
 def url():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with toy_server(Handler) as server:
+        yield server_url(server)
 
 
 ABORTS = []  # what /abort_request received

@@ -8,7 +8,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 # A user's GPU environment: SGLang 0.5.23's image has torch 2.14.1 (a CUDA build), not the
 # CPU 2.13.0 this project tests with.

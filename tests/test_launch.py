@@ -13,15 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO, environment
 from gspo_mcore.netaddr import free_port
 
-pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
+# Slow (`slow` on each): those that run a script, torchrun or SGLang; the static checks (file reads, bash -n,
+# shellcheck) are fast.
 
 SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
 TEMPLATES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
 # Debian's shellcheck, installed by `make test` (Makefile: shellcheck target).
 SHELLCHECK = shutil.which("shellcheck") or "shellcheck (not on PATH: `make test` installs it, or apt-get install shellcheck)"
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_are_shellcheck_clean(script):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -58,6 +61,7 @@ def _fake_slurm(tmp_path: Path) -> tuple[dict, Path]:
     return env, record
 
 
+@pytest.mark.slow
 def test_multi_node_sbatch_takes_config_output_and_overrides_as_arguments(tmp_path):
     """What sbatch runs: `sbatch -N 3 launch/slurm/gspo_multi_node.sbatch CONFIG OUTPUT_DIR k=v`
     (no render step), from a spooled copy, so it finds the repository from SLURM_SUBMIT_DIR."""
@@ -93,6 +97,7 @@ def test_multi_node_sbatch_takes_config_output_and_overrides_as_arguments(tmp_pa
     assert proc.returncode == 2 and proc.stderr.startswith("usage: sbatch")
 
 
+@pytest.mark.slow
 def test_single_node_sbatch_passes_its_arguments_to_the_node_script(tmp_path):
     env, record = _fake_slurm(tmp_path)
     repo = tmp_path / "repo"
@@ -107,6 +112,7 @@ def test_single_node_sbatch_passes_its_arguments_to_the_node_script(tmp_path):
     assert called["args"] == ["c.yaml", "/runs/x", "a=1"] and called["cwd"] == str(repo)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, trainer", [("gspo_single_node.sbatch", "launch/train_8xh100.sh"),
                                                ("gspo_multi_node.sbatch", "srun")])
 def test_the_time_limit_warning_reaches_the_trainer_and_the_job_requeues_after_its_save(tmp_path, template, trainer):
@@ -139,6 +145,7 @@ def test_the_time_limit_warning_reaches_the_trainer_and_the_job_requeues_after_i
     assert "requeueing job 4321" in stderr and proc.returncode == 138
 
 
+@pytest.mark.slow
 def test_sbatch_scripts_run_inside_a_pyxis_or_apptainer_container(tmp_path):
     """GSPO_CONTAINER_IMAGE: each node's step runs in the image (pyxis: srun's --container-*
     options; apptainer: `apptainer exec` before the command), the repository and OUTPUT_DIR
@@ -172,6 +179,7 @@ def _bash(script: str, timeout=60) -> subprocess.CompletedProcess:
                           text=True, cwd=REPO, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_wait_for_a_local_server_then_teardown_leaves_no_process(tmp_path):
     (tmp_path / "health").write_text("ok")
     port = free_port()
@@ -187,6 +195,7 @@ def test_wait_for_a_local_server_then_teardown_leaves_no_process(tmp_path):
         os.kill(pid, 0)  # torn down on exit
 
 
+@pytest.mark.slow
 def test_wait_fails_in_bounded_time_and_on_an_early_exit(tmp_path):
     port = free_port()
     start = time.monotonic()
@@ -198,6 +207,7 @@ def test_wait_fails_in_bounded_time_and_on_an_early_exit(tmp_path):
     assert proc.returncode == 1 and "exited while starting" in proc.stderr
 
 
+@pytest.mark.slow
 def test_failure_mid_run_tears_down_the_started_servers(tmp_path):
     (tmp_path / "health").write_text("ok")
     port = free_port()
@@ -210,6 +220,7 @@ def test_failure_mid_run_tears_down_the_started_servers(tmp_path):
         os.kill(int((tmp_path / "pid").read_text()), 0)
 
 
+@pytest.mark.slow
 def test_single_node_script_end_to_end_on_cpu(tmp_path):
     """launch/train_8xh100.sh with the CPU config, split mode on a pretend 2-GPU node: the
     planner's layout, a real SGLang server on the first 'GPU', the trainer on the second."""
@@ -217,8 +228,8 @@ def test_single_node_script_end_to_end_on_cpu(tmp_path):
 
     toy = make_toy_task(tmp_path / "toy", seed=0)
     out = tmp_path / "run"
-    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "2", "GSPO_BASE_PORT": str(free_port()),
-           "GSPO_SERVER_TIMEOUT": "300", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = environment(GSPO_PYTHON=sys.executable, GSPO_GPUS_PER_NODE="2", GSPO_BASE_PORT=str(free_port()),
+                      GSPO_SERVER_TIMEOUT="300")
     proc = subprocess.run(["launch/train_8xh100.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
                            f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "train.steps=1", "train.save_every=0",
                            "train.export_hf=false", "weight_sync.check_every=1"],
@@ -230,12 +241,13 @@ def test_single_node_script_end_to_end_on_cpu(tmp_path):
     assert list((out / "logs" / "torchrun").rglob("stdout.log"))
 
 
+@pytest.mark.slow
 def test_convert_script_on_a_small_checkpoint(tmp_path):
     """launch/convert_qwen3_30b.sh as a user runs it (conversion + verify), on the toy model."""
     from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "hf", seed=0)
-    env = {**os.environ, "GSPO_PYTHON": sys.executable, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    env = environment(GSPO_PYTHON=sys.executable)
     proc = subprocess.run(["launch/convert_qwen3_30b.sh", str(hf), str(tmp_path / "mcore")], capture_output=True,
                           text=True, cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -260,6 +272,7 @@ def test_dockerfile_pins_agree_with_the_constraints():
     assert "TE_VERSION=" + pins["transformer-engine"] in docker
 
 
+@pytest.mark.slow
 def test_multi_node_split_rollout_node_stops_when_training_ends(tmp_path):
     """launch/node.sh with a trainer node and a rollout node (two 'nodes' on this machine): the
     rollout node serves, the trainer node trains against it over the API key, and when training
@@ -269,10 +282,9 @@ def test_multi_node_split_rollout_node_stops_when_training_ends(tmp_path):
 
     toy = make_toy_task(tmp_path / "toy", seed=0)
     out = tmp_path / "run"
-    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1 localhost",
-           "GSPO_TRAINER_NODES": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "GSPO_BASE_PORT": str(free_port()), "GSPO_SERVER_TIMEOUT": "300", "GSPO_ENGINE_API_KEY": "split-key",
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = environment(GSPO_PYTHON=sys.executable, GSPO_GPUS_PER_NODE="1", GSPO_NODES="127.0.0.1 localhost",
+                      GSPO_TRAINER_NODES="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                      GSPO_BASE_PORT=str(free_port()), GSPO_SERVER_TIMEOUT="300", GSPO_ENGINE_API_KEY="split-key")
     args = ["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={toy}/model",
             f"data.path={toy}/prompts.jsonl", "eval.datasets=[]", "train.steps=1", "train.save_every=0", "train.export_hf=false",
             "weight_sync.check_every=1"]
@@ -291,12 +303,13 @@ def test_multi_node_split_rollout_node_stops_when_training_ends(tmp_path):
     assert (out / "logs" / "localhost" / "sglang_0.log").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_multi_node_script_reports_the_planners_own_error(tmp_path, tiny_hf_dir):
     """A layout the planner refuses stops node.sh with the planner's one-line error (it used to
     surface later as 'unbound variable')."""
-    env = {**os.environ, "GSPO_PYTHON": sys.executable, "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1",
-           "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
-           "GSPO_ENGINE_API_KEY": "k", "PYTHONPATH": str(REPO)}
+    env = environment(warnings=True, GSPO_PYTHON=sys.executable, GSPO_GPUS_PER_NODE="1", GSPO_NODES="127.0.0.1",
+                      GSPO_TRAINER_NODES="1", GSPO_NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      GSPO_ENGINE_API_KEY="k")
     proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(tmp_path / "run"),
                            f"model.hf_dir={tiny_hf_dir}"], capture_output=True,
                           text=True, cwd=REPO, env=env, timeout=120)
@@ -323,6 +336,7 @@ GPU 00000000:2A:00.0
     Compute Mode                          : Exclusive_Process"""
 
 
+@pytest.mark.slow
 def test_compute_mode_check_in_lib(tmp_path):
     def check(env):
         return subprocess.run(["bash", "-c", "source launch/lib.sh; gspo_check_compute_mode"], capture_output=True,
@@ -336,6 +350,7 @@ def test_compute_mode_check_in_lib(tmp_path):
     assert "error: GPU compute mode is Exclusive_Process, but weight_sync.colocate" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_8xh100.sh", "node.sh"])
 def test_colocated_launch_refuses_an_exclusive_process_gpu(tmp_path, tiny_hf_dir, script):
     """A stand-in nvidia-smi reporting Exclusive_Process: the colocated launch stops in one line,
@@ -353,12 +368,13 @@ def test_colocated_launch_refuses_an_exclusive_process_gpu(tmp_path, tiny_hf_dir
     assert not list(out.rglob("sglang_*.log"))
 
 
+@pytest.mark.slow
 def test_smoke_script_needs_a_gpu(tmp_path):
     """No nvidia-smi (this machine), or one but a torch without CUDA: one line, exit 2, nothing written."""
     env = {**os.environ, "GSPO_PYTHON": sys.executable}
-    for environment in (env, {**_stand_in(tmp_path, "nvidia-smi", EXCLUSIVE), "GSPO_PYTHON": sys.executable}):
+    for variables in (env, {**_stand_in(tmp_path, "nvidia-smi", EXCLUSIVE), "GSPO_PYTHON": sys.executable}):
         proc = subprocess.run(["launch/smoke_1gpu.sh", str(tmp_path / "smoke")], capture_output=True, text=True,
-                              cwd=REPO, env=environment, timeout=120)
+                              cwd=REPO, env=variables, timeout=120)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.strip() == ("error: launch/smoke_1gpu.sh needs a CUDA GPU "
                                        "(nvidia-smi and torch.cuda.is_available())")
@@ -384,6 +400,7 @@ def _verdict(program: str, *args) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
+@pytest.mark.slow
 def test_smoke_configs_plan_on_one_gpu_and_its_verdicts(tmp_path):
     """What CPU can check of launch/smoke_1gpu.sh: its two runs' overrides load and the planner
     fits them on one H100 (colocated); each verdict program passes good figures and fails bad
@@ -460,6 +477,7 @@ os.write(1, line.encode())
 """
 
 
+@pytest.mark.slow
 def test_torchrun_sets_the_gloo_interface_and_omp_threads_the_user_did_not(tmp_path):
     import psutil
     import socket
@@ -551,6 +569,7 @@ def test_the_api_key_is_the_engines_and_its_old_name_is_still_read(monkeypatch):
         assert "GSPO_ENGINE_API_KEY" in (REPO / script).read_text(), script
 
 
+@pytest.mark.slow
 def test_multi_node_servers_listen_on_their_nodes_address_not_on_every_interface(tmp_path, tiny_hf_dir):
     """launch/node.sh on a rollout node: each server listens on the address the trainer's URLs
     name (launch/addresses.py), never 0.0.0.0 (where a colocated vLLM's pickled IPC handles and
@@ -561,9 +580,9 @@ def test_multi_node_servers_listen_on_their_nodes_address_not_on_every_interface
     python.write_text(f'#!/usr/bin/env bash\nif [[ "$1 $2" == "-m gspo_mcore.engines.serve" ]]; then '
                       f'echo "$@" >> {recorded}; touch {done}; exec sleep 60; fi\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
-    env = {**os.environ, "GSPO_PYTHON": str(python), "GSPO_GPUS_PER_NODE": "1", "GSPO_NODES": "127.0.0.1 localhost",
-           "GSPO_TRAINER_NODES": "1", "GSPO_NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-           "GSPO_ENGINE_API_KEY": "k", "PYTHONPATH": str(REPO)}
+    env = environment(warnings=True, GSPO_PYTHON=str(python), GSPO_GPUS_PER_NODE="1", GSPO_NODES="127.0.0.1 localhost",
+                      GSPO_TRAINER_NODES="1", GSPO_NODE_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                      GSPO_ENGINE_API_KEY="k")
     env.pop("SLURM_JOB_ID", None)
     proc = subprocess.run(["launch/node.sh", "configs/tiny_cpu.yaml", str(out), f"model.hf_dir={tiny_hf_dir}"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)

@@ -95,7 +95,7 @@ def test_a_missing_cpu_task_names_the_command_that_writes_it(tmp_path, monkeypat
     import sys
     import warnings
 
-    from conftest import REPO
+    from helpers import REPO
     from gspo_mcore.config import load_config
     from gspo_mcore.errors import InputError
     from gspo_mcore.toy_task import check_task_written

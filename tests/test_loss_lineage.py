@@ -4,7 +4,6 @@ paper's equation written with loops, against a peer's published implementation t
 here (verl's core_algos.py, TRL's GRPOTrainer), equal to GSPO where its paper says it reduces
 to it; the config refusals. Training each one: the slow tests at the end."""
 
-import json
 import math
 import time
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from gspo_mcore.config import ConfigError, LossConfig, load_config
-from gspo_mcore.loss import (LOSSES, AGGREGATIONS, LossInputs, Normalizer, aggregate, engine_mismatch, mismatch_weight,
+from gspo_mcore.loss import (LOSSES, AGGREGATIONS, LossInputs, Normalizer, engine_mismatch, mismatch_weight,
                              objective, policy_loss)
 
 LINEAGE = ("sapo", "gmpo", "luspo", "cispo")
@@ -449,18 +448,16 @@ def test_each_lineage_loss_trains_the_cpu_default(toy, server, tmp_path):
     """configs/tiny_cpu.yaml with each lineage loss at its paper's defaults, against one running
     server (each run pushes its initial weights first): mean reward of the last 10 steps at least
     0.3 above the first 10. One test, the four runs in sequence: they share the server and cores."""
-    from conftest import run_module
+    from helpers import metrics, toy_overrides, train
 
     seconds, gains = {}, {}
     for name in LINEAGE:
         out, began = tmp_path / name, time.monotonic()
-        run_module(["-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml", "--output-dir", str(out),
-                    f"model.hf_dir={toy / 'model'}", f"data.path={toy / 'prompts.jsonl'}", "eval.datasets=[]",
-                    f"rollout.urls=[{server}]", f"loss.function={name}", f"train.steps={TRAIN_STEPS}",
-                    "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=0",
-                    "train.log_samples_every=0", *LEARNING_ONLY], timeout=900)
+        train(out, [*toy_overrides(toy), f"rollout.urls=[{server}]", f"loss.function={name}",
+                    f"train.steps={TRAIN_STEPS}", "train.save_every=0", "train.export_hf=false",
+                    "weight_sync.check_every=0", "train.log_samples_every=0", *LEARNING_ONLY])
         seconds[name] = round(time.monotonic() - began)
-        rewards = [json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rewards = [row["reward_mean"] for row in metrics(out)]
         assert len(rewards) == TRAIN_STEPS
         gains[name] = sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10
     print(f"lineage training: gains {gains}, seconds {seconds}")

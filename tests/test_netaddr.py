@@ -59,18 +59,18 @@ print(json.dumps(sorted({c.laddr.ip for c in agent.net_connections("inet") if c.
 """
 
 
+@pytest.mark.slow  # torchrun in a subprocess
 def test_a_single_node_run_listens_on_loopback_only(tmp_path):
     """torchrun --standalone's rendezvous store listened on every interface ('::')."""
     import json
-    import os
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import environment
 
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    env = environment()
     proc = subprocess.run([sys.executable, "-m", "gspo_mcore.torchrun", "--standalone", "--nproc_per_node", "1",
                            str(probe)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,13 +1,12 @@
 """Process-group setup: the configured seed reaches Megatron's RNG tracker."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, run_module
+from helpers import REPO, environment, run_module
 
 SCRIPT = """
 import json, sys
@@ -26,6 +25,7 @@ print(json.dumps({str(k): v for k, v in states.items()}))
 """
 
 
+@pytest.mark.slow  # a script in a subprocess
 def test_two_seeds_give_two_tracker_states(tiny_hf_dir, tmp_path):
     """train.seed seeds Megatron's data-, tensor- and expert-parallel RNG states (it was ignored:
     every run used 1234)."""
@@ -71,6 +71,6 @@ def test_ranks_wait_for_the_rollout_on_the_host_with_their_own_timeout(tmp_path)
     script.write_text(WAITS)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                          env=environment(warnings=True))
     assert proc.stdout.count("host wait ok") == 2, proc.stdout + proc.stderr[-3000:]
     assert "barrier timed out" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -1,8 +1,6 @@
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -10,8 +8,8 @@ from gspo_mcore.errors import InputError
 from gspo_mcore.rewards import load_reward_fn
 from gspo_mcore.rewards.answers import exact_match_reward, last_boxed, math_reward
 from gspo_mcore.rewards.runner import RewardRunner
+from helpers import REPO, ToyHandler, environment, kill_and_reap, reaped, start, toy_server, url
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_last_boxed_balances_braces():
@@ -122,7 +120,7 @@ def test_the_limit_counts_the_reward_only(tmp_path, reward):
     or a reward module that takes 3 s to import."""
     script = tmp_path / "main.py"
     script.write_text(SLOW_MAIN)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = environment(warnings=True)
     proc = subprocess.run([sys.executable, str(script), reward], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -170,34 +168,22 @@ def test_a_batched_reward_scores_each_group_in_one_call():
 
 def test_a_reward_model_served_over_http(monkeypatch):
     """`reward.url` reaches a batched reward that posts the group to SGLang's /classify."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Classify(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
+    class Classify(ToyHandler):
         def do_POST(self):
-            texts = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["text"]
-            body = json.dumps([{"embedding": [float(len(t))], "meta_info": {}} for t in texts]).encode()
-            self.send_response(200 if self.path == "/classify" else 404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            texts = self.body()["text"]
+            self.json(200 if self.path == "/classify" else 404,
+                      [{"embedding": [float(len(t))], "meta_info": {}} for t in texts])
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Classify)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    runner = RewardRunner("tests.reward_fixtures:scored_by_server", timeout_s=10.0, workers=1, batched=True, url=url)
-    try:
-        rewards, stats = runner.score(["x", "yy"], ["", ""], _contexts("q", "q"), groups=[0, 0])
-        assert rewards == [len("q => x"), len("q => yy")] and stats.errors == 0
-        runner.url = url + "/nowhere"  # a server that refuses: the group fails, counted
-        assert runner.score(["x"], [""], _contexts("q"), groups=[0])[1].errors == 1
-    finally:
-        runner.close()
-        server.shutdown()
+    with toy_server(Classify) as server:
+        runner = RewardRunner("tests.reward_fixtures:scored_by_server", timeout_s=10.0, workers=1, batched=True,
+                              url=url(server))
+        try:
+            rewards, stats = runner.score(["x", "yy"], ["", ""], _contexts("q", "q"), groups=[0, 0])
+            assert rewards == [len("q => x"), len("q => yy")] and stats.errors == 0
+            runner.url = url(server) + "/nowhere"  # a server that refuses: the group fails, counted
+            assert runner.score(["x"], [""], _contexts("q"), groups=[0])[1].errors == 1
+        finally:
+            runner.close()
 
 
 @pytest.mark.parametrize("name, url, message", [
@@ -227,25 +213,22 @@ threading.Event().wait()
 def test_no_reward_worker_outlives_a_killed_trainer(tmp_path):
     """It was left behind: started from a thread and busy in the reward, it never read the end of
     its input."""
-    import signal
     import time
 
     import psutil
 
     script = tmp_path / "main.py"
     script.write_text(ORPHAN_MAIN)
-    trainer = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     workers = []
-    try:
-        deadline = time.monotonic() + 60
-        while not (workers := psutil.Process(trainer.pid).children()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(3)  # the worker started and took the request
-        os.kill(trainer.pid, signal.SIGKILL)
-        trainer.wait()
-        _, alive = psutil.wait_procs(workers, timeout=10)
-        assert workers and not alive, alive
-    finally:
-        for worker in [*workers, *psutil.Process().children(recursive=True)]:
-            if worker.is_running():
-                worker.kill()
+    with reaped(start([sys.executable, str(script)], env=environment(warnings=True))) as trainer:
+        try:
+            deadline = time.monotonic() + 60
+            while not (workers := psutil.Process(trainer.pid).children()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(3)  # the worker started and took the request
+            assert workers
+            kill_and_reap(trainer, children=workers)
+        finally:
+            for worker in [*workers, *psutil.Process().children(recursive=True)]:
+                if worker.is_running():
+                    worker.kill()

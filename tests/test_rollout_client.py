@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 from gspo_mcore.errors import InputError
 from gspo_mcore.netaddr import free_port
 from gspo_mcore.engines.base import check_sampling_params

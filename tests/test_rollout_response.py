@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from helpers import REPO
 from gspo_mcore.packing import collate
 from gspo_mcore.errors import RolloutError
 from gspo_mcore.engines.sglang.response import parse_generate_response

@@ -2,59 +2,14 @@
 engine: groups without signal are dropped, and further generation rounds (fresh prompts,
 fresh seeds) refill the batch up to `rollout.max_sampling_rounds`."""
 
-import re
 import time
 
 import pytest
 import torch
 
 from gspo_mcore.config import load_config
-from gspo_mcore.engines.client import BusyClock
-from gspo_mcore.samples import Rollout
 from gspo_mcore.toy_task import make_prompts, make_tokenizer
-from gspo_mcore.rollout.source import RolloutSource
-
-GROUP = 4
-
-
-class ScriptedEngine:
-    """A prompt asking for a color gets a right answer from its even members only (a group with
-    signal); every other prompt gets a wrong answer from all members (no signal)."""
-
-    def __init__(self, tokenizer, delay_s: float = 0.0):
-        self.tokenizer, self.delay_s = tokenizer, delay_s
-        self.calls = []  # (categories asked, seeds) per generate call
-        self.params = []  # the sampling parameters of each call
-        self.version = 0  # the weights it generates with (the producer tests move it)
-        self.clock, self.tokens_regenerated, self.closed = BusyClock(["scripted"]), 0, False
-        self.requests_retried = 0
-
-    def close(self):
-        self.closed = True
-
-    def interrupt(self):
-        pass
-
-    def end_interrupt(self):
-        pass
-
-    def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None, evaluation=False):
-        version = self.version
-        self.clock.started("scripted")
-        time.sleep(self.delay_s)
-        self.clock.started("scripted", -1)
-        categories = [re.search(r"name an? (\w+)", self.tokenizer.decode(p)).group(1) for p in prompts]
-        self.calls.append((categories, seeds))
-        self.params.append(params)
-        out = []
-        for i, (prompt, category) in enumerate(zip(prompts, categories)):
-            right = category == "color" and i % GROUP % 2 == 0
-            word = f"{category}_0" if right else ("animal_0" if category == "color" else "color_0")
-            ids = self.tokenizer.convert_tokens_to_ids([word, "<eos>"])
-            # Generated across a version change when one happened while it ran.
-            out.append(Rollout(prompt, ids, [-1.0, -0.5], "stop", weight_version or f"step-{self.version}",
-                               token_versions=(version, self.version)))
-        return out
+from helpers import GROUP, source_for
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +18,6 @@ def task(tmp_path_factory):
     make_tokenizer(root / "tokenizer")
     make_prompts(root / "prompts.jsonl", 400, seed=0)
     return root
-
-
-def source_for(task, *extra, **options) -> tuple[RolloutSource, ScriptedEngine]:
-    """options: train.rollout_batch_size, or a rollout field (sampling); extra: more overrides."""
-    overrides = [f"data.path={task / 'prompts.jsonl'}", f"data.tokenizer_dir={task / 'tokenizer'}",
-                 "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1", f"train.group_size={GROUP}",
-                 *(f"{'train' if k == 'rollout_batch_size' else 'rollout'}.{k}={v}" for k, v in options.items()),
-                 "reward.norm=group", *extra]
-    source = RolloutSource(load_config(None, overrides))
-    source.client = engine = ScriptedEngine(source.tokenizer)
-    return source, engine
 
 
 def test_rounds_refill_the_batch_with_informative_groups(task):

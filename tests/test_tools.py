@@ -13,8 +13,8 @@ import pytest
 from gspo_mcore.errors import InputError
 from gspo_mcore.tools.runner import (QWEN3_TOOL_TEMPLATE, ToolCall, ToolCallError, ToolResult, ToolRunner,
                                       ToolStats, load_tools, parse_tool_calls, tool_messages)
+from helpers import REPO, environment
 
-REPO = Path(__file__).resolve().parent.parent
 F = "tests.tool_fixtures"
 FIXTURE_TOOLS = [f"{F}:{name}" for name in ("lookup", "add", "explode", "sleep_forever", "huge", "record",
                                             "not_text", "chatty", "heavy_modules")]
@@ -220,7 +220,7 @@ def test_no_worker_outlives_a_killed_trainer(tmp_path):
     script = tmp_path / "main.py"
     script.write_text(ORPHAN_MAIN)
     trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+                               env=environment(warnings=True))
     pids = [int(trainer.stdout.readline()), int(trainer.stdout.readline())]
     os.kill(trainer.pid, signal.SIGKILL)
     trainer.wait()

@@ -13,6 +13,7 @@ from gspo_mcore.errors import RolloutError
 from gspo_mcore.packing import collate
 from gspo_mcore.samples import Rollout
 from gspo_mcore.trajectory import Segment, Trajectory, to_rollout
+from helpers import ScriptedClient
 
 
 def _trajectory() -> Trajectory:
@@ -218,24 +219,6 @@ def _byte_tokenizer(tmp_path):
     return fast
 
 
-class ScriptedModel:
-    """generate_one as the rollout client's: each call answers the next scripted text (+ end of turn)."""
-
-    def __init__(self, tokenizer, replies):
-        self.tokenizer, self.replies, self.inputs = tokenizer, list(replies), []
-        self.urls, self.max_concurrency = ["scripted"], 4
-
-    async def generate_one_async(self, *request, evaluation=False):
-        return self.generate_one(*request)
-
-    def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):
-        self.inputs.append(list(prompt_ids))
-        ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        ids = ids[: params["max_new_tokens"]]
-        finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
-        return Rollout(list(prompt_ids), ids, [-0.1] * len(ids), finish, "step-0", token_versions=(0,) * len(ids))
-
-
 def test_the_tool_loop_calls_tools_and_splices_their_results_in_as_the_template_renders_them(tmp_path):
     from types import SimpleNamespace
 
@@ -245,7 +228,7 @@ def test_the_tool_loop_calls_tools_and_splices_their_results_in_as_the_template_
 
     tokenizer = _byte_tokenizer(tmp_path)
     call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "rome"}}\n</tool_call>'
-    model = ScriptedModel(tokenizer, [call, '<tool_call>\n{"name": "nope"}\n</tool_call>', "Italy"])
+    model = ScriptedClient.replying(tokenizer, [call, '<tool_call>\n{"name": "nope"}\n</tool_call>', "Italy"])
     config = SimpleNamespace(max_turns=4, max_trajectory_tokens=4096, max_new_tokens=200)
     runner = ToolRunner(["tool_fixtures:lookup"], workers=1, timeout_s=30)
     try:
@@ -280,7 +263,7 @@ def test_the_tool_loop_stops_at_the_trajectory_budget(tmp_path):
 
     tokenizer = _byte_tokenizer(tmp_path)
     call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "paris"}}\n</tool_call>'
-    model = ScriptedModel(tokenizer, [call] * 4)
+    model = ScriptedClient.replying(tokenizer, [call] * 4)
     runner = ToolRunner(["tool_fixtures:lookup"], workers=1, timeout_s=30)
     try:
         engine = EngineHandle(model, tokenizer, 0, {"temperature": 1.0}, seed=0, tools=runner,

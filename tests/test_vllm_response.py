@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import REPO
+from helpers import REPO, ToyHandler, toy_server, url
 from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.engines.vllm.client import vllm_sampling_params
 from gspo_mcore.engines.vllm.engine import VLLMEngine
@@ -158,8 +158,6 @@ def test_a_request_vllm_refuses_while_a_push_pauses_it_starts_over_without_an_at
     holds the server (0.32 queued it). During our own push (rollout.partial: false) that is the
     push's abort: the request starts over, using no attempt, until the server resumes; outside a
     push it is a failure like any 5xx."""
-    import json
-
     from gspo_mcore.engines.vllm import client as vllm_client
     from gspo_mcore.http import HTTPStatusError
 
@@ -193,30 +191,19 @@ def test_a_long_response_that_keeps_streaming_outlives_the_request_timeout(monke
     a 6-token answer as vLLM does (one event per token, 0.3 s apart: 1.8 s in all) to a client whose
     timeout is 1 s; a server silent for longer than it still times out."""
     import json
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from gspo_mcore.engines.vllm import client as vllm_client
 
     whole = answer(ids=(61, 97, 118, 5, 9, 1), spans=(("step-1", 0, 6),))
     gap = {"s": 0.3}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
+    class Handler(ToyHandler):
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(200)
-            if not body.get("stream"):  # vLLM answers once the whole response is generated
+            if not self.body().get("stream"):  # vLLM answers once the whole response is generated
                 time.sleep(gap["s"] * 6)
-                data = json.dumps(whole).encode()
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                return
+                return self.json(200, whole)
+            self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             for event in streamed(whole):
@@ -225,20 +212,17 @@ def test_a_long_response_that_keeps_streaming_outlives_the_request_timeout(monke
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = vllm_client.VLLMClient([f"http://127.0.0.1:{server.server_address[1]}"], VOCAB, max_attempts=1,
-                                    request_timeout_s=1.0)
-    try:
-        [rollout] = client.generate([PROMPT], {"max_new_tokens": 6, "temperature": 1.0}, weight_version="step-1")
-        assert rollout.response_ids == [61, 97, 118, 5, 9, 1] and rollout.token_versions == (1,) * 6
-        assert rollout.logprobs == [-0.5 - i for i in range(6)]
-        gap["s"] = 1.5  # silent longer than the timeout
-        with pytest.raises(RolloutError, match="nothing streamed for 1 s"):
-            client.generate([PROMPT], {"max_new_tokens": 6, "temperature": 1.0})
-    finally:
-        client.close()
-        server.shutdown()
+    with toy_server(Handler) as server:
+        client = vllm_client.VLLMClient([url(server)], VOCAB, max_attempts=1, request_timeout_s=1.0)
+        try:
+            [rollout] = client.generate([PROMPT], {"max_new_tokens": 6, "temperature": 1.0}, weight_version="step-1")
+            assert rollout.response_ids == [61, 97, 118, 5, 9, 1] and rollout.token_versions == (1,) * 6
+            assert rollout.logprobs == [-0.5 - i for i in range(6)]
+            gap["s"] = 1.5  # silent longer than the timeout
+            with pytest.raises(RolloutError, match="nothing streamed for 1 s"):
+                client.generate([PROMPT], {"max_new_tokens": 6, "temperature": 1.0})
+        finally:
+            client.close()
 
 
 def test_a_generation_error_mid_stream_is_retried():

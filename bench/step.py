@@ -36,7 +36,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from gspo_mcore.config import load_config
-    from gspo_mcore.train import Trainer
+    from gspo_mcore.trainer import Trainer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "long_cpu.yaml"))
@@ -69,12 +69,14 @@ def main() -> None:
 
 def measure(trainer, step: int) -> dict:
     """One batch, both arms; seconds per phase."""
-    from gspo_mcore.parallel import broadcast_from_host
+    import torch.distributed as dist
 
-    learner, times = trainer.learner, {}
+    from gspo_mcore.parallel import broadcast_from_host
+    from gspo_mcore.samples import Batch
+
+    learner, times, source = trainer.learner, {}, getattr(trainer.host, "source", None)
     began = time.perf_counter()
-    rollouts, advantages, _ = broadcast_from_host(trainer.source.collect(step, trainer.version)
-                                                  if trainer.source else None)
+    rollouts, advantages, _ = broadcast_from_host(source.collect(step, trainer.version) if source else None)
     times["rollout"] = time.perf_counter() - began
     arms = ["engine", "recompute"] if step % 2 == 0 else ["recompute", "engine"]
     for arm in arms:
@@ -84,13 +86,13 @@ def measure(trainer, step: int) -> dict:
             old = learner.recompute_old_logprobs(rollouts)
             times["recompute"] = time.perf_counter() - began
         began = time.perf_counter()
-        learner.update(rollouts, advantages, step, old)
+        learner.update(Batch(rollouts, advantages, {}), step, old)
         times[f"update_{arm}"] = time.perf_counter() - began
     began = time.perf_counter()
     trainer.version = f"step-{step + 1}"
     trainer.sync.push(trainer.version)
     times["sync"] = time.perf_counter() - began
-    if trainer.rank == 0:
+    if dist.get_rank() == 0:
         print(json.dumps({"step": step, **{k: round(v, 3) for k, v in times.items()}}), flush=True)
     return times
 

@@ -123,9 +123,7 @@ class TrainState:
 
 @dataclass
 class FunctionState:
-    """A Stateful of two functions: for a state saved from one object and loaded into another
-    (rank 0's rollout state: saved from the producer, which knows the batch in flight, loaded
-    into the rollout source before the producer starts)."""
+    """A Stateful of two functions, for a part that is no object of its own."""
 
     state_dict: Callable[[], Any]
     load_state_dict: Callable[[Any], None]

@@ -20,12 +20,13 @@ from gspo_mcore.megatron_loss import global_normalizer, make_loss_func
 from gspo_mcore.metrics import combine, to_floats, update_report
 from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config, reference_model
 from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, response_logprobs
+from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch
 from gspo_mcore.models.qwen3_moe.routing import RouterHooks
 from gspo_mcore.optimizer import lr_scheduler, optimizer_step, setup_training
 from gspo_mcore.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches, spread_over_response)
 from gspo_mcore.parallel import device
-from gspo_mcore.samples import Rollout
+from gspo_mcore.samples import Batch, Rollout
 from gspo_mcore.seeds import step_seed
 
 def _gather_dp(values: list) -> list:
@@ -37,10 +38,12 @@ def _gather_dp(values: list) -> list:
 class Learner:
     """Built collectively on every rank; `update` and `token_logprobs_of` are collective too."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, arch: Qwen3MoeArch | None = None):
+        """`arch`: the process groups are joined (bootstrap.join_process_groups, the trainer builder's
+        first statement); without it, building the model joins them."""
         self.config = config
         torch.manual_seed(config.train.seed)
-        self.arch, self.model = model_from_config(config)
+        self.arch, self.model = model_from_config(config, arch=arch)
         self.ddp, self.optimizer = setup_training(self.model, config.optimizer)
         self.scheduler = lr_scheduler(self.optimizer, config.optimizer, config.train.steps)
         # Expert load, and the engine's routed experts in the policy's forward (compared or replayed).
@@ -102,21 +105,19 @@ class Learner:
 
     # ------------------------------------------------------------ the update
 
-    def update(self, rollouts: list[Rollout], advantages: list[float], step: int,
-               old_logprobs: list[list[float]] | None = None, stale: list[list[float]] | None = None,
-               routed_by_older: list[bool] | None = None) -> dict:
+    def update(self, batch: Batch, step: int, old_logprobs: list[list[float]] | None = None) -> dict:
         """`num_minibatches` optimizer steps (x ppo_epochs) on one rollout batch; the update's
         figures (metric_schema rows with `update`), the loss's combined exactly over microbatches
         and ranks, on every rank. {} when the batch is too small for the data-parallel ranks.
-        `old_logprobs`: pi_old recomputed by the trainer (default: the engine's log-probs).
-        `stale` (asynchronous modes, with `old_logprobs` = pi_prox, or None: pi_prox from the first
-        minibatch's own forward, loss.proximal first_minibatch): 1 for each response token an
-        older weight version generated: decoupled GSPO (loss.behavior_weight), ratios against
-        pi_prox, the band sized from the mismatch on the current version's tokens as in sync.
-        `routed_by_older` (a batch's fact, gspo_mcore.samples.Batch): per rollout, whether older
-        weights routed it in the engine (its routing compared apart)."""
-        cfg = self.config.train
-        minibatches = self._minibatches(len(rollouts), step)
+        The batch's minibatches are its own (`Batch.minibatches`, made once by the Trainer), or
+        `minibatch_split`'s of step `step`. `old_logprobs`: pi_old recomputed by the trainer
+        (default: the engine's log-probs). A batch with `stale` marks (asynchronous modes, with
+        `old_logprobs` = pi_prox, or None: pi_prox from the first minibatch's own forward,
+        loss.proximal first_minibatch): decoupled GSPO (loss.behavior_weight), ratios against
+        pi_prox, the band sized from the mismatch on the current version's tokens as in sync; its
+        `routed_by_older` rollouts have their routing compared apart."""
+        cfg, rollouts = self.config.train, batch.rollouts
+        minibatches = batch.minibatches if batch.minibatches is not None else self.minibatch_split(len(rollouts), step)
         if not minibatches:
             return {}
         extra = {}
@@ -124,8 +125,8 @@ class Learner:
             extra["ref_logprobs"] = self.token_logprobs_of(self.reference, rollouts)
         if old_logprobs is not None:
             extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
-        if stale is not None:
-            extra["stale"] = stale
+        if batch.stale is not None:
+            extra["stale"] = batch.stale
         self.routers.reset()
         self.ddp.train()
         parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
@@ -133,7 +134,7 @@ class Learner:
         for _ in range(cfg.ppo_epochs):
             for mini in minibatches:
                 first = not parts  # theta = theta_old: the engine/trainer differences alone
-                microbatches = self.microbatches(mini, rollouts, advantages, extra, routed_by_older)
+                microbatches = self.microbatches(mini, rollouts, batch.advantages, extra, batch.routed_by_older)
                 step_parts, grad_norm = self._optimizer_step(
                     microbatches, band=band, on_policy=first and self.config.loss.on_policy_first_minibatch,
                     compare_routing=first)
@@ -145,7 +146,7 @@ class Learner:
                 "clip_band_high": band[1] if band else self.config.loss.clip_high,
                 "minibatches": len(minibatches), "lr": self.optimizer.param_groups[0]["lr"]}
 
-    def _minibatches(self, count: int, step: int) -> list[list[int]]:
+    def minibatch_split(self, count: int, step: int) -> list[list[int]]:
         """The update's minibatches of a batch of `count` rollouts: a shuffled order (the step's
         seed) in `num_minibatches` slices; none when too few rollouts feed the data-parallel ranks."""
         cfg = self.config.train
@@ -156,12 +157,13 @@ class Learner:
         order = torch.randperm(count, generator=generator).tolist()  # host: an order of Python lists
         return [[order[i] for i in mini] for mini in split_minibatches(count, num_minibatches)]
 
-    def routing_wanted(self, rollouts: list[Rollout], step: int, recompute: bool) -> list[int]:
-        """The rollouts whose routed experts this rank's microbatches read in step `step`'s update
-        (and in the forward that recomputes pi_old, when `recompute`): its data-parallel shards."""
+    def routing_wanted(self, rollouts: list[Rollout], minibatches: list[list[int]], recompute: bool) -> list[int]:
+        """The rollouts whose routed experts this rank's microbatches read in the update on
+        `minibatches` (`minibatch_split`'s, the update's own) and in the forward that recomputes
+        pi_old when `recompute`: its data-parallel shards of each."""
         lengths, ranks = sequence_lengths(rollouts), parallel_state.get_data_parallel_world_size()
         mine = parallel_state.get_data_parallel_rank()
-        groups = self._minibatches(len(rollouts), step) + ([list(range(len(rollouts)))] if recompute else [])
+        groups = minibatches + ([list(range(len(rollouts)))] if recompute else [])
         return sorted({i for group in groups for i in balance_across_ranks(group, lengths, ranks)[mine]})
 
     def _report(self, parts: list[list[dict]]) -> dict:

@@ -176,8 +176,9 @@ class Progress:
     measured before but not on this step (a step that trained nothing) reads "-", so the columns
     stay where they were."""
 
-    def __init__(self, total: int, start: int = 0, stream=sys.stdout):
-        self.total, self.start, self.stream = total, start, stream
+    def __init__(self, total: int, start: int = 0, stream=None):
+        # None: the sys.stdout of the moment, not the one at import (replaced by then under pytest's capture)
+        self.total, self.start, self.stream = total, start, stream or sys.stdout
         self.began = time.monotonic()
         self.seen: set[str] = set()
 

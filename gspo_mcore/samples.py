@@ -70,15 +70,16 @@ class Batch:
     stale: list[list[float]] | None = None
     # Per rollout: whether older weights than these routed it in the engine (None: none did).
     routed_by_older: list[bool] | None = None
+    # The update's minibatches (rollout indices), split once when the trainer prepares the batch
+    # (gspo_mcore.learner.Learner.minibatch_split): the routing delivery and the update read the same.
+    minibatches: list[list[int]] | None = None
 
     @classmethod
-    def spanning(cls, rollouts: list[Rollout], advantages: list[float], metrics: dict, version: int,
-                 reprefilled: bool) -> "Batch":
-        """A batch generated beside training, updated at weight version `version`. `reprefilled`
-        (Engine.reprefills_continued_requests): a response continued after a push was prefilled
-        again under the new weights, so its routing is all of its last token's version's (an
-        environment's tokens carry the version of the model token before them); otherwise a
-        response any older token of which was routed by older weights counts as theirs."""
+    def spanning(cls, rollouts: list[Rollout], advantages: list[float], metrics: dict, version: int) -> "Batch":
+        """A batch generated beside training, updated at weight version `version`. A response
+        continued after a push was prefilled again under the new weights (the `Engine` invariant),
+        so its routing is all of its last token's version's (an environment's tokens carry the
+        version of the model token before them)."""
         stale = [[float(v < version) for v in r.token_versions] or [0.0] * len(r.response_ids) for r in rollouts]
-        older = [bool(tokens) and (tokens[-1] > 0 if reprefilled else any(tokens)) for tokens in stale]
+        older = [bool(tokens) and tokens[-1] > 0 for tokens in stale]
         return cls(rollouts, advantages, metrics, overlapped=True, stale=stale, routed_by_older=older)

@@ -1,7 +1,7 @@
 """Starting a training run once its arguments and config are checked (gspo_mcore.cli): what a run would
 otherwise find wrong only after building the model and starting servers is checked first (the
 output directory, the resume point, the dataset, the reward, rollout and loss function names),
-the process environment is set for the device (`set_process_env`), then gspo_mcore.train's
+the process environment is set for the device (`set_process_env`), then gspo_mcore.trainer's
 `Trainer` runs.
 """
 
@@ -22,7 +22,7 @@ from gspo_mcore.rewards import load_reward_fn, reward_arguments
 from gspo_mcore.rollout.functions import load_rollout_function
 from gspo_mcore.torchrun import omp_threads
 from gspo_mcore.toy_task import check_task_written
-from gspo_mcore.train import Trainer
+from gspo_mcore.trainer import Trainer
 
 
 def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:

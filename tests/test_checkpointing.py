@@ -64,7 +64,7 @@ def test_real_metadata_still_loads(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     hf = make_tiny_checkpoint(tmp_path / "hf", seed=0, dtype=torch.bfloat16)
     subprocess.run([sys.executable, "-m", "checkpoint_convert", "hf-to-mcore", "--hf-dir", str(hf), "--output-dir",
@@ -99,18 +99,16 @@ def test_a_torch_dist_save_leaves_no_process_behind(tmp_path, how):
     """A save starts no process that outlives it: the writer's Manager, spawned by Megatron, re-imported the
     trainer (seconds), outlived a SIGKILLed trainer and, started during a Ctrl-C, died of it: an EOFError
     traceback instead of the save."""
-    import os
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO, environment
 
     script = tmp_path / "save.py"
     script.write_text(WRITER_SAVE)
     (tmp_path / "ckpt").mkdir()
     proc = subprocess.run([sys.executable, str(script), how, str(tmp_path), str(tmp_path / "ckpt")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"})
+                          capture_output=True, text=True, timeout=300, env=environment())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "0"
 
@@ -119,7 +117,7 @@ def test_checkpoints_of_the_layout_before_registered_parts_still_load(tiny_hf_di
     """A run's checkpoint as the Checkpointer wrote it before parts registered with it (with and
     without the lr schedule's state) loads into the registered parts: weights, RNG, schedule,
     step, rollout state; a new save writes the same files, keys and trainer_state.json."""
-    from conftest import run_module
+    from helpers import run_module
 
     proc = run_module(["tests/workers/checkpoint_layout.py", str(tiny_hf_dir), str(tmp_path / "out")])
     assert proc.stdout.strip().splitlines()[-1] == "ok"

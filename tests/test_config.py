@@ -68,7 +68,7 @@ def test_missing_file_is_named(tmp_path):
 
 
 def test_shipped_configs_load():
-    from conftest import REPO
+    from helpers import REPO
 
     for path in sorted((REPO / "configs").glob("*.yaml")):
         load_config(path)
@@ -95,7 +95,7 @@ def test_base_config_errors_name_the_file(tmp_path):
 
 
 def test_grpo_comparison_config_differs_from_the_default_only_in_the_loss():
-    from conftest import REPO
+    from helpers import REPO
 
     gspo, grpo = load_config(REPO / "configs/tiny_cpu.yaml"), load_config(REPO / "configs/tiny_cpu_grpo.yaml")
     assert (grpo.loss.function, gspo.loss.function) == ("grpo", "gspo")
@@ -109,7 +109,7 @@ def test_grpo_comparison_config_differs_from_the_default_only_in_the_loss():
 ])
 def test_malformed_override_is_one_config_error(override, fragment):
     with pytest.raises(ConfigError) as err:
-        from conftest import REPO
+        from helpers import REPO
 
         load_config(REPO / "configs" / "tiny_cpu.yaml", [override])  # train.steps is set there
     assert str(err.value).startswith(fragment) and "\n" not in str(err.value)
@@ -136,7 +136,7 @@ def test_a_config_typo_answers_before_megatron_is_imported_with_the_field_it_mea
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     script = ("import sys\nfrom gspo_mcore.cli import main\nfrom gspo_mcore.errors import run_cli\n"
               "code = run_cli(lambda: main(sys.argv[1:]))\n"
@@ -154,7 +154,7 @@ def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, cap
     every default filled in, as YAML that loads back to the same config; exit 0, nothing run."""
     import signal
 
-    from conftest import REPO
+    from helpers import REPO
     from gspo_mcore.cli import main
 
     overrides = ["train.steps=3", "data.chat_template_kwargs.enable_thinking=false"]
@@ -173,7 +173,7 @@ def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, cap
 
 def test_the_grpo_comparison_commands_use_the_demos_run():
     """configs/tiny_cpu_grpo.yaml's commands plot against the run `make demo` writes."""
-    from conftest import REPO
+    from helpers import REPO
     from gspo_mcore.demo import DEFAULT_OUTPUT, train_command
 
     comment = [line for line in (REPO / "configs/tiny_cpu_grpo.yaml").read_text().splitlines() if line.startswith("#")]
@@ -211,7 +211,7 @@ def test_a_run_reads_the_git_revision_without_locking_the_users_index(tmp_path, 
     git not to take optional locks; here a checkout whose index is stale keeps its index file as is."""
     import subprocess
 
-    from conftest import REPO
+    from helpers import REPO
     from gspo_mcore.cli import main
     from gspo_mcore.run_config import provenance
 

@@ -47,7 +47,7 @@ def test_only_fresh_model_tokens_count_and_nan_never_passes():
     trainer = [list(r.logprobs) for r in (env, old, fresh)]
     trainer[0][2] += 5.0  # an environment token: its engine "log-prob" is 0, never compared
     trainer[1][0] += 5.0  # a stale token (step-2 weights): the policy moved since
-    batch = Batch.spanning([env, old, fresh], [0.0] * 3, {}, 3, reprefilled=True)
+    batch = Batch.spanning([env, old, fresh], [0.0] * 3, {}, 3)
     largest, found = mismatches(batch.rollouts, trainer, batch.stale, 1e-4)
     assert found == [] and largest == 0.0
     trainer[2][4] += 5.9e-4  # one fresh token off by 5.9e-4 in 6: |log s| just under 1e-4

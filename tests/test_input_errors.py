@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO
+from helpers import REPO
 
 pytestmark = pytest.mark.slow  # runs the CLIs in subprocesses (and torchrun)
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.errors import InputError
 from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import REPO
-from test_train import _metrics, _toy_overrides
+from helpers import metrics, toy_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train")]
 
@@ -40,7 +40,7 @@ def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_sche
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
-    overrides = [*_toy_overrides(toy), f"train.steps={STEPS}", "train.save_every=0", "reward.workers=2",
+    overrides = [*toy_overrides(toy), f"train.steps={STEPS}", "train.save_every=0", "reward.workers=2",
                  "train.export_hf=false", "weight_sync.check_every=0", f"optimizer.lr={LR}",
                  f"optimizer.lr_warmup_steps={WARMUP}", "optimizer.lr_decay=cosine", f"optimizer.min_lr={MIN_LR}"]
     proc = subprocess.Popen(_command(out, overrides), cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -63,7 +63,7 @@ def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_sche
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert 2 <= saved < STEPS and proc.returncode != 0, output[-3000:]
     assert f"stopped by SIGUSR1 after step {saved} (checkpoints/step_{saved:06d}): --resume continues" in output
-    assert [r["step"] for r in _metrics(out)] == list(range(1, saved + 1))
+    assert [r["step"] for r in metrics(out)] == list(range(1, saved + 1))
     assert "config.yaml" in os.listdir(out) and "git " in (out / "config.yaml").read_text().splitlines()[0]
 
     # A resume that would change the data or the model: refused, naming the fields, nothing started.
@@ -80,7 +80,7 @@ def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_sche
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resume: applying optimizer.lr {LR!r} -> {new_lr!r}" in resumed.stdout
     assert f"resumed from checkpoints/step_{saved:06d} (step {saved} of {STEPS})" in resumed.stdout
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:  # steps without a group with signal train nothing and report no lr
         if r["lr"] is not None:
@@ -139,7 +139,7 @@ def test_ctrl_c_to_make_demos_process_group_saves_and_leaves_nothing_behind(tmp_
     assert said[:2] == [STOP_LINES[0], f"{STOP_LINES[2]}{saved} (checkpoints/step_{saved:06d}): --resume continues"]
     # make's own line, by its convention
     assert len(said) == 3 and re.fullmatch(r"make: \*\*\* \[Makefile:\d+: demo\] (Interrupt|Error 130)", said[2]), output
-    assert [r["step"] for r in _metrics(run)] == list(range(1, saved + 1)) and took < 60
+    assert [r["step"] for r in metrics(run)] == list(range(1, saved + 1)) and took < 60
     # torch's compile cache (tempfile.gettempdir()/torchinductor_USER) is every torch process's, made at import
     assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
     assert {p for p in os.listdir("/dev/shm") if p.startswith("sglang")} <= shm_before
@@ -150,7 +150,7 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_and_deletes_nothing_writt
     first: one line each, exit 130 at once; no EOFError (Megatron's writer Manager, spawned at the
     first save, died of the Ctrl-C), and the metrics, eval and config of the completed steps stay."""
     out = tmp_path / "run"
-    overrides = [*_toy_overrides(toy, evaluate=True), f"rollout.urls=[{server}]", "train.save_every=0",
+    overrides = [*toy_overrides(toy, evaluate=True), f"rollout.urls=[{server}]", "train.save_every=0",
                  "reward.workers=2", "train.export_hf=false"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(_command(out, overrides, nproc=1), cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -170,6 +170,6 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_and_deletes_nothing_writt
     said = [line for line in output.splitlines() if not line.startswith("step ")]
     assert said[0] == STOP_LINES[0] and STOP_LINES[1] in said, output[-3000:]
     assert len(said) <= 3 and all(line.startswith(STOP_LINES) for line in said), output[-3000:]
-    steps = [r["step"] for r in _metrics(out)]
+    steps = [r["step"] for r in metrics(out)]
     assert steps[:2] == [1, 2] and steps == list(range(1, len(steps) + 1))
     assert (out / "config.yaml").is_file() and (out / "eval.jsonl").read_text().strip()

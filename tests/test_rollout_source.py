@@ -105,7 +105,6 @@ def test_max_sampling_rounds_must_be_positive():
 
 
 class RecordingControl:
-    reprefills_continued_requests = True
 
     def __init__(self):
         self.calls = []

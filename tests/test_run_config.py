@@ -115,9 +115,9 @@ def test_a_run_starts_without_megatrons_apex_and_te_warnings():
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
-    proc = subprocess.run([sys.executable, "-c", "import gspo_mcore.train"], capture_output=True, text=True, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", "import gspo_mcore.trainer"], capture_output=True, text=True, cwd=REPO,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert proc.returncode == 0 and "not installed" not in proc.stderr, proc.stderr[-2000:]
 
@@ -191,7 +191,7 @@ def test_help_and_usage_errors_answer_before_anything_heavy_is_imported():
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     for args, code in ((["--help"], 0), (["--resume"], 2)):
         proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "gspo_mcore.train", *args], cwd=REPO,

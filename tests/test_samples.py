@@ -10,22 +10,20 @@ def rollout(versions, n=None):
 
 
 def test_a_batch_spanning_versions_marks_each_token_older_than_the_update():
-    batch = Batch.spanning([rollout([1, 1, 2]), rollout([2, 2]), rollout([0, 1, 1])], [1.0, -1.0, 0.0], {}, 2,
-                           reprefilled=True)
+    batch = Batch.spanning([rollout([1, 1, 2]), rollout([2, 2]), rollout([0, 1, 1])], [1.0, -1.0, 0.0], {}, 2)
     assert batch.overlapped
     assert batch.stale == [[1.0, 1.0, 0.0], [0.0, 0.0], [1.0, 1.0, 1.0]]
 
 
-def test_routing_by_older_weights_follows_the_engine():
-    """An engine that prefills a continued request again routes all of it with its last token's
-    version (SGLang); one that keeps each token's routing routes it with older weights if any token was."""
+def test_routing_by_older_weights_is_the_last_tokens():
+    """The engines prefill a continued request again: all of it is routed by its last token's
+    version's weights, whatever older versions generated its earlier tokens."""
     rollouts = [rollout([1, 1, 2]), rollout([2, 2]), rollout([1, 1])]
-    assert Batch.spanning(rollouts, [0.0] * 3, {}, 2, reprefilled=True).routed_by_older == [False, False, True]
-    assert Batch.spanning(rollouts, [0.0] * 3, {}, 2, reprefilled=False).routed_by_older == [True, False, True]
+    assert Batch.spanning(rollouts, [0.0] * 3, {}, 2).routed_by_older == [False, False, True]
 
 
 def test_an_untagged_response_counts_as_current():
-    batch = Batch.spanning([rollout([], n=3)], [0.0], {}, 5, reprefilled=True)
+    batch = Batch.spanning([rollout([], n=3)], [0.0], {}, 5)
     assert batch.stale == [[0.0, 0.0, 0.0]] and batch.routed_by_older == [False]
 
 

@@ -103,7 +103,7 @@ def test_weight_sync_distributed_twice_with_check(sglang_server, tmp_path):
     the product's check (engine prefill vs trainer forward) passes after each push and
     catches the engine still holding the previous weights; an independent transformers
     forward of the new weights agrees with what the engine then generates."""
-    from conftest import last_json_line, run_module
+    from helpers import last_json_line, run_module
 
     server, _ = sglang_server
     sources = [make_tiny_checkpoint(tmp_path / f"trainer-{seed}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
@@ -125,7 +125,7 @@ def test_weight_sync_relayed_through_rank_0(sglang_server, tmp_path):
     communicator per worker): EP=2 and TP=2, rank 1's experts reach the server through rank 0
     (point to point, then rank 0's group), twice; the check passes after each push and catches
     the stale engine; rank 0 sent every byte of the model, rank 1 only its own experts."""
-    from conftest import last_json_line, run_module
+    from helpers import last_json_line, run_module
 
     server, _ = sglang_server
     sources = [make_tiny_checkpoint(tmp_path / f"trainer-{seed}", seed=seed, dtype=torch.bfloat16, mlp_only_layers=[])
@@ -149,7 +149,7 @@ def test_weight_sync_tensor_colocated_two_servers(sglang_server, tmp_path):
     (EP=2 and TP=2 + SP: experts from both ranks, dense tensors gathered over TP); each rank's
     full copy of every bucket goes to "its" server through shared memory (CUDA IPC on GPUs).
     Both servers then generate with the new weights, and the check passes."""
-    from conftest import last_json_line, run_module
+    from helpers import last_json_line, run_module
 
     server, served = sglang_server
     port = free_port()

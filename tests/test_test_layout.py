@@ -11,9 +11,6 @@ from helpers import REPO
 TESTS = sorted((REPO / "tests").glob("test_*.py"))
 TEST_MODULES = {path.stem for path in TESTS}
 
-# Modules whose owners move them onto tests/helpers.py in the same round (issue #40): strict, so
-# the entry must go once the import does.
-PENDING = {"test_preemption", "test_train_async", "test_train_engine", "test_train_vllm"}
 
 
 def imported_test_modules(path) -> set[str]:
@@ -36,9 +33,7 @@ def test_the_check_sees_imports_at_any_depth(tmp_path):
     assert imported_test_modules(sample) == {"test_http", "test_loss"}
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="imports test_train's helpers (its owner moves it)"))
-    if path.stem in PENDING else path for path in TESTS], ids=lambda path: path.name)
+@pytest.mark.parametrize("path", TESTS, ids=lambda path: path.name)
 def test_no_test_module_imports_another(path):
     assert not imported_test_modules(path), f"{path.name} imports a test module: move what it needs to tests/helpers.py"
 

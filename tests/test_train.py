@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_module
+from helpers import metrics, toy_overrides, train
 from gspo_mcore.metric_schema import BY_NAME
 
 # Slow: starts torchrun and SGLang servers. One xdist group: the module's server and default
@@ -22,34 +23,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train")]
 SYNC_CHECK = {name for name in BY_NAME if name.startswith("sync_check")}
 
 
-def _toy_overrides(toy, evaluate: bool = False) -> list[str]:
-    """The toy task's paths; the config's evaluation only when asked (it adds to every run)."""
-    dataset = f"[{{name: toy, path: {toy / 'eval.jsonl'}, samples: 4, max_new_tokens: 3}}]" if evaluate else "[]"
-    return [f"model.hf_dir={toy / 'model'}", f"data.path={toy / 'prompts.jsonl'}", f"eval.datasets={dataset}"]
-
-
-def _metrics(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-
-def _train(out, overrides, nproc=1, config="configs/tiny_cpu.yaml", extra=(), timeout=900, warnings=False):
-    return run_module(["-m", "gspo_mcore.train", "--config", config, "--output-dir", str(out), *extra, *overrides],
-                      nproc=nproc, timeout=timeout, warnings=warnings)
-
-
 @pytest.fixture(scope="session")
 def default_run(toy, tmp_path_factory):
     """The CPU default exactly as shipped (configs/tiny_cpu.yaml), on this test's copy of the toy task."""
     out = tmp_path_factory.mktemp("default_run")
     start = time.monotonic()
-    _train(out, [*_toy_overrides(toy, evaluate=True), "train.log_samples_every=20"])
+    train(out, [*toy_overrides(toy, evaluate=True), "train.log_samples_every=20"])
     return out, time.monotonic() - start
 
 
 def test_cpu_default_learns_within_ten_minutes(default_run):
     out, seconds = default_run
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 41))
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
@@ -68,7 +53,7 @@ def test_the_default_run_evaluates_held_out_prompts_and_writes_samples(default_r
     for e in evals:
         assert e["eval/toy/pass@4"] >= e["eval/toy/pass@1"] >= 0 and e["eval/toy/response_length"] > 0
         assert e["eval/toy/pass@1"] == pytest.approx(e["eval/toy/mean@4"])  # a 0/1 reward: pass@1 is the mean
-    rows = {r["step"]: r for r in _metrics(out)}
+    rows = {r["step"]: r for r in metrics(out)}
     assert rows[20]["eval/toy/mean@4"] == evals[2]["eval/toy/mean@4"] and "eval/toy/mean@4" not in rows[21]
     samples = [json.loads(line) for line in (out / "samples" / "step_000020.jsonl").read_text().splitlines()]
     assert len([s for s in samples if "eval" not in s]) == 8 and any(s.get("eval") == "toy" for s in samples)
@@ -79,7 +64,7 @@ def test_metrics_every_step_and_tensorboard(default_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out, _ = default_run
-    rows = _metrics(out)
+    rows = metrics(out)
     assert sum(r["clip_fraction"] is not None for r in rows) >= 30
     for row in rows:
         keys = {k for k in row if not k.startswith("eval/")}  # the evaluated steps' (eval.jsonl test)
@@ -143,11 +128,11 @@ def test_expert_parallel_run_with_recompute_disk_sync_and_checks(toy, server, tm
     # Initial weights from a torch_dist checkpoint made by the converter (model.mcore_dir).
     mcore = tmp_path / "mcore"
     run_module(["-m", "checkpoint_convert", "hf-to-mcore", "--hf-dir", str(toy / "model"), "--output-dir", str(mcore)])
-    _train(out, [*_toy_overrides(toy), f"model.mcore_dir={mcore}", f"rollout.urls=[{server}]", "distributed.expert_parallel=2", "train.steps=3",
+    train(out, [*toy_overrides(toy), f"model.mcore_dir={mcore}", f"rollout.urls=[{server}]", "distributed.expert_parallel=2", "train.steps=3",
                  "train.recompute_old_logprobs=true", "weight_sync.method=disk", "weight_sync.colocate=true",
                  "weight_sync.check_every=1", "train.save_every=1", "train.keep_checkpoints=2",
                  "train.export_hf=false"], nproc=2)
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # Retention: the newest two complete checkpoints stay, `latest` names the newest.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
@@ -172,13 +157,13 @@ def test_resume_restores_the_exact_state_and_continues_the_data(toy, server, tmp
     (Python's own display, as a user runs them): four or five on every run (Megatron's "full
     scope is deprecated", a `.grad` one from the CPU bridge, two c10d FutureWarnings,
     `load_state_dict` is deprecated on resume) buried the one-line messages."""
-    overrides = [*_toy_overrides(toy), f"rollout.urls=[{server}]", "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=0"]
+    overrides = [*toy_overrides(toy), f"rollout.urls=[{server}]", "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=0"]
     out = tmp_path / "run"
-    _assert_no_upstream_warnings(_train(out, [*overrides, "train.steps=2"], warnings=True))
+    _assert_no_upstream_warnings(train(out, [*overrides, "train.steps=2"], warnings=True))
     original = tmp_path / "step_000002.original"
     shutil.copytree(out / "checkpoints" / "step_000002", original)
     # Resume with nothing left to do: the checkpoint is loaded and saved again.
-    _train(out, [*overrides, "train.steps=2"], extra=["--resume"])
+    train(out, [*overrides, "train.steps=2"], extra=["--resume"])
     before, after = _checkpoint_entries(original), _checkpoint_entries(out / "checkpoints" / "step_000002")
     assert before.keys() == after.keys()
     assert any("exp_avg_sq" in key for key in before)  # the optimizer state is in there
@@ -200,8 +185,8 @@ def test_resume_restores_the_exact_state_and_continues_the_data(toy, server, tmp
 
     with SummaryWriter(str(out / "tensorboard")) as killed:
         killed.add_scalar("reward_mean", -1.0, 3)
-    _assert_no_upstream_warnings(_train(out, [*overrides, "train.steps=4"], extra=["--resume"], warnings=True))
-    rows = _metrics(out)
+    _assert_no_upstream_warnings(train(out, [*overrides, "train.steps=4"], extra=["--resume"], warnings=True))
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[2]["reward_mean"] >= 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -225,7 +210,7 @@ def test_resume_restores_the_exact_state_and_continues_the_data(toy, server, tmp
 def test_resume_without_a_checkpoint_and_bad_data_fail_fast_with_one_line(toy, tmp_path):
     env = {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml", "--output-dir",
-           str(tmp_path / "none"), *_toy_overrides(toy)]
+           str(tmp_path / "none"), *toy_overrides(toy)]
     proc = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'none' / 'checkpoints' / 'latest'}: no checkpoint to resume from"
@@ -245,9 +230,9 @@ def test_pipeline_and_tensor_parallel_runs(toy, server, tmp_path, layout):
     """PP=2 (variable microbatch shapes through the pipeline) and TP=2 + sequence parallel
     (sequences padded to a multiple of TP): the update runs, the pushed weights pass the check."""
     out = tmp_path / "run"
-    _train(out, [*_toy_overrides(toy), f"rollout.urls=[{server}]", layout, "train.steps=2",
+    train(out, [*toy_overrides(toy), f"rollout.urls=[{server}]", layout, "train.steps=2",
                  "weight_sync.check_every=1", "train.save_every=0", "train.export_hf=false"], nproc=2)
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sync_check_median"] < 1e-4 and r["mismatch_abs_log_ratio_max"] < 1e-4 for r in rows)
 
@@ -257,9 +242,9 @@ def test_a_run_that_trains_nothing_still_saves(toy, server, tmp_path):
     has no state; the run still saves its final checkpoint and exits cleanly. (A reward that
     always raises stops the run: tests/test_rollout_source.py.)"""
     out = tmp_path / "run"
-    _train(out, [*_toy_overrides(toy), f"rollout.urls=[{server}]", "reward.name=tests.reward_fixtures:zero_reward",
+    train(out, [*toy_overrides(toy), f"rollout.urls=[{server}]", "reward.name=tests.reward_fixtures:zero_reward",
                  "train.steps=2", "train.save_every=0", "train.export_hf=false", "weight_sync.check_every=0"])
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["reward_errors"] == 0 and r["reward_mean"] == 0 and r["loss"] is None for r in rows)
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
@@ -316,10 +301,10 @@ def test_the_docs_multi_turn_example_runs_as_copied_on_the_demo_task(toy, server
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                           "--output-dir", str(out), *_toy_overrides(toy), f"rollout.urls=[{server}]",
+                           "--output-dir", str(out), *toy_overrides(toy), f"rollout.urls=[{server}]",
                            "rollout.function=mypkg.rollouts:ask_twice", "train.steps=2", "train.save_every=0",
                            "train.save_final=false", "train.export_hf=false"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["turns_mean"] for r in rows] == [2, 2] and all(0 < r["env_token_fraction"] < 1 for r in rows)

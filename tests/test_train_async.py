@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO
-from test_train import _metrics, _toy_overrides, _train
+from helpers import metrics, toy_overrides, train
 
 # Starts torchrun and SGLang servers; the module's runs share two servers (each run pushes its
 # own weights first), so they stay on one worker.
@@ -47,7 +47,7 @@ def servers(toy, tmp_path_factory):
 # A user's rollout function by name: three model turns, user messages spliced in between. Three
 # steps: with one rank a step trains in about a second, and on a loaded machine a batch's first
 # turns can miss that window once (all its tokens then come after the push: nothing stale).
-MULTI_TURN = ["rollout.function=tests.test_trajectories:three_turns", "rollout.return_routed_experts=true",
+MULTI_TURN = ["rollout.function=tests.rollout_fixtures:three_turns", "rollout.return_routed_experts=true",
               "train.steps=3"]
 
 
@@ -63,9 +63,9 @@ def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path,
     trajectory counts its oldest model token), the trainer not waiting once generation runs
     ahead, weights checked; pi_prox recomputed or free from the first minibatch."""
     out = tmp_path / "run"
-    _train(out, [*_toy_overrides(toy), servers, *COMMON, f"rollout.mode={mode}", "train.steps=2", "train.save_every=0",
+    train(out, [*toy_overrides(toy), servers, *COMMON, f"rollout.mode={mode}", "train.steps=2", "train.save_every=0",
                  *options], nproc=nproc)
-    rows = _metrics(out)
+    rows = metrics(out)
     if options == MULTI_TURN:
         assert all(r["turns_mean"] == 3 and 0 < r["env_token_fraction"] < 1 for r in rows)
         # float32 on both sides: the engine's routing of every segment is the trainer's router's
@@ -97,7 +97,7 @@ def test_an_async_run_killed_with_groups_in_flight_leaves_nothing_and_resumes(to
 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    common = [*_toy_overrides(toy), "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
+    common = [*toy_overrides(toy), "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
               "train.save_every=1", "reward.workers=2"]
     log = tmp_path / "killed.log"
     with open(log, "w") as output:
@@ -119,8 +119,8 @@ def test_an_async_run_killed_with_groups_in_flight_leaves_nothing_and_resumes(to
         if proc.poll() is None:
             proc.kill()
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    _train(out, [*common, servers, f"train.steps={saved + 2}"], extra=["--resume"])
-    rows = _metrics(out)
+    train(out, [*common, servers, f"train.steps={saved + 2}"], extra=["--resume"])
+    rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, saved + 3))  # steps after the checkpoint trained again
     assert all(r["staleness_max"] <= 1 for r in rows)
 
@@ -133,7 +133,7 @@ def test_async_keeps_no_more_requests_in_flight_than_the_server_runs(toy, tmp_pa
     import re
 
     out = tmp_path / "run"
-    proc = _train(out, [*_toy_overrides(toy), "rollout.mode=async", "rollout.num_servers=1",
+    proc = train(out, [*toy_overrides(toy), "rollout.mode=async", "rollout.num_servers=1",
                         "rollout.max_running_requests=16", "rollout.max_total_tokens=256", "rollout.max_new_tokens=16",
                         "rollout.request_timeout_s=30", "weight_sync.check_every=1", "train.steps=3",
                         "train.save_every=0", "train.export_hf=false", "reward.norm=group"])
@@ -142,7 +142,7 @@ def test_async_keeps_no_more_requests_in_flight_than_the_server_runs(toy, tmp_pa
     assert said, proc.stdout[-2000:]
     in_flight, running, tokens = map(int, said.groups())
     assert running <= 256 // tokens < 16 and in_flight == max(1, running - 1)
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["requests_retried"] == 0 and r["tokens_regenerated"] == 0 for r in rows)
     assert all(r["sync_check_median"] is not None for r in rows)  # the check ran every step

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import REPO
-from test_train import _metrics, _toy_overrides, _train
+from helpers import metrics, toy_overrides, train
 
 pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
 
@@ -42,7 +42,7 @@ def test_strict_exactness_stops_a_bf16_engine_run_with_its_evidence(toy, bf16_se
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                           "--output-dir", str(out), *_toy_overrides(toy), f"rollout.urls=[{bf16_server}]",
+                           "--output-dir", str(out), *toy_overrides(toy), f"rollout.urls=[{bf16_server}]",
                            "rollout.engine_dtype=bfloat16", "train.strict_exactness=true", "train.steps=2",
                            "train.save_every=0", "weight_sync.check_every=0"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -67,16 +67,16 @@ def test_engine_routing_compared_and_replayed(toy, bf16_server, tmp_path):
     order would differ almost everywhere. Replayed (EP=2), the routers take the engine's choice:
     none differ. The free run also sizes its later minibatches' band from the mismatch it
     measured on the first (loss.band_from_mismatch), which a bf16 engine puts far above 4e-4."""
-    common = [*_toy_overrides(toy), "rollout.return_routed_experts=true", "train.steps=1", "train.save_every=0",
+    common = [*toy_overrides(toy), "rollout.return_routed_experts=true", "train.steps=1", "train.save_every=0",
               "train.export_hf=false", "weight_sync.check_every=0", f"rollout.urls=[{bf16_server}]",
               "rollout.engine_dtype=bfloat16"]
-    _train(tmp_path / "free", [*common, "distributed.tensor_parallel=2",
+    train(tmp_path / "free", [*common, "distributed.tensor_parallel=2",
                                "loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"], nproc=2)
-    _train(tmp_path / "replay", [*common, "distributed.expert_parallel=2", "train.routing_replay=true"], nproc=2)
+    train(tmp_path / "replay", [*common, "distributed.expert_parallel=2", "train.routing_replay=true"], nproc=2)
     # Each stage gets its own layers' routing only (gspo_mcore.routing_delivery): replayed
     # at the wrong layer, the second stage's routers would differ from the engine's.
-    _train(tmp_path / "replay_pp", [*common, "distributed.pipeline_parallel=2", "train.routing_replay=true"], nproc=2)
-    free, replay, replay_pp = (_metrics(tmp_path / name) for name in ("free", "replay", "replay_pp"))
+    train(tmp_path / "replay_pp", [*common, "distributed.pipeline_parallel=2", "train.routing_replay=true"], nproc=2)
+    free, replay, replay_pp = (metrics(tmp_path / name) for name in ("free", "replay", "replay_pp"))
     assert all(len(r["routing_mismatch_fraction_per_layer"]) == 4 for r in free + replay + replay_pp)
     assert 0 < sum(r["routing_mismatch_fraction"] for r in free) / len(free) < 0.2
     assert all(r["routing_mismatch_fraction"] == 0 for r in replay + replay_pp)
@@ -112,7 +112,7 @@ def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     with ManagedServer(cmd, url, tmp_path / "sglang.log", env=server_env()) as server:
         proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                                 "--output-dir", str(out), *_toy_overrides(toy), f"rollout.urls=[{url}]",
+                                 "--output-dir", str(out), *toy_overrides(toy), f"rollout.urls=[{url}]",
                                  "train.steps=200", "train.save_every=1", "rollout.max_attempts=2",
                                  "rollout.request_timeout_s=120", "weight_sync.check_every=0"],
                                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -145,12 +145,12 @@ def test_real_shaped_run_ep2_two_bf16_servers_uneven_lengths_save_and_prune(toy,
             article = "an" if category == "animal" else "a"
             f.write(json.dumps({"prompt": f"name {article} {category} ( {fillers} )", "answer": category}) + "\n")
     out = tmp_path / "run"
-    _train(out, [f"model.hf_dir={toy / 'model'}", f"data.path={prompts}", "eval.datasets=[]", "distributed.expert_parallel=2",
+    train(out, [f"model.hf_dir={toy / 'model'}", f"data.path={prompts}", "eval.datasets=[]", "distributed.expert_parallel=2",
                  "rollout.num_servers=2", "rollout.engine_dtype=bfloat16", "rollout.max_new_tokens=24",
                  "train.max_tokens_per_microbatch=48", "train.steps=3", "train.save_every=1", "train.keep_checkpoints=2",
                  "weight_sync.check_every=1", "train.export_hf=false"],
            nproc=2, timeout=900)
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # bf16 engine vs float32 trainer, scored on the probes' response tokens under the bf16 default
     # tolerance (0.2; with every probe token, prompts of random filler words gave medians ~0.1 and the

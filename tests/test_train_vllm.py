@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import REPO
-from test_train import _metrics, _train
+from helpers import metrics, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_train")]
 CONFIG = "configs/tiny_cpu_vllm.yaml"
@@ -29,8 +29,8 @@ def test_the_cpu_default_on_vllm_learns(vllm_toy, tmp_path):
     """As shipped (40 steps, evaluation every 10): the mean reward of the last 10 steps at least
     0.3 above the first 10's, the engine's log-probs the trainer's to ~1e-7, every check passed."""
     out = tmp_path / "run"
-    _train(out, _task(vllm_toy, evaluate=True), config=CONFIG, timeout=900)
-    rows = _metrics(out)
+    train(out, _task(vllm_toy, evaluate=True), config=CONFIG, timeout=900)
+    rows = metrics(out)
     rewards = [r["reward_mean"] for r in rows]
     assert len(rows) == 40 and sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.3, rewards
     mismatch = [r["mismatch_abs_log_ratio_mean"] for r in rows if r["mismatch_abs_log_ratio_mean"] is not None]
@@ -48,11 +48,11 @@ def test_async_on_vllm_spans_versions_within_the_bound_and_regenerates_nothing(v
     with two cores kept busy). Without it the producer outran the loaded trainer: each push found
     it done and waiting, and in CI no response spanned two versions."""
     out = tmp_path / "run"
-    _train(out, [*_task(vllm_toy), "rollout.mode=async", "rollout.max_new_tokens=40",
+    train(out, [*_task(vllm_toy), "rollout.mode=async", "rollout.max_new_tokens=40",
                  "rollout.server_args=[--logits-processors, tests.slow_decode:SlowDecode]",
                  "train.rollout_batch_size=4", "train.steps=4", "train.save_every=0", "train.save_final=false",
                  "train.export_hf=false", "weight_sync.check_every=2", "reward.norm=group"], config=CONFIG, timeout=900)
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness_max"] <= 1 and r["tokens_regenerated"] == 0 and r["requests_retried"] == 0 for r in rows)
     assert any(r["multi_version_fraction"] > 0 and r["version_span_max"] == 2 for r in rows), rows
@@ -119,6 +119,6 @@ def test_a_one_step_off_vllm_run_killed_then_stopped_by_sigterm_resumes_each_tim
     finally:
         if proc.poll() is None:
             proc.kill()
-    rows = _metrics(out)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, latest() + 1)) and latest() >= saved + 3, rows
     assert all(r["staleness_max"] <= 1 and r["tokens_regenerated"] == 0 for r in rows), rows

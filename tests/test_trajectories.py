@@ -14,6 +14,7 @@ from gspo_mcore.packing import collate
 from gspo_mcore.samples import Rollout
 from gspo_mcore.trajectory import Segment, Trajectory, to_rollout
 from helpers import ScriptedClient
+from rollout_fixtures import three_turns
 
 
 def _trajectory() -> Trajectory:
@@ -106,21 +107,6 @@ def test_environment_ids_splice_a_turn_as_the_chat_template_renders_it(tmp_path)
                                   {"role": "assistant", "content": "color_3"}, {"role": "user", "content": "name a fruit"}])
     prompt = chat_prompt_ids(tok, [{"role": "user", "content": "name a color"}])
     assert whole == [*prompt, *tok.encode("color_3", add_special_tokens=False), *env]
-
-
-async def three_turns(task, engine):
-    """A user-written rollout function: three model turns, a user message spliced in by tokens
-    between them (tests import it by name: test_trajectories:three_turns)."""
-    prompt = engine.chat_ids(task.messages)
-    trajectory = Trajectory(prompt_ids=prompt)
-    for turn in range(3):
-        reply = await engine.generate(prompt + trajectory.token_ids, max_new_tokens=5)
-        trajectory.add_model(reply)
-        if turn < 2:
-            message = {"role": "user", "content": f"name a {('fruit', 'number')[turn]}"}
-            trajectory.add_environment(engine.environment_ids([message], reply.response_ids))
-    trajectory.text = engine.tokenizer.decode(reply.response_ids, skip_special_tokens=True)
-    return trajectory
 
 
 @pytest.mark.slow

@@ -8,12 +8,12 @@ import json
 import os
 import subprocess
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
 
-from conftest import REPO
+from helpers import REPO, ToyHandler
 from gspo_mcore.config import load_config
 from gspo_mcore.engines.vllm import engine as vllm_engine
 from gspo_mcore.engines.vllm.engine import VLLMEngine
@@ -48,24 +48,16 @@ class StandIn:
         self.answers = dict(answers or {})
         stand_in = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(ToyHandler):
             def _answer(self, payload, status=200):
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.json(status, payload)
 
             def do_GET(self):
                 stand_in.calls.append((self.path, None))
                 self._answer({"vllm_config": {"parallel_config": {"tensor_parallel_size": 2}}})
 
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+                body = self.body()
                 stand_in.calls.append((self.path, body))
                 route = self.path.split("?")[0]
                 if route in stand_in.answers:

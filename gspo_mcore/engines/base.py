@@ -87,8 +87,6 @@ class Engine(ABC):
     last token's version's."""
 
     name: ClassVar[str]
-    # Both engines prefill a continued request again (the invariant above); read by the producer.
-    reprefills_continued_requests: ClassVar[bool] = True
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
         self.urls = server_urls(urls)

@@ -170,7 +170,7 @@ def optimizer_bytes_per_param(config: Config) -> int:
 
 
 def requests_in_flight_estimate(config: Config, prompt_tokens: int) -> dict[str, int]:
-    """What the rollout client keeps in flight (gspo_mcore.train: each server's running limit and
+    """What the rollout client keeps in flight (gspo_mcore.trainer: each server's running limit and
     KV room for a full-length request, one slot per server kept free), from the config."""
     r = config.rollout
     request = prompt_tokens + response_tokens(config)

@@ -60,10 +60,18 @@ class EngineMeter:
 
 
 class SyncProducer:
+    """Every producer is built, its state loaded (a resume's data position, into its source), then
+    `start(version)`ed with the weights the engine holds: nothing runs before `start`."""
+
     def __init__(self, source: RolloutSource, engine=None):
         self.source, self.engine = source, engine
-        self.meter = EngineMeter(source.client)
+        self.meter = None  # from start(): the engines' figures count from then
         self.unfinished: dict | None = None  # the data position before a batch a signal abandoned
+
+    def start(self, version: int) -> "SyncProducer":
+        """Generation may begin: the engine holds weight version `version`. Returns the producer."""
+        self.meter = EngineMeter(self.source.client)
+        return self
 
     def get_batch(self, step: int) -> Batch:
         self.unfinished = self.source.state_dict()
@@ -80,6 +88,10 @@ class SyncProducer:
     def state_dict(self) -> dict:
         """The data position after the last batch taken (a batch abandoned half-drawn is drawn again)."""
         return self.unfinished or self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's data position, before `start`: the source draws from there."""
+        self.source.load_state_dict(state)
 
     def close(self) -> None:
         pass
@@ -108,7 +120,7 @@ class Overlapping:
         pass
 
     def _batch(self, rollouts: list[Rollout], advantages: list[float], metrics: dict, version: int) -> Batch:
-        return Batch.spanning(rollouts, advantages, metrics, version, self.engine.reprefills_continued_requests)
+        return Batch.spanning(rollouts, advantages, metrics, version)
 
 
 class OneStepOffProducer(Overlapping, SyncProducer):
@@ -151,11 +163,11 @@ class AsyncProducer(Overlapping):
     """Groups in flight continuously (see the module's docstring). `pause()` / `resume(v)`
     around each push; `get_batch(step)` returns the oldest `rollout_batch_size` groups with signal."""
 
-    def __init__(self, source: RolloutSource, max_staleness: int, version: int, engine):
+    def __init__(self, source: RolloutSource, max_staleness: int, engine):
         self.source, self.max_staleness, self.engine = source, max_staleness, engine
-        self.meter = EngineMeter(source.client)
+        self.meter = None
         self.batch_groups = source.config.train.rollout_batch_size
-        self.version = self.start_version = version
+        self.version = self.start_version = 0
         self.pending: list[dict] = []  # admitted, not yet taken: in admission order
         self.unfinished: dict | None = None  # the position before a batch a signal abandoned
         self.taken = 0  # groups with signal handed to the trainer
@@ -165,7 +177,13 @@ class AsyncProducer(Overlapping):
         self.pool = ThreadPoolExecutor(max_workers=(max_staleness + 1) * self.batch_groups,
                                        thread_name_prefix="async-group")
         self.admitter = threading.Thread(target=self._admit_forever, name="async-admission", daemon=True)
+
+    def start(self, version: int) -> "AsyncProducer":
+        """Admission begins, paced from weight version `version` (a resumed run's first step)."""
+        self.meter = EngineMeter(self.source.client)
+        self.version = self.start_version = version
         self.admitter.start()
+        return self
 
     def _outstanding(self) -> int:
         """Groups accepted (taken or waiting) or still running: what the pacing rule counts."""
@@ -240,6 +258,10 @@ class AsyncProducer(Overlapping):
                 return self.unfinished
             return self.pending[0]["state"] if self.pending else self.source.state_dict()
 
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's data position, before `start`: admission draws from there."""
+        self.source.load_state_dict(state)
+
     def close(self) -> None:
         with self.changed:
             self.closed = True
@@ -253,11 +275,18 @@ def _kept(future: Future) -> bool:
     return not future.cancelled() and future.exception() is None and future.result()[2]["groups_kept"] > 0
 
 
-def make_producer(source: RolloutSource, version: int, engine):
-    """`engine` (gspo_mcore.engines.Engine): pauses the servers around pushes."""
+def build_producer(source: RolloutSource, engine):
+    """`rollout.mode`'s producer, not started. `engine` (gspo_mcore.engines.Engine): pauses the
+    servers around pushes."""
     rollout = source.config.rollout
     if rollout.mode == "one_step_off":
         return OneStepOffProducer(source, rollout.max_staleness, engine)
     if rollout.mode == "async":
-        return AsyncProducer(source, rollout.max_staleness, version, engine)
+        return AsyncProducer(source, rollout.max_staleness, engine)
     return SyncProducer(source, engine)
+
+
+def make_producer(source: RolloutSource, version: int, engine):
+    """`build_producer`'s, started at weight version `version`: a producer with no state to load
+    (the Trainer builds, loads, then starts its own)."""
+    return build_producer(source, engine).start(version)

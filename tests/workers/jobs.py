@@ -25,7 +25,7 @@ from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
 from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
 from gspo_mcore.optimizer import optimizer_step, setup_training
-from gspo_mcore.samples import Rollout
+from gspo_mcore.samples import Batch, Rollout
 from gspo_mcore.checkpointing import save_hf_checkpoint
 from gspo_mcore.weight_sync import bucketed
 
@@ -53,7 +53,7 @@ def train_step_job(config, out_dir: Path, job: dict) -> None:
     batch = torch.load(job["batch_file"])
     if "advantages" in batch:
         learner = Learner(config)
-        metrics = learner.update(rollouts_of(batch), batch["advantages"].tolist(), step=0)
+        metrics = learner.update(Batch(rollouts_of(batch), batch["advantages"].tolist(), {}), step=0)
         result = {"grad_norm": metrics["grad_norm"], "loss": metrics["loss"], "metrics": metrics}
         model, arch = learner.model, learner.arch
     else:
@@ -124,7 +124,6 @@ def routing_delivery_job(config, out_dir: Path, job: dict) -> None:
     import numpy as np
 
     from gspo_mcore.routing_delivery import deliver_routing, take_routing
-    from gspo_mcore.samples import Batch
 
     spec = torch.load(job["batch_file"])
     learner = Learner(config)
@@ -138,10 +137,11 @@ def routing_delivery_job(config, out_dir: Path, job: dict) -> None:
     if dist.get_rank() != 0:
         routing = None
     assert all(r.routed_experts is None for r in batch.rollouts)
-    wanted = learner.routing_wanted(batch.rollouts, spec["step"], recompute=False)
+    minibatches = learner.minibatch_split(len(rollouts), spec["step"])
+    wanted = learner.routing_wanted(batch.rollouts, minibatches, recompute=False)
     largest = deliver_routing(batch, routing, wanted, learner.routers.layers)
     got = {i: torch.from_numpy(r.routed_experts) for i, r in enumerate(batch.rollouts) if r.routed_experts is not None}
-    reads = sorted({i for mini in learner._minibatches(len(rollouts), spec["step"])
+    reads = sorted({i for mini in minibatches
                     for mb in learner.microbatches(mini, batch.rollouts, [0.0] * len(rollouts))
                     for i in mb["index"].tolist() if i >= 0})
     torch.save({"got": got, "reads": reads, "layers": learner.routers.layers, "largest_mb": largest},

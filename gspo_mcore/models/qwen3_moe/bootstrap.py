@@ -11,13 +11,22 @@ from gspo_mcore.parallel import init_distributed, world_size
 from gspo_mcore.safetensors_io import HFCheckpointReader
 
 
-def model_from_config(config: Config, load_weights: bool = True) -> tuple[Qwen3MoeArch, object]:
-    """Check the layout against the HF config (before any process group work), join the
-    process groups, build this rank's GPTModel and, by default, fill it from the HF checkpoint
-    (or model.mcore_dir)."""
+def join_process_groups(config: Config) -> Qwen3MoeArch:
+    """The model's architecture, with the layout checked against it before any process group
+    work, then the process groups joined (gspo_mcore.parallel.init_distributed)."""
     arch = load_hf_config(config.model.hf_dir)
     check_layout(arch, config.distributed, world_size())
     init_distributed(config.distributed, seed=config.train.seed)
+    return arch
+
+
+def model_from_config(config: Config, load_weights: bool = True,
+                      arch: Qwen3MoeArch | None = None) -> tuple[Qwen3MoeArch, object]:
+    """This rank's GPTModel, by default filled from the HF checkpoint (or model.mcore_dir).
+    `arch`: the caller joined the process groups already (join_process_groups); without it,
+    this joins them first."""
+    if arch is None:
+        arch = join_process_groups(config)
     model = build_model(arch, config.model, config.distributed, routing_replay=config.train.routing_replay)
     if load_weights:
         load_initial_weights(model, arch, config)
@@ -35,7 +44,7 @@ def load_initial_weights(model, arch: Qwen3MoeArch, config: Config) -> None:
 
 def reference_model(config: Config, arch: Qwen3MoeArch):
     """A frozen copy of the initial weights in this rank's layout (the KL term's pi_ref);
-    the process groups must exist (model_from_config first)."""
+    the process groups must exist (join_process_groups first)."""
     model = build_model(arch, config.model, config.distributed)
     load_initial_weights(model, arch, config)
     model.eval()

@@ -259,12 +259,14 @@ def optimizer_digest(optimizer) -> dict[str, str]:
 def update_once(learner, shape: Shape, step: int) -> tuple[dict, float]:
     import torch
 
+    from gspo_mcore.samples import Batch
+
     rollouts, advantages = synthetic_rollouts(shape, seed=step)
     if shape.device == "cuda":
         torch.cuda.synchronize()
     began = time.perf_counter()
     learner.scheduler.step(1)
-    report = learner.update(rollouts, advantages, step)
+    report = learner.update(Batch(rollouts, advantages, {}), step)
     if shape.device == "cuda":
         torch.cuda.synchronize()
     return report, time.perf_counter() - began

@@ -117,9 +117,11 @@ def test_ctrl_c_to_make_demos_process_group_saves_and_leaves_nothing_behind(tmp_
     tmp.mkdir()
     shm_before = {p for p in os.listdir("/dev/shm") if p.startswith("sglang")}
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONWARNINGS": "ignore"}
+    # As a terminal starts it: SIGINT at its default. A suite started in the background (`cmd &`
+    # in a script) inherits SIGINT ignored, and make keeps an ignored SIGINT ignored (it exited 2).
     proc = subprocess.Popen(["make", "-s", "-o", ".venv/.installed", "demo", f"DEMO_ARGS=--output-dir {out}"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _lines_until_step(proc, 2)
         children = psutil.Process(proc.pid).children(recursive=True)

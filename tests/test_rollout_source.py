@@ -117,13 +117,13 @@ class RecordingControl:
 
 
 def _producer_run(task, mode, steps=4, batch=3, staleness=1):
-    from gspo_mcore.rollout.producer import make_producer
+    from gspo_mcore.rollout.producer import build_producer
 
     source, engine = source_for(task, rollout_batch_size=batch, mode=mode, max_staleness=staleness,
                                 max_sampling_rounds=50)
     engine.delay_s = 0.05
     control = RecordingControl()
-    producer = make_producer(source, 0, control)
+    producer = build_producer(source, control).start(0)
     outstanding, rows = [], []
     try:
         for step in range(steps):

@@ -284,9 +284,3 @@ def build_producer(source: RolloutSource, engine):
     if rollout.mode == "async":
         return AsyncProducer(source, rollout.max_staleness, engine)
     return SyncProducer(source, engine)
-
-
-def make_producer(source: RolloutSource, version: int, engine):
-    """`build_producer`'s, started at weight version `version`: a producer with no state to load
-    (the Trainer builds, loads, then starts its own)."""
-    return build_producer(source, engine).start(version)

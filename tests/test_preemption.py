@@ -116,7 +116,10 @@ def test_ctrl_c_to_make_demos_process_group_saves_and_leaves_nothing_behind(tmp_
     tmp, out = tmp_path / "tmp", tmp_path / "demo"
     tmp.mkdir()
     shm_before = {p for p in os.listdir("/dev/shm") if p.startswith("sglang")}
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONWARNINGS": "ignore"}
+    # As a user's shell runs it: not a sub-make of the `make test` running this suite (its MAKELEVEL
+    # would make the line `make[1]: ...`, and its MAKEFLAGS carry its jobserver).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env.update(TMPDIR=str(tmp), PYTHONWARNINGS="ignore")
     # As a terminal starts it: SIGINT at its default. A suite started in the background (`cmd &`
     # in a script) inherits SIGINT ignored, and make keeps an ignored SIGINT ignored (it exited 2).
     proc = subprocess.Popen(["make", "-s", "-o", ".venv/.installed", "demo", f"DEMO_ARGS=--output-dir {out}"],

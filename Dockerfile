@@ -63,5 +63,5 @@ COPY . /opt/gspo-mcore
 RUN pip install -e /opt/gspo-mcore megatron-core==0.16.1 \
     && python -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__" \
     && python -c "import importlib.metadata as m; print('transformer-engine', m.version('transformer-engine'))" \
-    && python -c "import gspo_mcore.config, gspo_mcore.plan"
+    && python -c "import gspo_mcore.config, gspo_mcore.planner.cli"
 WORKDIR /opt/gspo-mcore

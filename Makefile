@@ -58,7 +58,7 @@ install-vllm: $(VLLM_STAMP)
 # DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds) or --resume
 # (continue it from its last checkpoint).
 demo: $(STAMP)
-	$(PY) -m gspo_mcore.demo $(DEMO_ARGS)
+	$(PY) -m gspo_mcore.run.demo $(DEMO_ARGS)
 
 # Three workers on two cores: the slow tests wait on servers and processes starting (measured:
 # two workers kept 1.35 of the 2 cores busy). Tests that share a module's server (or a layout's

@@ -16,7 +16,7 @@ INSTALL_REQUIRES = [
     "math-verify>=0.8,<0.10",  # the math answer reward
     "pyarrow>=15",  # Parquet prompt datasets
     "tensorboard>=2.15",  # metrics event files
-    "matplotlib>=3.8",  # python -m gspo_mcore.plot
+    "matplotlib>=3.8",  # python -m gspo_mcore.run.plot
 ]
 
 setup(
@@ -25,7 +25,7 @@ setup(
     description="Megatron-Core backend for GSPO reinforcement learning of Qwen3-MoE models",
     python_requires=">=3.11",
     packages=find_packages(include=["gspo_mcore", "gspo_mcore.*", "checkpoint_convert", "checkpoint_convert.*"]),
-    entry_points={"console_scripts": ["gspo-train = gspo_mcore.cli:train_cli", "gspo-eval = gspo_mcore.evaluate:cli"]},
+    entry_points={"console_scripts": ["gspo-train = gspo_mcore.run.cli:train_cli", "gspo-eval = gspo_mcore.evaluation.cli:cli"]},
     package_data={"gspo_mcore": ["data/samples/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={

@@ -28,7 +28,7 @@ held-out prompts, 4 samples each (gspo-eval after the run: learning per update, 
 a stale batch's own reward)}; with --seeds, each figure is the mean over the seeds (one table row per
 seed and mode). --modes runs a subset (sync always).
 Throughput is over steps 2.. (step 1 includes start-up). DIR/plots holds the runs' figures side by
-side (gspo_mcore.plot), reward against summed step time among them (`reward_wallclock.png`: learning
+side (gspo_mcore.run.plot), reward against summed step time among them (`reward_wallclock.png`: learning
 per second; run `--steps 28` for long_cpu's whole curve); with several seeds, DIR/over_seeds.png
 overlays every mode's mean over them (reward per step, reward per second, clip fraction). Not a test: the machine is shared and noisy.
 """
@@ -48,10 +48,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gspo_mcore.config import load_config  # noqa: E402
-from gspo_mcore.long_task import make_long_task  # noqa: E402
-from gspo_mcore.netaddr import free_port  # noqa: E402
-from gspo_mcore.plot import plot_runs  # noqa: E402
-from gspo_mcore.processes import ManagedServer  # noqa: E402
+from gspo_mcore.tasks.long import make_long_task  # noqa: E402
+from gspo_mcore.common.netaddr import free_port  # noqa: E402
+from gspo_mcore.run.plot import plot_runs  # noqa: E402
+from gspo_mcore.common.processes import ManagedServer  # noqa: E402
 from gspo_mcore.engines.sglang.server import server_for_config  # noqa: E402
 
 CONFIG = REPO / "configs" / "long_cpu.yaml"
@@ -104,7 +104,7 @@ def held_out(run_dir: Path, url: str, samples: int = 4) -> float:
     """The run's final weights (its hf/) on the held-out prompts, through gspo-eval on the bench's
     server (its figures: RUN/held_out.json): learning per update, free of the lag a stale batch's own reward carries (its responses
     came from older weights)."""
-    proc = subprocess.run([*PIN, sys.executable, "-m", "gspo_mcore.evaluate", "--config", str(CONFIG),
+    proc = subprocess.run([*PIN, sys.executable, "-m", "gspo_mcore.evaluation.cli", "--config", str(CONFIG),
                            "--model", str(run_dir), "--urls", url, EVAL.replace("samples: 4", f"samples: {samples}")],
                           cwd=REPO, env=_env(), capture_output=True,
                           text=True)

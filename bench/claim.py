@@ -205,7 +205,7 @@ def main() -> int:
     os.chdir(REPO)  # the config's paths are relative to the repository
     sys.path.insert(0, str(REPO))
     from gspo_mcore.config import load_config
-    from gspo_mcore.long_task import make_long_task
+    from gspo_mcore.tasks.long import make_long_task
 
     config = load_config(CONFIG, args.overrides)
     make_long_task(Path(config.model.hf_dir).parent)

@@ -30,7 +30,7 @@ ENGINES = {"sglang": ("configs/tiny_cpu.yaml", None), "vllm": ("configs/tiny_cpu
 
 
 def run(engine: str, out: Path, steps: int, smoke: bool) -> dict:
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.tasks.toy import make_toy_task
 
     config, head_dim = ENGINES[engine]
     task = make_toy_task(out / f"{engine}_toy", seed=0, head_dim=head_dim)

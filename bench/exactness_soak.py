@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 async def two_turns(task, engine):
     """A user's two-turn rollout function (rollout.function=exactness_soak:two_turns)."""
-    from gspo_mcore.trajectory import Trajectory
+    from gspo_mcore.batch.trajectory import Trajectory
 
     prompt = engine.chat_ids(task.messages)
     trajectory = Trajectory(prompt_ids=prompt)
@@ -56,8 +56,8 @@ def _server(task: Path, root: Path):
     """One float32 server of the toy model, as the suite's session server (tests/conftest.py)."""
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
 
     port = free_port()
     cmd = sglang_command(str(task / "model"), port, dtype="float32", max_running_requests=128,
@@ -106,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.runs, args.sync_steps, args.async_steps = 1, 2, 2
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.tasks.toy import make_toy_task
 
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.load)]
     for p in spinners:

@@ -1,5 +1,5 @@
 """Benchmark: token log-probs (+ entropy) of T=4096 tokens over a 151,936-word vocabulary,
-forward and backward, naive `log_softmax` vs gspo_mcore.logprobs (not a test).
+forward and backward, naive `log_softmax` vs gspo_mcore.gspo.logprobs (not a test).
 
 Each variant runs in a fresh process; peak memory is the peak RSS during the measured step
 (VmHWM, reset just before it) minus the RSS before it (logits already allocated, in bf16 as
@@ -36,7 +36,7 @@ g = torch.Generator().manual_seed(0)
 logits = torch.randn(tokens, vocab, generator=g, dtype=torch.bfloat16).requires_grad_(True)
 target = torch.randint(0, vocab, (tokens,), generator=g)
 weights = torch.randn(tokens, generator=g)
-from gspo_mcore.logprobs import token_logprobs
+from gspo_mcore.gspo.logprobs import token_logprobs
 open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
 base = rss_mb()
 start = time.perf_counter()

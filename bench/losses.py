@@ -104,7 +104,7 @@ def main() -> int:
     os.chdir(claim.REPO)  # the config's paths are relative to the repository
     sys.path.insert(0, str(claim.REPO))
     from gspo_mcore.config import load_config
-    from gspo_mcore.long_task import make_long_task
+    from gspo_mcore.tasks.long import make_long_task
 
     config = load_config(claim.CONFIG, args.overrides)
     make_long_task(Path(config.model.hf_dir).parent)

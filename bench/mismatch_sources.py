@@ -24,7 +24,7 @@ top-k experts differ from the fp32 forward's. Two remedies are scored on the sam
 constant offset (the mean log s_i of the first half of the sequences, "the first minibatch")
 subtracted from the second half's log s_i, and the band that would hold 90% of sequences.
 
-    python -m gspo_mcore.long_task outputs/long_task
+    python -m gspo_mcore.tasks.long outputs/long_task
     OMP_NUM_THREADS=1 python bench/mismatch_sources.py [--config configs/long_cpu.yaml] [--sequences 32] [--smoke]
 
 `--smoke`: 4 sequences of 16 tokens (the suite's check that the bench runs).
@@ -55,9 +55,9 @@ def engine_rollouts(config, dtype: str, prompts: list[list[int]], vocab_size: in
     prefill log-probs of the same response tokens."""
     import dataclasses
 
-    from gspo_mcore.netaddr import free_port
+    from gspo_mcore.common.netaddr import free_port
     from gspo_mcore.engines.sglang.engine import SGLangEngine
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import server_for_config
 
     port = free_port()
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     os.chdir(REPO)  # the config's paths are relative to the repository
     config = load_config(config_path, args.overrides)
     if not Path(config.model.hf_dir, "config.json").is_file():
-        sys.exit(f"{config.model.hf_dir}: no model; write the task first (python -m gspo_mcore.long_task ...)")
+        sys.exit(f"{config.model.hf_dir}: no model; write the task first (python -m gspo_mcore.tasks.long ...)")
     tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or config.model.hf_dir)
     dataset = PromptDataset.load(config.data.path)
     prompts = [chat_prompt_ids(tokenizer, dataset[i].messages) for i in range(args.sequences)]

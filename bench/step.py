@@ -36,7 +36,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from gspo_mcore.config import load_config
-    from gspo_mcore.trainer import Trainer
+    from gspo_mcore.run.trainer import Trainer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "long_cpu.yaml"))
@@ -51,7 +51,7 @@ def main() -> None:
     config = load_config(args.config, [*small, *args.overrides, "train.recompute_old_logprobs=false",
                                        "weight_sync.check_every=0", "train.save_every=0"])
     if Path(args.config).resolve() == (REPO / "configs" / "long_cpu.yaml").resolve():
-        from gspo_mcore.long_task import make_long_task
+        from gspo_mcore.tasks.long import make_long_task
 
         make_long_task(Path(config.model.hf_dir).parent)
     with tempfile.TemporaryDirectory() as out:
@@ -71,8 +71,8 @@ def measure(trainer, step: int) -> dict:
     """One batch, both arms; seconds per phase."""
     import torch.distributed as dist
 
-    from gspo_mcore.parallel import broadcast_from_host
-    from gspo_mcore.samples import Batch
+    from gspo_mcore.megatron.parallel import broadcast_from_host
+    from gspo_mcore.batch.rollout import Batch
 
     learner, times, source = trainer.learner, {}, getattr(trainer.host, "source", None)
     began = time.perf_counter()
@@ -121,6 +121,6 @@ def report(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    from gspo_mcore.errors import run_cli
+    from gspo_mcore.common.errors import run_cli
 
     sys.exit(run_cli(lambda: main() or 0))

@@ -57,14 +57,14 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     import torch.distributed as dist
 
     from gspo_mcore.config import load_config
-    from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
-    from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_weights
-    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+    from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config
+    from gspo_mcore.megatron.qwen3_moe.parallel_weights import owned_hf_weights
+    from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
     from gspo_mcore.engines.sglang.engine import SGLangEngine
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
-    from gspo_mcore.checkpointing import save_hf_checkpoint
+    from gspo_mcore.megatron.checkpointing import save_hf_checkpoint
     from gspo_mcore.weight_sync import DistributedWeightSync, bucketed
 
     work = Path(tempfile.mkdtemp(prefix=f"bench-sync-{size}-"))
@@ -72,7 +72,7 @@ def _child(size: str, repeats: int, bucket_mb: int) -> dict:
     config = load_config(None, [f"model.hf_dir={hf_dir}"])
     arch, model = model_from_config(config)
     bucket_bytes = bucket_mb << 20
-    from gspo_mcore.netaddr import free_port
+    from gspo_mcore.common.netaddr import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -8,7 +8,7 @@ import logging
 import sys
 import warnings
 
-from gspo_mcore.errors import run_cli
+from gspo_mcore.common.errors import run_cli
 
 
 def main() -> int:
@@ -40,7 +40,7 @@ def main() -> int:
         warnings.simplefilter("ignore")
 
     from checkpoint_convert import convert  # after the filters above: importing Megatron warns
-    from gspo_mcore.checkpointing import hide_sharded_tensor_deprecation
+    from gspo_mcore.megatron.checkpointing import hide_sharded_tensor_deprecation
 
     hide_sharded_tensor_deprecation()
 

@@ -1,6 +1,6 @@
 """Hugging Face <-> Megatron-Core torch_dist conversion of Qwen3-MoE, one layer at a time.
 
-Names and layouts come from the mapping table (gspo_mcore.models.qwen3_moe.state_dict_adapter);
+Names and layouts come from the mapping table (gspo_mcore.megatron.qwen3_moe.state_dict_adapter);
 this module only adds Megatron's checkpoint keys and streams tensors between the files.
 Every input check runs before anything is written; output goes to `OUT.tmp-<pid>` and is
 renamed to OUT only when complete.
@@ -17,11 +17,11 @@ import torch
 
 from checkpoint_convert.dcp_io import DCPReader, DCPWriter, TensorStorageMetadata
 from checkpoint_convert.progress import Progress
-from gspo_mcore.checkpointing import RELEASE, TRACKER, checkpoint_dir
-from gspo_mcore.errors import CheckpointError, InputError
-from gspo_mcore.files import atomic_output
-from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
-from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
+from gspo_mcore.megatron.checkpointing import RELEASE, TRACKER, checkpoint_dir
+from gspo_mcore.common.errors import CheckpointError, InputError
+from gspo_mcore.common.files import atomic_output
+from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch, load_hf_config
+from gspo_mcore.megatron.qwen3_moe.state_dict_adapter import (
     COPY,
     GLU,
     Rule,
@@ -31,8 +31,8 @@ from gspo_mcore.models.qwen3_moe.state_dict_adapter import (
     non_layer_rules,
     split,
 )
-from gspo_mcore.processes import pid_running
-from gspo_mcore.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
+from gspo_mcore.common.processes import pid_running
+from gspo_mcore.common.safetensors_io import HFCheckpointReader, HFCheckpointWriter, copy_side_files
 
 # Checkpoint keys are the Transformer Engine spec's names; the local spec maps its own names
 # to them (layer_spec.py), so one checkpoint loads into either module set.

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from gspo_mcore.errors import CheckpointError
+from gspo_mcore.common.errors import CheckpointError
 
 # What megatron.core.dist_checkpointing writes to metadata.json for this backend.
 BACKEND_CONFIG = {

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gspo_mcore.models.qwen3_moe.hf_config import parse_hf_config
-from gspo_mcore.models.qwen3_moe.state_dict_adapter import hf_shape, layer_rules, non_layer_rules
+from gspo_mcore.megatron.qwen3_moe.hf_config import parse_hf_config
+from gspo_mcore.megatron.qwen3_moe.state_dict_adapter import hf_shape, layer_rules, non_layer_rules
 
 _BASE = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,

@@ -10,16 +10,16 @@ import torch
 
 from checkpoint_convert.convert import check_model_keys
 from checkpoint_convert.dcp_io import DCPReader
-from gspo_mcore.checkpointing import checkpoint_dir, load_model_weights
+from gspo_mcore.megatron.checkpointing import checkpoint_dir, load_model_weights
 from gspo_mcore.config import DistributedConfig, ModelConfig
-from gspo_mcore.errors import InputError
-from gspo_mcore.models.qwen3_moe.forward import megatron_logits
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.models.qwen3_moe.model import build_model
-from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights
-from gspo_mcore.parallel import init_distributed
-from gspo_mcore.parity import compare, hf_logits, sample_tokens
-from gspo_mcore.safetensors_io import HFCheckpointReader
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.megatron.qwen3_moe.forward import megatron_logits
+from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.megatron.qwen3_moe.model import build_model
+from gspo_mcore.megatron.qwen3_moe.parallel_weights import export_hf_weights
+from gspo_mcore.megatron.parallel import init_distributed
+from gspo_mcore.megatron.parity import compare, hf_logits, sample_tokens
+from gspo_mcore.common.safetensors_io import HFCheckpointReader
 
 TOLERANCE = 1e-4  # max |logit difference|; both sides run float32 on identical weights
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -1,7 +1,7 @@
 """The stable import path for extension code: rewards, rollout functions, tools, group filters
 and losses import from here (`from gspo_mcore.api import Trajectory`), never from the module that
 happens to define a name today. A name listed here keeps working across moves; a name that
-leaves goes through a release of `gspo_mcore.deprecation` warnings first.
+leaves goes through a release of `gspo_mcore.common.deprecation` warnings first.
 
 Names load on first use (PEP 562 `__getattr__`): a reward worker that imports `classify` does
 not import torch, and a loss does not import the rollout client.
@@ -27,22 +27,22 @@ _HOMES = {
     "Task": "gspo_mcore.rollout.engine_handle",
     "EngineHandle": "gspo_mcore.rollout.engine_handle",
     "RolloutFunction": "gspo_mcore.rollout.functions",
-    "Trajectory": "gspo_mcore.trajectory",
-    "Segment": "gspo_mcore.trajectory",
-    "Rollout": "gspo_mcore.samples",
+    "Trajectory": "gspo_mcore.batch.trajectory",
+    "Segment": "gspo_mcore.batch.trajectory",
+    "Rollout": "gspo_mcore.batch.rollout",
     # rewards
     "classify": "gspo_mcore.rewards.server",
     # losses
-    "LossInputs": "gspo_mcore.loss",
-    "LossFunction": "gspo_mcore.loss",
-    "Normalizer": "gspo_mcore.loss",
-    "aggregate": "gspo_mcore.loss",
-    "policy_loss": "gspo_mcore.loss",
-    "sequence_log_ratio": "gspo_mcore.loss",
-    "kl_penalty": "gspo_mcore.loss",
+    "LossInputs": "gspo_mcore.gspo.loss",
+    "LossFunction": "gspo_mcore.gspo.loss",
+    "Normalizer": "gspo_mcore.gspo.loss",
+    "aggregate": "gspo_mcore.gspo.loss",
+    "policy_loss": "gspo_mcore.gspo.loss",
+    "sequence_log_ratio": "gspo_mcore.gspo.loss",
+    "kl_penalty": "gspo_mcore.gspo.loss",
     "LossConfig": "gspo_mcore.config",
     # errors an extension may raise: a one-line refusal of the user's input (exit 2)
-    "InputError": "gspo_mcore.errors",
+    "InputError": "gspo_mcore.common.errors",
 }
 
 __all__ = sorted(_HOMES)

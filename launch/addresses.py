@@ -5,7 +5,7 @@ server listens on one address, never on every interface (0.0.0.0).
 A node's address is what the job's name service gives for its name, the same on every node. A
 node whose own name resolves to loopback on itself (Debian's /etc/hosts: 127.0.1.1) would listen
 where no other node reaches it: it takes the address it sends from towards the other nodes
-(gspo_mcore.netaddr.address_towards). A job of one node stays on loopback."""
+(gspo_mcore.common.netaddr.address_towards). A job of one node stays on loopback."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo_mcore.netaddr import address_towards  # noqa: E402
+from gspo_mcore.common.netaddr import address_towards  # noqa: E402
 
 
 def resolve(name: str) -> str:

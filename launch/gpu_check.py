@@ -16,14 +16,14 @@ CUDA) runs every section that can run on CPU at a tiny shape: tests/test_gpu_che
 2. Qwen3-30B-A3B's layer shapes (128 experts top-8, hidden 2048, 32/4 heads of 128, expert FFN
    768, vocabulary 151,936) at 2 layers, `spec: local`, a synthetic checkpoint (~3.7 GB, written
    once into WORK): float32 logits against `transformers` on the same device
-   (gspo_mcore.parity.run) and the HF export bitwise the checkpoint's;
+   (gspo_mcore.megatron.parity.run) and the HF export bitwise the checkpoint's;
 3. GSPO updates in bf16 with configs/qwen3_30b_a3b_gspo.yaml's optimizer, recompute and loss
-   (gspo_mcore.learner.Learner), the second one timed: finite loss and gradient norm, weights
+   (gspo_mcore.megatron.learner.Learner), the second one timed: finite loss and gradient norm, weights
    moved, the peak GPU memory against the planner's estimate for the same shape (within
-   gspo_mcore.plan.ESTIMATE_TOLERANCE), training tokens/s and MFU; beside it (CUDA, with Transformer
+   gspo_mcore.planner.cli.ESTIMATE_TOLERANCE), training tokens/s and MFU; beside it (CUDA, with Transformer
    Engine: its FusedAdam runs it) the same with Megatron's precision-aware optimizer
    (optimizer.precision_aware: bf16 moments on the GPU, no offload), step time and peak side by side;
-4. a torch_dist save (gspo_mcore.checkpointing.Checkpointer), then a fresh process resumes it:
+4. a torch_dist save (gspo_mcore.megatron.checkpointing.Checkpointer), then a fresh process resumes it:
    every parameter and optimizer state equal (hashes), and a second update runs;
 5. (CUDA) the colocated CUDA-IPC push as the trainer makes it (gspo_mcore.engines.vllm:
    pack_bucket, shared_payload) to a stand-in server process that maps it as vLLM 0.33's IPC
@@ -94,7 +94,7 @@ def use_wheels(folder: Path) -> list[str]:
 
 def bridge_missing_transformer_engine() -> None:
     """megatron-core 0.16.1's OptimizerConfig, with use_precision_aware_optimizer (which the 30B
-    config's CPU offload sets: gspo_mcore.optimizer.setup_training), compares Transformer Engine's
+    config's CPU offload sets: gspo_mcore.megatron.optimizer.setup_training), compares Transformer Engine's
     version even when TE is absent (megatron/core/utils.py get_te_version returns None, and
     `None >= Version` raises TypeError). A bare machine has no TE (the image has): version 0, so no
     TE feature applies and the offloaded optimizer is Megatron's HybridDeviceOptimizer as in the image."""
@@ -201,7 +201,7 @@ def section_1(args, shape) -> dict:
 def section_2(args, shape) -> dict:
     import torch
 
-    from gspo_mcore.parity import run, sample_tokens
+    from gspo_mcore.megatron.parity import run, sample_tokens
 
     hf_dir = make_inputs(args.work, shape)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
@@ -220,7 +220,7 @@ def synthetic_rollouts(shape: Shape, seed: int = 0):
     engine log-prob near the policy's (theta = theta_old: the first minibatch is on-policy)."""
     import torch
 
-    from gspo_mcore.samples import Rollout
+    from gspo_mcore.batch.rollout import Rollout
 
     g = torch.Generator().manual_seed(seed)
     vocab = shape.hf["vocab_size"]
@@ -259,7 +259,7 @@ def optimizer_digest(optimizer) -> dict[str, str]:
 def update_once(learner, shape: Shape, step: int) -> tuple[dict, float]:
     import torch
 
-    from gspo_mcore.samples import Batch
+    from gspo_mcore.batch.rollout import Batch
 
     rollouts, advantages = synthetic_rollouts(shape, seed=step)
     if shape.device == "cuda":
@@ -279,12 +279,12 @@ def update_arm(args, shape: Shape, extra=()) -> tuple[object, dict]:
     """A learner of the check's config (+ `extra` overrides) and two updates: the second timed
     (the first allocates the optimizer's states and warms the kernels up). The figures, with
     "pass": finite loss and gradient norm, weights moved, and on CUDA the peak memory within the
-    planner's estimate for the same shape (gspo_mcore.plan.ESTIMATE_TOLERANCE)."""
+    planner's estimate for the same shape (gspo_mcore.planner.cli.ESTIMATE_TOLERANCE)."""
     import torch
 
-    from gspo_mcore.learner import Learner
-    from gspo_mcore.models.qwen3_moe.hf_config import parse_hf_config
-    from gspo_mcore.plan import ESTIMATE_TOLERANCE, check_layout, flops_per_step, memory_estimate
+    from gspo_mcore.megatron.learner import Learner
+    from gspo_mcore.megatron.qwen3_moe.hf_config import parse_hf_config
+    from gspo_mcore.planner.cli import ESTIMATE_TOLERANCE, check_layout, flops_per_step, memory_estimate
 
     config = check_config(args.work, shape, make_inputs(args.work, shape), "bfloat16", extra)
     arch = parse_hf_config(shape.hf)
@@ -316,8 +316,8 @@ def update_arm(args, shape: Shape, extra=()) -> tuple[object, dict]:
 
 def section_3(args, shape) -> dict:
     from gspo_mcore.config import ConfigError
-    from gspo_mcore.models.qwen3_moe.hf_config import parse_hf_config
-    from gspo_mcore.plan import ESTIMATE_TOLERANCE, param_counts
+    from gspo_mcore.megatron.qwen3_moe.hf_config import parse_hf_config
+    from gspo_mcore.planner.cli import ESTIMATE_TOLERANCE, param_counts
 
     # Megatron's precision-aware optimizer (bf16 moments on the GPU) first, then freed; then the
     # production optimizer (the config's: offloaded on CUDA), kept for section 4's save.
@@ -344,7 +344,7 @@ def section_3(args, shape) -> dict:
 def section_4(args, shape) -> dict:
     import subprocess
 
-    from gspo_mcore.checkpointing import Checkpointer, MegatronState
+    from gspo_mcore.megatron.checkpointing import Checkpointer, MegatronState
 
     learner = getattr(args, "learner", None)
     if learner is None:  # alone (--only 4): the update of section 3 first
@@ -381,8 +381,8 @@ def fresh_env() -> dict:
 def resume_child(args, shape) -> int:
     """The fresh process of section 4: the same learner, loaded from the checkpoint; every hash
     compared; one more update."""
-    from gspo_mcore.checkpointing import Checkpointer, MegatronState
-    from gspo_mcore.learner import Learner
+    from gspo_mcore.megatron.checkpointing import Checkpointer, MegatronState
+    from gspo_mcore.megatron.learner import Learner
 
     config = check_config(args.work, shape, make_inputs(args.work, shape), "bfloat16")
     learner = Learner(config)
@@ -544,9 +544,9 @@ def section_7(args, shape) -> dict:
     the stale weights it is over 10x that of the push."""
     import subprocess
 
-    from gspo_mcore.checkpointing import save_hf_checkpoint
+    from gspo_mcore.megatron.checkpointing import save_hf_checkpoint
     from gspo_mcore.engines.vllm.engine import VLLMEngine
-    from gspo_mcore.learner import Learner
+    from gspo_mcore.megatron.learner import Learner
     from gspo_mcore.weight_sync.check import check_sync
 
     import copy

@@ -100,7 +100,7 @@ gspo_wait() {
 }
 
 # gspo_forward_usr1 PID: pass SIGUSR1 on to PID (torchrun hands it to the trainer ranks, which
-# save the last completed step and exit: gspo_mcore.preemption).
+# save the last completed step and exit: gspo_mcore.run.preemption).
 gspo_forward_usr1() {
     # shellcheck disable=SC2064  # the PID is fixed now
     trap "gspo_log 'SIGUSR1: the trainer saves its last completed step and stops'; kill -USR1 $1 2>/dev/null || true" USR1

@@ -8,7 +8,7 @@
 # index; default SLURM_NODEID), MASTER_ADDR, MASTER_PORT, GSPO_PYTHON, GSPO_BASE_PORT (30000), GSPO_SERVER_TIMEOUT,
 # GSPO_ENGINE_API_KEY (made per job by the template: the servers listen on their node's address,
 # never on every interface, and take requests, weight loads included, only with it); GLOO_SOCKET_IFNAME and OMP_NUM_THREADS
-# (default: set by gspo_mcore.torchrun, see launch/README.md).
+# (default: set by gspo_mcore.run.torchrun, see launch/README.md).
 # Rollout nodes (index >= GSPO_TRAINER_NODES) serve SGLang on all their GPUs; with no rollout
 # nodes (colocated configs) every node serves and trains. Trainer nodes wait for every
 # server, then join torchrun's rendezvous at MASTER_ADDR:MASTER_PORT.
@@ -40,7 +40,7 @@ fi
 
 # A failed plan stops here with the planner's own one-line error (set -e on the assignment);
 # inside eval "$(...)" it would surface later as an unbound variable.
-plan=$("$py" -m gspo_mcore.plan --config "$config" --nodes "${#nodes[@]}" --gpus-per-node "$gpus" --shell "$@")
+plan=$("$py" -m gspo_mcore.planner.cli --config "$config" --nodes "${#nodes[@]}" --gpus-per-node "$gpus" --shell "$@")
 eval "$plan"
 if ((GSPO_COLOCATE)); then gspo_check_compute_mode || exit 2; fi
 # Colocated configs: every node serves and trains. Split: the rollout nodes serve.
@@ -100,7 +100,7 @@ for url in "${urls[@]}"; do
 done
 resume=()
 if [[ -f $out/checkpoints/latest ]]; then resume=(--resume); fi
-"$py" -m gspo_mcore.torchrun --nnodes "$trainer_nodes" --node-rank "$rank" --nproc_per_node $((GSPO_TRAINER_GPUS / trainer_nodes)) \
+"$py" -m gspo_mcore.run.torchrun --nnodes "$trainer_nodes" --node-rank "$rank" --nproc_per_node $((GSPO_TRAINER_GPUS / trainer_nodes)) \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-gspo}" \
     --log-dir "$out/logs/$host/torchrun" --redirects 3 --tee 3 \
     -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" \

@@ -21,7 +21,7 @@
 #     vocabulary 151,936) at the 30B config's token budget, colocated as in 2/3: the attention
 #     backend Transformer Engine chose, and the trainer's peak memory (metrics.jsonl
 #     peak_memory_gb) beside the planner's estimate: passes within the planner's stated
-#     tolerance (gspo_mcore.plan.ESTIMATE_TOLERANCE, 1.5x). No checkpoint is saved.
+#     tolerance (gspo_mcore.planner.cli.ESTIMATE_TOLERANCE, 1.5x). No checkpoint is saved.
 # Disk: ~30 GB under WORK_DIR/gpu_check (0/3's synthetic model and its save with Adam's states),
 #     ~4 GB more (3/3's synthetic model, ~3.7 GB; the toy model and runs' logs),
 #     all kept for reading the logs: remove WORK_DIR when done.
@@ -66,18 +66,18 @@ fi
 # ---- 1/3 Transformer Engine spec + bf16 parity with transformers
 log=$work/1_parity.log
 step "1/3 TE parity" "$log" "$py" -c 'import sys, torch
-from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
 make_tiny_checkpoint(sys.argv[1], seed=0, dtype=torch.bfloat16)' "$work/tiny"
 step "1/3 TE parity" "$log" "$py" -m checkpoint_convert hf-to-mcore --hf-dir "$work/tiny" \
     --output-dir "$work/tiny-mcore" --dtype bf16 --spec te
-step "1/3 TE parity" "$log" "$py" -m gspo_mcore.parity --config "$config" --mcore-dir "$work/tiny-mcore" --seq-len 64 \
+step "1/3 TE parity" "$log" "$py" -m gspo_mcore.megatron.parity --config "$config" --mcore-dir "$work/tiny-mcore" --seq-len 64 \
     "model.hf_dir=$work/tiny" distributed.expert_parallel=1
 "$py" - "$(grep '^{' "$log" | tail -n 1 || true)" <<'EOF'
 import json, sys
 try:
     f = json.loads(sys.argv[1])
 except ValueError:
-    print("FAIL 1/3 TE parity: no figures from gspo_mcore.parity in its log")
+    print("FAIL 1/3 TE parity: no figures from gspo_mcore.megatron.parity in its log")
     sys.exit(1)
 ok = f["export_bitwise_identical"] and f["mean_abs_logit_diff"] <= 0.1 * f["logit_std"] and f["top1_agreement"] >= 0.9
 print(f"{'PASS' if ok else 'FAIL'} 1/3 TE parity (bf16, --spec te): mean |logit diff| {f['mean_abs_logit_diff']:.3g} "
@@ -88,12 +88,12 @@ EOF
 
 # ---- 2/3 colocated: CUDA IPC sync, memory saver, offloaded Adam, sync check every step, resume
 log=$work/2_colocated.log
-step "2/3 colocated" "$log" "$py" -m gspo_mcore.toy_task "$work/toy"
+step "2/3 colocated" "$log" "$py" -m gspo_mcore.tasks.toy "$work/toy"
 step "2/3 colocated" "$log" "$py" -m checkpoint_convert hf-to-mcore --hf-dir "$work/toy/model" \
     --output-dir "$work/toy-mcore" --dtype bf16 --spec te
 # The toy model's head_dim is 32, below what SGLang's default FA3 kernels take: triton attention.
 toy=("model.hf_dir=$work/toy/model" "model.mcore_dir=$work/toy-mcore" "data.path=$work/toy/prompts.jsonl" "eval.datasets=[]"
-     reward.name=gspo_mcore.toy_task:category_reward reward.workers=1 distributed.expert_parallel=1
+     reward.name=gspo_mcore.tasks.toy:category_reward reward.workers=1 distributed.expert_parallel=1
      rollout.num_servers=1 rollout.engine_tp=1 rollout.max_new_tokens=3 rollout.max_total_tokens=8192
      "rollout.server_args=[--mem-fraction-static,0.3,--enable-memory-saver,--attention-backend,triton]"
      weight_sync.bucket_mb=64 weight_sync.check_every=1 train.rollout_batch_size=16 train.group_size=8
@@ -121,11 +121,11 @@ from checkpoint_convert.synthetic import QWEN3_30B_A3B, write_synthetic_checkpoi
 write_synthetic_checkpoint(sys.argv[1], {**QWEN3_30B_A3B, "num_hidden_layers": 2})' "$work/synthetic"
 # Toy prompts (~12 tokens) + 4080 new tokens: 4 sequences fill a 16,384-token microbatch.
 memory=("model.hf_dir=$work/synthetic" model.mcore_dir=null "data.path=$work/toy/prompts.jsonl" "eval.datasets=[]"
-        "data.tokenizer_dir=$work/toy/model" reward.name=gspo_mcore.toy_task:category_reward
+        "data.tokenizer_dir=$work/toy/model" reward.name=gspo_mcore.tasks.toy:category_reward
         rollout.group_filter=all rollout.max_sampling_rounds=1 distributed.expert_parallel=1 rollout.num_servers=1
         rollout.engine_tp=1 rollout.max_new_tokens=4080 train.rollout_batch_size=4 train.group_size=8
         weight_sync.check_every=1 train.steps=2 train.save_every=0 train.save_final=false train.export_hf=false)
-step "3/3 memory" "$log" "$py" -m gspo_mcore.plan --config "$config" --gpus-per-node 1 --prompt-tokens 16 \
+step "3/3 memory" "$log" "$py" -m gspo_mcore.planner.cli --config "$config" --gpus-per-node 1 --prompt-tokens 16 \
     --hf-config "$work/synthetic/config.json" "${memory[@]}"
 planned=$(grep '^{' "$log" | tail -n 1)
 NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 step "3/3 memory" "$log" launch/train_8xh100.sh "$config" "$work/memory" "${memory[@]}"
@@ -138,7 +138,7 @@ peaks = [r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not Non
 # without SGLang's share (another process).
 engine = plan.get("engine_resident_gb", 0.0)
 planned = max(plan["trainer_total_gb"], *(plan["phases_gb"][p] - engine for p in ("weight push", "sync check")))
-# The planner states its estimates hold within ESTIMATE_TOLERANCE of a measurement (gspo_mcore.plan).
+# The planner states its estimates hold within ESTIMATE_TOLERANCE of a measurement (gspo_mcore.planner.cli).
 tolerance = plan["estimate_tolerance"]
 ok = bool(peaks) and max(peaks) <= planned * tolerance
 measured = f"{max(peaks):.1f} GiB ({max(peaks) / planned:.2f}x)" if peaks else "not in metrics.jsonl"

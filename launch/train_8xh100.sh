@@ -3,7 +3,7 @@
 #
 #   launch/train_8xh100.sh CONFIG OUTPUT_DIR [key=value ...]
 #
-# The mode follows the config (checked by `python -m gspo_mcore.plan` before any GPU is used):
+# The mode follows the config (checked by `python -m gspo_mcore.planner.cli` before any GPU is used):
 # - colocated (weight_sync.colocate: true): rollout.num_servers x rollout.engine_tp servers
 #   tile all GPUs; they release their memory while the trainer trains on all GPUs and
 #   resume it for the weight push;
@@ -15,7 +15,7 @@
 # Colocated configs need the GPUs in compute mode Default (checked with nvidia-smi).
 # Environment: GSPO_PYTHON (python), GSPO_GPUS_PER_NODE (8), GSPO_BASE_PORT (30000),
 # GSPO_SERVER_TIMEOUT (900 s); OMP_NUM_THREADS (default: the node's cores over its ranks,
-# set by gspo_mcore.torchrun).
+# set by gspo_mcore.run.torchrun).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launch/lib.sh
@@ -38,7 +38,7 @@ GSPO_ENGINE_API_KEY=${GSPO_ENGINE_API_KEY:-$("$py" -c 'import secrets; print(sec
 export GSPO_ENGINE_API_KEY
 
 # The planner's breakdown goes to stderr (this log); a refused plan stops here with its one-line error.
-plan=$("$py" -m gspo_mcore.plan --config "$config" --gpus-per-node "$gpus" --shell "$@")
+plan=$("$py" -m gspo_mcore.planner.cli --config "$config" --gpus-per-node "$gpus" --shell "$@")
 eval "$plan"
 if ((GSPO_COLOCATE)); then gspo_check_compute_mode || exit 2; fi
 mkdir -p "$out/logs"
@@ -73,7 +73,7 @@ if ((${#urls[@]})); then
 fi
 
 gspo_log "trainer on GPUs $trainer_devices"
-CUDA_VISIBLE_DEVICES=$trainer_devices "$py" -m gspo_mcore.torchrun --standalone \
+CUDA_VISIBLE_DEVICES=$trainer_devices "$py" -m gspo_mcore.run.torchrun --standalone \
     --nproc_per_node "$GSPO_TRAINER_GPUS" --log-dir "$out/logs/torchrun" --redirects 3 --tee 3 \
     -m gspo_mcore.train --config "$config" --output-dir "$out" "${resume[@]}" "$@" "${server_list[@]}" &
 trainer=$!

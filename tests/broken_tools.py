@@ -1,4 +1,4 @@
-"""A tool with the agent task's signature (gspo_mcore.agent_task.lookup) that fails on every
+"""A tool with the agent task's signature (gspo_mcore.tasks.agent.lookup) that fails on every
 call: tests/test_agent_cpu.py's run must stop, not train on its error messages."""
 
 

@@ -38,16 +38,16 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> Path:
     """A random tiny Qwen3-MoE (float32) in Hugging Face format."""
-    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+    from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_hf"), seed=0)
 
 
-# The toy task (gspo_mcore.toy_task) and one float32 engine serving it, shared by the modules of
+# The toy task (gspo_mcore.tasks.toy) and one float32 engine serving it, shared by the modules of
 # a worker (here, not in a module that others import from: pytest would make one per module).
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory):
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.tasks.toy import make_toy_task
 
     return make_toy_task(tmp_path_factory.mktemp("toy") / "task", seed=0)
 
@@ -56,8 +56,8 @@ def toy(tmp_path_factory):
 def server(toy, tmp_path_factory):
     """A float32 engine of the toy model for runs that do not start their own: each run pushes its
     initial weights first, so a previous run's weights do not leak in."""
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
@@ -72,7 +72,7 @@ def server(toy, tmp_path_factory):
 def vllm_toy(tmp_path_factory):
     """The toy task with attention heads of 64 (vLLM's CPU attention needs them), as
     configs/tiny_cpu_vllm.yaml's writer command makes it."""
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.tasks.toy import make_toy_task
 
     return make_toy_task(tmp_path_factory.mktemp("vllm_toy") / "task", seed=0, head_dim=64)
 
@@ -81,8 +81,8 @@ def vllm_server(model_dir, log, env: dict | None = None, **options):
     """A float32 vLLM server (.venv-vllm) of `model_dir`, as a run would start it; `env`: variables
     added to its environment."""
     from gspo_mcore.engines.vllm.server import server_env, vllm_command
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
 
     port = free_port()
     cmd = vllm_command(str(model_dir), port, python=str(REPO / ".venv-vllm" / "bin" / "python"), dtype="float32",

@@ -74,9 +74,9 @@ def _train_args(out: Path, args, config: str) -> list[str]:
 
 
 def train_command(out: Path, args=(), nproc: int = 1, config: str = CPU_DEFAULT) -> list[str]:
-    """`gspo-train` into `out` as a user starts it (through gspo_mcore.torchrun for several ranks),
+    """`gspo-train` into `out` as a user starts it (through gspo_mcore.run.torchrun for several ranks),
     for a run the test signals or watches (`start`)."""
-    launcher = ["-m", "gspo_mcore.torchrun", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+    launcher = ["-m", "gspo_mcore.run.torchrun", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
     return [sys.executable, *launcher, *_train_args(out, args, config)]
 
 
@@ -220,7 +220,7 @@ class ScriptedClient:
         return self.generate_one(*request)
 
     def generate_one(self, name, prompt_ids, params, server, weight_version=None, oldest_version=None):
-        from gspo_mcore.samples import Rollout
+        from gspo_mcore.batch.rollout import Rollout
 
         self.calls.append((name, server, weight_version))
         self.inputs.append(list(prompt_ids))
@@ -261,7 +261,7 @@ class ScriptedEngine:
         pass
 
     def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None, evaluation=False):
-        from gspo_mcore.samples import Rollout
+        from gspo_mcore.batch.rollout import Rollout
 
         version = self.version
         self.clock.started("scripted")
@@ -288,7 +288,7 @@ def source_for(task: Path, *extra, **options) -> tuple["RolloutSource", Scripted
     from gspo_mcore.rollout.source import RolloutSource
 
     overrides = [f"data.path={task / 'prompts.jsonl'}", f"data.tokenizer_dir={task / 'tokenizer'}",
-                 "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1", f"train.group_size={GROUP}",
+                 "reward.name=gspo_mcore.tasks.toy:category_reward", "reward.workers=1", f"train.group_size={GROUP}",
                  *(f"{'train' if k == 'rollout_batch_size' else 'rollout'}.{k}={v}" for k, v in options.items()),
                  "reward.norm=group", *extra]
     source = RolloutSource(load_config(None, overrides))

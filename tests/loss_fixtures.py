@@ -1,6 +1,6 @@
 """Loss functions named by import path (loss.function) in tests/test_loss.py."""
 
-from gspo_mcore.loss import LossInputs, aggregate, gspo
+from gspo_mcore.gspo.loss import LossInputs, aggregate, gspo
 
 CALLS: list[LossInputs] = []  # what each call of doubled_gspo got
 

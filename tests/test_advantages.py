@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gspo_mcore.advantages import (
+from gspo_mcore.gspo.advantages import (
     RunningMoments,
     clip,
     group_advantages,

@@ -23,7 +23,7 @@ ENV = environment()
 def agent_task(tmp_path_factory):
     """The task's writer as a user runs it: a warm-started model, prompts, held-out prompts."""
     root = tmp_path_factory.mktemp("agent")
-    subprocess.run([sys.executable, "-m", "gspo_mcore.agent_task", str(root / "task")], cwd=REPO, env=ENV,
+    subprocess.run([sys.executable, "-m", "gspo_mcore.tasks.agent", str(root / "task")], cwd=REPO, env=ENV,
                    check=True, capture_output=True, timeout=900)
     return root / "task"
 

@@ -1,4 +1,4 @@
-"""The agent task (gspo_mcore/agent_task.py): a call in its word-level vocabulary is Qwen3's
+"""The agent task (gspo_mcore/tasks/agent.py): a call in its word-level vocabulary is Qwen3's
 format and parses exactly, the tool's results splice in as its chat template renders them, the
 lookup is deterministic, the reward reads the last turn, and the writer is deterministic and
 leaves no half-written task. No servers."""
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from gspo_mcore import agent_task
-from gspo_mcore.agent_task import lookup, lookup_reward, make_agent_task, tool_call
+from gspo_mcore.tasks import agent as agent_task
+from gspo_mcore.tasks.agent import lookup, lookup_reward, make_agent_task, tool_call
 from gspo_mcore.tools.runner import ToolCall, load_tools, parse_tool_calls
 from helpers import ScriptedClient
 
-TOOLS = ["gspo_mcore.agent_task:lookup"]
+TOOLS = ["gspo_mcore.tasks.agent:lookup"]
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
-from gspo_mcore.netaddr import free_port
-from gspo_mcore.processes import ManagedServer
+from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
+from gspo_mcore.common.netaddr import free_port
+from gspo_mcore.common.processes import ManagedServer
 from gspo_mcore.engines.sglang.client import SGLangClient
 from gspo_mcore.engines.sglang.engine import SGLangEngine
 from gspo_mcore.engines.sglang.server import sglang_command

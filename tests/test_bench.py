@@ -30,7 +30,7 @@ COMPARISONS = {"bf16 engine vs fp32 trainer", "bf16 engine vs bf16 weights train
 @pytest.fixture(scope="module")
 def long_task():
     """configs/long_cpu.yaml's task, where the benches read it."""
-    from gspo_mcore.long_task import make_long_task
+    from gspo_mcore.tasks.long import make_long_task
 
     return make_long_task(REPO / "outputs" / "long_task")
 
@@ -39,8 +39,8 @@ def long_task():
 def long_task_server(long_task, tmp_path_factory):
     """The long task's model served with its routed experts (bench/claim.py asks for them): every
     bench that trains pushes its own weights first."""
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
 

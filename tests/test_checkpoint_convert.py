@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_convert import convert
 from checkpoint_convert.dcp_io import DCPReader
-from gspo_mcore.safetensors_io import HFCheckpointReader
+from gspo_mcore.common.safetensors_io import HFCheckpointReader
 from checkpoint_convert.synthetic import QWEN3_30B_A3B, QWEN3_235B_A22B, write_synthetic_checkpoint
 from helpers import REPO, last_json_line, run_module
-from gspo_mcore.errors import InputError
-from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
 
 # Slow (`slow` on each): those that run the converter CLI or torchrun in subprocesses.
 
@@ -87,7 +87,7 @@ def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
     """Keys, global shapes, dtypes and values equal those of Megatron's own save of the model
     (the local spec; the converter adds the extra states of the TE spec's standalone norms)."""
     from checkpoint_convert.convert import local_spec_aliases, te_norm_extra_state_keys
-    from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
+    from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
 
     run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved")])
     ours = DCPReader(converted / "release")
@@ -113,7 +113,7 @@ def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
 def test_converted_checkpoint_loads_under_layouts(tiny_hf_dir, converted, layout):
     overrides = {"EP2": ["distributed.expert_parallel=2"], "PP2": ["distributed.pipeline_parallel=2"],
                  "TP2-SP": ["distributed.tensor_parallel=2"]}[layout]
-    proc = run_module(["-m", "gspo_mcore.parity", f"model.hf_dir={tiny_hf_dir}", "--mcore-dir", str(converted),
+    proc = run_module(["-m", "gspo_mcore.megatron.parity", f"model.hf_dir={tiny_hf_dir}", "--mcore-dir", str(converted),
                        *overrides], nproc=2)
     figures = last_json_line(proc.stdout)
     assert figures["max_abs_logit_diff"] <= 1e-4 and figures["export_bitwise_identical"], figures

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gspo_mcore.checkpointing import LATEST, TRACKER, checkpoint_dir
-from gspo_mcore.errors import CheckpointError
+from gspo_mcore.megatron.checkpointing import LATEST, TRACKER, checkpoint_dir
+from gspo_mcore.common.errors import CheckpointError
 
 
 def test_tracker_names_the_iteration_or_release(tmp_path):
@@ -59,7 +59,7 @@ def test_real_metadata_still_loads(tmp_path):
     from torch.distributed.checkpoint.metadata import Metadata
 
     from checkpoint_convert.dcp_io import load_metadata
-    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+    from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
 
     import subprocess
     import sys
@@ -77,8 +77,8 @@ import os, sys
 import psutil, torch, torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from gspo_mcore import cpu_bridge
-from gspo_mcore.checkpointing import keep_writer_results_in_process
+from gspo_mcore.megatron import cpu_bridge
+from gspo_mcore.megatron.checkpointing import keep_writer_results_in_process
 
 if __name__ == "__main__":  # Megatron's own Manager is spawned: it imports this file again
     cpu_bridge.install()

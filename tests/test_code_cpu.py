@@ -17,7 +17,7 @@ ENV = environment()
 
 def test_the_code_task_learns_from_executed_programs(tmp_path):
     task = tmp_path / "task"
-    subprocess.run([sys.executable, "-m", "gspo_mcore.code_task", str(task)], cwd=REPO, env=ENV, check=True,
+    subprocess.run([sys.executable, "-m", "gspo_mcore.tasks.code", str(task)], cwd=REPO, env=ENV, check=True,
                    capture_output=True, timeout=300)
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/code_cpu.yaml",

@@ -15,7 +15,7 @@ import zlib
 import pytest
 
 from gspo_mcore.data.prepare_code import prepare
-from gspo_mcore.errors import InputError
+from gspo_mcore.common.errors import InputError
 from gspo_mcore.rewards import load_reward_fn
 from gspo_mcore.rewards.code import (answer_from_problem, code_reward, last_code_block, problem_from_record, score,
                                      take_stats, training_tests)
@@ -181,7 +181,7 @@ def test_prepare_code_and_the_scoring_command(tmp_path):
 
 
 def test_the_cpu_code_tasks_answers_are_programs_judged_in_the_sandbox(tmp_path):
-    from gspo_mcore.code_task import OPERATIONS, expressions, make_prompts, program_rewards, vocabulary
+    from gspo_mcore.tasks.code import OPERATIONS, expressions, make_prompts, program_rewards, vocabulary
 
     assert len(vocabulary()) == 256
     make_prompts(tmp_path / "p.jsonl", 8, seed=3)
@@ -265,7 +265,7 @@ def test_an_infrastructure_error_scores_zero_or_is_masked_as_reward_code_says(mo
 def test_a_masked_response_leaves_its_group_before_the_advantages(tmp_path):
     """reward.code.infrastructure_errors: mask: a response the reward returned None for neither
     scores 0 nor trains; the rest of its group is normalised without it."""
-    from gspo_mcore.toy_task import make_prompts, make_tokenizer
+    from gspo_mcore.tasks.toy import make_prompts, make_tokenizer
     from helpers import GROUP, source_for
 
     make_tokenizer(tmp_path / "tokenizer")

@@ -138,7 +138,7 @@ def test_a_config_typo_answers_before_megatron_is_imported_with_the_field_it_mea
 
     from helpers import REPO
 
-    script = ("import sys\nfrom gspo_mcore.cli import main\nfrom gspo_mcore.errors import run_cli\n"
+    script = ("import sys\nfrom gspo_mcore.run.cli import main\nfrom gspo_mcore.common.errors import run_cli\n"
               "code = run_cli(lambda: main(sys.argv[1:]))\n"
               "print(code, [m for m in ('megatron', 'transformers') if m in sys.modules])\n")
     for typo, said in (("train.stesp=3", "train.stesp: unknown config field (did you mean train.steps?)"),
@@ -155,7 +155,7 @@ def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, cap
     import signal
 
     from helpers import REPO
-    from gspo_mcore.cli import main
+    from gspo_mcore.run.cli import main
 
     overrides = ["train.steps=3", "data.chat_template_kwargs.enable_thinking=false"]
     handler = signal.getsignal(signal.SIGTERM)  # main installs the trainer's own
@@ -167,30 +167,30 @@ def test_print_config_shows_the_resolved_config_and_starts_nothing(tmp_path, cap
     printed = capsys.readouterr().out
     (tmp_path / "resolved.yaml").write_text(printed)
     assert load_config(tmp_path / "resolved.yaml") == load_config(REPO / "configs/long_cpu.yaml", overrides)
-    assert "reward:\n  name: gspo_mcore.long_task:list_reward\n" in printed and "  clip_low: 0.0003\n" in printed
+    assert "reward:\n  name: gspo_mcore.tasks.long:list_reward\n" in printed and "  clip_low: 0.0003\n" in printed
     assert not (tmp_path / "run").exists()
 
 
 def test_the_grpo_comparison_commands_use_the_demos_run():
     """configs/tiny_cpu_grpo.yaml's commands plot against the run `make demo` writes."""
     from helpers import REPO
-    from gspo_mcore.demo import DEFAULT_OUTPUT, train_command
+    from gspo_mcore.run.demo import DEFAULT_OUTPUT, train_command
 
     comment = [line for line in (REPO / "configs/tiny_cpu_grpo.yaml").read_text().splitlines() if line.startswith("#")]
-    plot = next(line for line in comment if "gspo_mcore.plot" in line).split()
+    plot = next(line for line in comment if "gspo_mcore.run.plot" in line).split()
     demo_run = train_command(DEFAULT_OUTPUT, overwrite=False)
     demo_run = Path(demo_run[demo_run.index("--output-dir") + 1])
-    assert REPO / plot[plot.index("gspo_mcore.plot") + 1] == demo_run
-    assert (REPO / plot[plot.index("gspo_mcore.plot") + 2]).parent == demo_run.parent
+    assert REPO / plot[plot.index("gspo_mcore.run.plot") + 1] == demo_run
+    assert (REPO / plot[plot.index("gspo_mcore.run.plot") + 2]).parent == demo_run.parent
 
 
 def test_the_config_reference_page_is_generated_from_the_dataclasses():
     """docs/config_reference.md lists every key with its default: regenerate it with
-    `python -m gspo_mcore.config_reference --write` when config.py changes."""
+    `python -m gspo_mcore.config.reference --write` when config.py changes."""
     import dataclasses
 
     from gspo_mcore.config import Config
-    from gspo_mcore.config_reference import PAGE, keys, page
+    from gspo_mcore.config.reference import PAGE, keys, page
 
     assert PAGE.read_text() == page()
     listed = {key.name for key in keys()}
@@ -212,8 +212,8 @@ def test_a_run_reads_the_git_revision_without_locking_the_users_index(tmp_path, 
     import subprocess
 
     from helpers import REPO
-    from gspo_mcore.cli import main
-    from gspo_mcore.run_config import provenance
+    from gspo_mcore.run.cli import main
+    from gspo_mcore.run.saved_config import provenance
 
     monkeypatch.delenv("GIT_OPTIONAL_LOCKS", raising=False)
     main(["--config", str(REPO / "configs/tiny_cpu.yaml"), "--print-config"])
@@ -259,8 +259,8 @@ def test_the_precision_aware_optimizer_and_cpu_offload_are_one_or_the_other():
 def test_help_config_lists_every_key_with_its_default_and_meaning(capsys):
     """`gspo-train --help-config`: every key of the schema, its type and default, whether a resume
     may change it, and its doc string; like --help it needs no --config and exits 0."""
-    from gspo_mcore.cli import parse_args
-    from gspo_mcore.config_reference import keys
+    from gspo_mcore.run.cli import parse_args
+    from gspo_mcore.config.reference import keys
 
     with pytest.raises(SystemExit) as stop:
         parse_args(["--help-config"])

@@ -10,7 +10,7 @@ import pytest
 from checkpoint_convert.convert import hf_to_mcore, mcore_to_hf, remove_stale_temporaries
 from checkpoint_convert.verify import verify
 from helpers import REPO, environment
-from gspo_mcore.errors import CheckpointError, InputError
+from gspo_mcore.common.errors import CheckpointError, InputError
 
 
 @pytest.fixture(scope="module")

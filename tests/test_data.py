@@ -10,7 +10,7 @@ import pytest
 from helpers import REPO
 from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
 from gspo_mcore.data.prepare_math import INSTRUCTION, prepare
-from gspo_mcore.errors import InputError
+from gspo_mcore.common.errors import InputError
 from gspo_mcore.rewards.answers import math_reward
 
 SAMPLE = REPO / "gspo_mcore" / "data" / "samples" / "math_lighteval_sample.jsonl"

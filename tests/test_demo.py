@@ -1,4 +1,4 @@
-"""`make demo` (gspo_mcore.demo): where it writes, and that it deletes nothing unless asked."""
+"""`make demo` (gspo_mcore.run.demo): where it writes, and that it deletes nothing unless asked."""
 
 import json
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from helpers import REPO, environment
-from gspo_mcore.demo import CONFIG, DEFAULT_OUTPUT, check_run_dir, parse_args, train_command
-from gspo_mcore.errors import InputError
+from gspo_mcore.run.demo import CONFIG, DEFAULT_OUTPUT, check_run_dir, parse_args, train_command
+from gspo_mcore.common.errors import InputError
 
 
 def test_the_run_goes_under_the_output_dir_and_is_replaced_only_when_asked(tmp_path):
@@ -28,7 +28,7 @@ def test_a_second_demo_into_a_run_is_refused_before_anything_starts_with_the_dem
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     (run / "notes.txt").write_text("mine")
     env = environment()
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.demo", "--output-dir", "out"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.run.demo", "--output-dir", "out"], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
@@ -71,7 +71,7 @@ def test_the_readmes_demo_output_is_what_the_demo_prints():
     import io
     import re
 
-    from gspo_mcore.metrics import PRINTED, Progress
+    from gspo_mcore.metrics.report import PRINTED, Progress
 
     text = (REPO / "README.md").read_text()
     block = re.search(r"```\n(step .*?)```", text, re.S).group(1)
@@ -83,7 +83,7 @@ def test_the_readmes_demo_output_is_what_the_demo_prints():
         out = io.StringIO()
         Progress(total, row["step"] - 1, stream=out).update(row)
         assert out.getvalue().rsplit(" | ETA", 1)[0] == line.rsplit(" | ETA", 1)[0]
-    source = (REPO / "gspo_mcore" / "demo.py").read_text()
+    source = (REPO / "gspo_mcore" / "run" / "demo.py").read_text()
     verdict = [line for line in block.splitlines() if line.startswith(("mean reward:", "held-out accuracy"))]
     assert len(verdict) == 2 and "first 10 steps {first:.3f} -> last 10 steps {last:.3f}" in source
     assert re.fullmatch(r"mean reward: first 10 steps 0\.\d{3} -> last 10 steps 0\.\d{3} \(\+0\.\d{3}\)", verdict[0])

@@ -12,9 +12,9 @@ from helpers import REPO
 
 FACTORIES = {"full", "zeros", "ones", "empty", "tensor", "arange", "as_tensor", "randn", "rand", "randint",
              "randperm", "linspace", "eye", "from_numpy", "empty_strided"}
-ON_DEVICE = ["gspo_mcore/loss.py", "gspo_mcore/megatron_loss.py", "gspo_mcore/metrics.py", "gspo_mcore/learner.py",
-             "gspo_mcore/logprobs.py", "gspo_mcore/optimizer.py", "gspo_mcore/models/qwen3_moe/forward.py",
-             "gspo_mcore/models/qwen3_moe/routing.py",
+ON_DEVICE = ["gspo_mcore/gspo/loss.py", "gspo_mcore/megatron/pipeline_loss.py", "gspo_mcore/metrics/report.py", "gspo_mcore/megatron/learner.py",
+             "gspo_mcore/gspo/logprobs.py", "gspo_mcore/megatron/optimizer.py", "gspo_mcore/megatron/qwen3_moe/forward.py",
+             "gspo_mcore/megatron/qwen3_moe/routing.py",
              *sorted(str(p.relative_to(REPO)) for p in (REPO / "gspo_mcore/weight_sync").glob("*.py"))]
 
 

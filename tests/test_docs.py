@@ -20,8 +20,8 @@ KNOWN_TOOLS = {"pytest", "torch.distributed.run", "pip", "venv"}
 # The CLIs whose options the docs quote: the spellings of a command, and its module.
 CLIS = {
     "gspo_mcore.train": ("gspo-train", "gspo_mcore.train"),
-    "gspo_mcore.evaluate": ("gspo-eval", "gspo_mcore.evaluate"),
-    "gspo_mcore.plan": ("gspo_mcore.plan",),
+    "gspo_mcore.evaluation.cli": ("gspo-eval", "gspo_mcore.evaluation.cli"),
+    "gspo_mcore.planner.cli": ("gspo_mcore.planner.cli",),
     "checkpoint_convert": ("checkpoint_convert",),
     "gspo_mcore.engines.serve": ("gspo_mcore.engines.serve",),
 }
@@ -112,7 +112,7 @@ def cli_invocations(piece: str) -> list[tuple[str, str, set[str]]]:
         before = piece[:match.start()]
         spelled = match.group(1)
         if spelled not in ("gspo-train", "gspo-eval") and not re.search(r"(python3?|torchrun[^|;]*?)\s+$", before):
-            continue  # a module named in prose (`gspo_mcore.plan`), not run
+            continue  # a module named in prose (`gspo_mcore.planner.cli`), not run
         rest = re.split(r"\s(?:&&|\|\||;|\|)\s|#", piece[match.end():])[0]
         cli = spellings[spelled]
         subcommand = ""
@@ -158,12 +158,12 @@ def test_commands_are_parsed():
     assert pieces == ["python -m gspo_mcore.train --config c.yaml      --resume x=1", "gspo-eval --model M --urls U",
                       "python -m nosuch.module"]
     assert cli_invocations(pieces[0]) == [("gspo_mcore.train", "", {"--config", "--resume"})]
-    assert cli_invocations(pieces[1]) == [("gspo_mcore.evaluate", "", {"--model", "--urls"})]
+    assert cli_invocations(pieces[1]) == [("gspo_mcore.evaluation.cli", "", {"--model", "--urls"})]
     assert cli_invocations("torchrun --nproc_per_node N -m gspo_mcore.train --config F  # --not-this") == \
         [("gspo_mcore.train", "", {"--config"})]
     assert cli_invocations("python -m checkpoint_convert verify --hf-dir A --mcore-dir B") == \
         [("checkpoint_convert", "verify", {"--hf-dir", "--mcore-dir"})]
-    assert cli_invocations("the planner, `gspo_mcore.plan` --shell") == []  # named, not run
+    assert cli_invocations("the planner, `gspo_mcore.planner.cli` --shell") == []  # named, not run
     assert [python_modules(p) for p in pieces] == [["gspo_mcore.train"], [], ["nosuch.module"]]
     assert not is_repo_module("nosuch.module") and is_repo_module("gspo_mcore.train")
     assert is_repo_module("checkpoint_convert")
@@ -215,7 +215,7 @@ def test_quoted_modules_files_and_options_exist():
         for name in sorted(set(re.findall(r"(?<![\w/.-])((?:configs|launch)/[\w/.-]*\w\.(?:yaml|json|sh|sbatch))", text))):
             if not (REPO / name).is_file():
                 problems.append(f"{path.name}: {name}: no such file")
-    assert {cli for _, cli, _, _, _ in invocations} >= {"gspo_mcore.train", "gspo_mcore.evaluate", "gspo_mcore.plan",
+    assert {cli for _, cli, _, _, _ in invocations} >= {"gspo_mcore.train", "gspo_mcore.evaluation.cli", "gspo_mcore.planner.cli",
                                                          "checkpoint_convert"}
     for name, cli, subcommand, options, piece in sorted(invocations):
         unknown = set(options) - help_options(cli, subcommand)

@@ -16,8 +16,8 @@ from gspo_mcore.engines.base import Engine, EngineMemory
 from gspo_mcore.engines.capabilities import (PUSH, DiskLoad, MemoryRelease, ProcessGroupPush, SharedMemoryPush,
                                              SyncProbe, asked)
 from gspo_mcore.engines.client import EngineClient
-from gspo_mcore.errors import InputError, WeightSyncError
-from gspo_mcore.samples import Rollout
+from gspo_mcore.common.errors import InputError, WeightSyncError
+from gspo_mcore.batch.rollout import Rollout
 
 
 class EchoClient(EngineClient):
@@ -200,8 +200,9 @@ def test_the_sync_checks_probe_is_one_prefill_per_sequence_each_checked_complete
 def test_gspo_eval_with_running_servers_refuses_an_engine_that_cannot_load_from_disk(tmp_path, monkeypatch, capsys):
     """gspo-eval --urls has the servers load the weights from disk: an engine without DiskLoad is
     refused in one line before anything is loaded (it called load_from_disk unchecked)."""
-    from gspo_mcore import engines, evaluate
-    from gspo_mcore.errors import run_cli
+    from gspo_mcore import engines
+    from gspo_mcore.evaluation import cli as evaluate
+    from gspo_mcore.common.errors import run_cli
 
     monkeypatch.setitem(engines.ENGINES, "sglang", f"{__name__}:CoreEngine")  # the config's engine, core only
     code = run_cli(lambda: evaluate.main(["--config", str(REPO / "configs/tiny_cpu.yaml"), "--model",

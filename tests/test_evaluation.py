@@ -6,8 +6,8 @@ import re
 import pytest
 
 from gspo_mcore.config import ConfigError, load_config
-from gspo_mcore.errors import InputError
-from gspo_mcore.evaluation import dataset_metrics, pass_at_k
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.evaluation.held_out import dataset_metrics, pass_at_k
 from helpers import ScriptedClient
 
 # n = 4 samples, c correct: 1 - C(4 - c, k) / C(4, k), by hand.
@@ -47,7 +47,7 @@ def test_eval_config_is_checked(override, message):
 
 
 def test_gspo_eval_takes_a_model_or_a_run_and_prints_a_table(tmp_path):
-    from gspo_mcore.evaluate import model_dir, table
+    from gspo_mcore.evaluation.cli import model_dir, table
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     with pytest.raises(InputError, match="a run without an exported hf/: give model.hf_dir"):
@@ -70,7 +70,7 @@ def test_gspo_eval_keeps_its_servers_logs():
     """They went to a temporary directory deleted afterwards."""
     from pathlib import Path
 
-    from gspo_mcore.evaluate import default_log_dir
+    from gspo_mcore.evaluation.cli import default_log_dir
 
     assert default_log_dir(Path("/nowhere/model")) == Path("gspo-eval-logs")
 
@@ -88,7 +88,7 @@ def _scripted_engine(tokenizer) -> ScriptedClient:
 
 async def answer_once(task, engine):
     """A user's function: one turn, its text scored."""
-    from gspo_mcore.trajectory import Trajectory
+    from gspo_mcore.batch.trajectory import Trajectory
 
     prompt = engine.chat_ids(task.messages)
     trajectory = Trajectory(prompt)
@@ -107,13 +107,13 @@ def test_evaluation_runs_the_rollout_function_as_training_does(tmp_path, functio
     the version just pushed), scored on its trajectory's text; pass@k needs one trajectory per call."""
     from transformers import AutoTokenizer
 
-    from gspo_mcore.evaluation import Evaluator
-    from gspo_mcore.toy_task import make_prompts, make_tokenizer
+    from gspo_mcore.evaluation.held_out import Evaluator
+    from gspo_mcore.tasks.toy import make_prompts, make_tokenizer
 
     make_tokenizer(tmp_path / "tokenizer")
     make_prompts(tmp_path / "eval.jsonl", 3, seed=0)
     config = load_config(None, [f"data.tokenizer_dir={tmp_path / 'tokenizer'}", f"rollout.function=test_evaluation:{function}",
-                                "reward.name=gspo_mcore.toy_task:category_reward", "reward.workers=1",
+                                "reward.name=gspo_mcore.tasks.toy:category_reward", "reward.workers=1",
                                 f"eval.datasets=[{{name: toy, path: {tmp_path / 'eval.jsonl'}, samples: 4}}]"])
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
     engine = _scripted_engine(tokenizer)
@@ -138,7 +138,7 @@ def test_evaluation_runs_the_rollout_function_as_training_does(tmp_path, functio
 
 
 def test_a_runs_evaluation_logs_go_into_the_run(tmp_path):
-    from gspo_mcore.evaluate import default_log_dir
+    from gspo_mcore.evaluation.cli import default_log_dir
 
     (tmp_path / "checkpoints").mkdir()
     assert default_log_dir(tmp_path) == tmp_path / "logs" / "gspo-eval"

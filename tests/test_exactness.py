@@ -1,4 +1,4 @@
-"""Exactness that cannot slip silently: the strict check (gspo_mcore.exactness) on the batch's
+"""Exactness that cannot slip silently: the strict check (gspo_mcore.run.exactness) on the batch's
 fresh tokens, its evidence, when it is on, and every SGLang answer a push's exactness rests on
 checked against a stand-in that answers as SGLang 0.5.23 does (entrypoints/http_server.py)."""
 
@@ -11,12 +11,12 @@ import torch
 
 from gspo_mcore.config import load_config
 from gspo_mcore.engines.sglang.engine import SGLangEngine
-from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.exactness import ExactnessError, check, mismatches, sequence_mismatch
-from gspo_mcore.loss import sequence_log_ratio
-from gspo_mcore.samples import Batch, Rollout
+from gspo_mcore.common.errors import WeightSyncError
+from gspo_mcore.run.exactness import ExactnessError, check, mismatches, sequence_mismatch
+from gspo_mcore.gspo.loss import sequence_log_ratio
+from gspo_mcore.batch.rollout import Batch, Rollout
 from helpers import REPO, ToyHandler, toy_server, url
-from gspo_mcore.trajectory import Trajectory, to_rollout
+from gspo_mcore.batch.trajectory import Trajectory, to_rollout
 
 
 def _rollout(n, rng, origin=("http://s:1 rid=a",), versions=(), mask=()):

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from gspo_mcore.files import atomic_output
+from gspo_mcore.common.files import atomic_output
 
 
 def test_file_appears_only_when_complete(tmp_path):

@@ -1,9 +1,9 @@
-"""The trainer's GSPO update (gspo_mcore.learner.Learner.update: packing by a token budget,
+"""The trainer's GSPO update (gspo_mcore.megatron.learner.Learner.update: packing by a token budget,
 equal microbatch counts over DP ranks, the Megatron schedule, the exact global normalisation)
 is the global minibatch loss's step, whatever the layout: 1 rank x 7 microbatches, DP=2 with
 4 and 3 microbatches, PP=2, EP=2 (uneven counts: an all-to-all hang before fillers), TP=2+SP
 give the loss, gradient norm and updated weights of the same step taken by the Hugging Face
-model with the same loss composition (gspo_mcore.loss.objective). The KL case uses the trainer's own reference model (the initial
+model with the same loss composition (gspo_mcore.gspo.loss.objective). The KL case uses the trainer's own reference model (the initial
 weights); the entropy case the vocabulary-parallel entropy gradient."""
 
 import functools
@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from gspo_mcore.safetensors_io import HFCheckpointReader
+from gspo_mcore.common.safetensors_io import HFCheckpointReader
 from conftest import LAYOUTS, plan_layout_job
 from gspo_mcore.config import load_config
-from gspo_mcore.loss import Normalizer, objective
+from gspo_mcore.gspo.loss import Normalizer, objective
 
 ADAM = dict(lr=1.0, eps=1.0)  # first step w - g / (|g| + 1): the weights compare gradients
 CLIP = 0.005  # a band the noisy old log-probs below fall on both sides of
@@ -99,7 +99,7 @@ _plan_jobs()
 
 
 def test_the_token_budget_gives_data_parallel_ranks_unequal_microbatch_counts():
-    from gspo_mcore.packing import balance_across_ranks, pack_microbatches
+    from gspo_mcore.gspo.packing import balance_across_ranks, pack_microbatches
 
     lengths = [p + r - 1 for p, r in zip([3, 5, 4, 6, 3, 5, 4, 6], [12, 4, 9, 0, 13, 7, 11, 2])]
     shards = balance_across_ranks(list(range(8)), lengths, 2)
@@ -114,7 +114,7 @@ def hf_step(hf_dir, batch, function, aggregation, kl_coef, entropy_coef, out_dir
     tokens = batch["tokens"]
     log_p = model(input_ids=tokens[:, :-1]).logits.log_softmax(-1)
     logp = log_p.gather(-1, tokens[:, 1:, None])[..., 0]
-    # The trainer's own composition of the loss (gspo_mcore.loss.objective) on transformers' log-probs;
+    # The trainer's own composition of the loss (gspo_mcore.gspo.loss.objective) on transformers' log-probs;
     # pi_ref: the initial weights, i.e. this model before the step.
     cfg = load_config(None, options(function, aggregation, kl_coef, entropy_coef, on_policy)).loss
     loss, metrics = objective(logp, {**batch, "ref_logprobs": logp.detach()}, cfg, Normalizer(horizon=HORIZON),

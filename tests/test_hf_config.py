@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from gspo_mcore.models.qwen3_moe.hf_config import HFConfigError, load_hf_config, parse_hf_config
+from gspo_mcore.megatron.qwen3_moe.hf_config import HFConfigError, load_hf_config, parse_hf_config
 
 # The published Qwen3-30B-A3B config.json (transformers 4.x field names).
 QWEN3_30B_A3B = {

@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-from gspo_mcore.errors import InputError
-from gspo_mcore.netaddr import free_port
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.netaddr import free_port
 from gspo_mcore.engines.client import RetryableError
 from gspo_mcore.engines.sglang.client import SGLangClient
-from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.common.errors import WeightSyncError
 from gspo_mcore.engines.sglang.engine import SGLangEngine
-from gspo_mcore.http import ConnectionFailure, HTTPStatusError, get_json, post_json
+from gspo_mcore.common.http import ConnectionFailure, HTTPStatusError, get_json, post_json
 from helpers import REPO, ToyHandler, toy_server, url as server_url
-from gspo_mcore.errors import RolloutError
+from gspo_mcore.common.errors import RolloutError
 
 LONG = "m" * 1000
 OPENAI_MESSAGE = ("Requested token count exceeds the model's maximum context length of 512 tokens. You requested a "
@@ -73,7 +73,7 @@ def test_json_post_and_get(url):
 
 def test_the_run_api_key_goes_with_every_request(url, monkeypatch):
     from gspo_mcore.engines.sglang.client import SGLangClient
-    from gspo_mcore.http import API_KEY_ENV
+    from gspo_mcore.common.http import API_KEY_ENV
 
     monkeypatch.setenv(API_KEY_ENV, "from-the-environment")  # read once by entry points, never here
     assert get_json(f"{url}/auth", 5) == {"authorization": None}
@@ -89,8 +89,8 @@ def test_a_server_for_other_hosts_needs_an_api_key(monkeypatch):
     is refused (anyone reaching /update_weights_* could load weights into it)."""
     import pytest as _pytest
 
-    from gspo_mcore.errors import InputError
-    from gspo_mcore.http import API_KEY_ENV
+    from gspo_mcore.common.errors import InputError
+    from gspo_mcore.common.http import API_KEY_ENV
     from gspo_mcore.engines.serve import main
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
@@ -170,7 +170,7 @@ def test_serve_help_shows_the_host_default():
 def test_a_server_log_never_holds_the_api_key(tmp_path):
     """SGLang logs its arguments, the API key among them: the log a run keeps has it redacted,
     also for output that arrives before the server is healthy and output after."""
-    from gspo_mcore.processes import ManagedServer, start_redacted
+    from gspo_mcore.common.processes import ManagedServer, start_redacted
 
     script = "import sys, time; print('server_args=api_key=s3cret-k3y port=1', flush=True); time.sleep(30)"
     with pytest.raises(InputError, match="not healthy"):
@@ -236,8 +236,8 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 def test_a_server_killed_while_starting_is_started_once_more(tmp_path):
     """SGLang's launcher SIGKILLs its tree when a worker fails to initialise (a port another process
     took in the meantime, in CI): one more start, said on stderr, and the server is up."""
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
 
     port = free_port()
     cmd = [sys.executable, "-c", _FLAKY_SERVER, str(tmp_path / "started-once"), str(port)]
@@ -247,7 +247,7 @@ def test_a_server_killed_while_starting_is_started_once_more(tmp_path):
 
 
 def test_a_server_that_fails_on_its_input_is_not_retried_and_says_why(tmp_path):
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.processes import ManagedServer
 
     script = "import sys; print('ValueError: no config.json in /models/x', flush=True); sys.exit(1)"
     with pytest.raises(InputError, match=r"exited with code 1 while starting \(ValueError: no config.json in /models/x\)"):
@@ -258,7 +258,7 @@ def test_a_server_that_fails_on_its_input_is_not_retried_and_says_why(tmp_path):
 def test_a_server_whose_port_was_taken_is_started_again_not_waited_on(tmp_path):
     """SGLang logs 'address already in use' and keeps its scheduler alive: it never exits nor
     answers, and the test suite waited its whole start-up timeout (300 s) for it."""
-    from gspo_mcore.processes import ManagedServer, ServerStartError
+    from gspo_mcore.common.processes import ManagedServer, ServerStartError
 
     script = ("import time; print(\"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 9): "
               "address already in use\", flush=True); time.sleep(60)")

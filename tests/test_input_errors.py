@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # runs the CLIs in subprocesses (and torchrun)
 
 def run_parity(hf_dir, *overrides):
     return subprocess.run(
-        [sys.executable, "-m", "gspo_mcore.parity", f"model.hf_dir={hf_dir}", *overrides],
+        [sys.executable, "-m", "gspo_mcore.megatron.parity", f"model.hf_dir={hf_dir}", *overrides],
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )
 
@@ -87,10 +87,10 @@ def test_layout_that_does_not_divide_is_named(tiny_hf_dir):
 
 @pytest.mark.parametrize("module", ["toy_task", "long_task", "agent_task"])
 def test_a_task_writers_help_writes_nothing(module, tmp_path, monkeypatch, capsys):
-    """`python -m gspo_mcore.agent_task --help` wrote a model into a directory named --help."""
+    """`python -m gspo_mcore.tasks.agent --help` wrote a model into a directory named --help."""
     import importlib
 
-    from gspo_mcore.toy_task import writer_cli
+    from gspo_mcore.tasks.toy import writer_cli
 
     monkeypatch.chdir(tmp_path)
     task = importlib.import_module(f"gspo_mcore.{module}")

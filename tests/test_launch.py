@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, environment
-from gspo_mcore.netaddr import free_port
+from gspo_mcore.common.netaddr import free_port
 
 # Slow (`slow` on each): those that run a script, torchrun or SGLang; the static checks (file reads, bash -n,
 # shellcheck) are fast.
@@ -224,7 +224,7 @@ def test_failure_mid_run_tears_down_the_started_servers(tmp_path):
 def test_single_node_script_end_to_end_on_cpu(tmp_path):
     """launch/train_8xh100.sh with the CPU config, split mode on a pretend 2-GPU node: the
     planner's layout, a real SGLang server on the first 'GPU', the trainer on the second."""
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.tasks.toy import make_toy_task
 
     toy = make_toy_task(tmp_path / "toy", seed=0)
     out = tmp_path / "run"
@@ -244,7 +244,7 @@ def test_single_node_script_end_to_end_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_convert_script_on_a_small_checkpoint(tmp_path):
     """launch/convert_qwen3_30b.sh as a user runs it (conversion + verify), on the toy model."""
-    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+    from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "hf", seed=0)
     env = environment(GSPO_PYTHON=sys.executable)
@@ -278,7 +278,7 @@ def test_multi_node_split_rollout_node_stops_when_training_ends(tmp_path):
     rollout node serves, the trainer node trains against it over the API key, and when training
     has ended the rollout node stops its server and exits 0 (it used to serve forever, keeping
     the Slurm step alive)."""
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.tasks.toy import make_toy_task
 
     toy = make_toy_task(tmp_path / "toy", seed=0)
     out = tmp_path / "run"
@@ -407,9 +407,9 @@ def test_smoke_configs_plan_on_one_gpu_and_its_verdicts(tmp_path):
     ones in one line."""
     from checkpoint_convert.synthetic import QWEN3_30B_A3B
     from gspo_mcore.config import load_config
-    from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config, parse_hf_config
-    from gspo_mcore.plan import plan
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config, parse_hf_config
+    from gspo_mcore.planner.cli import plan
+    from gspo_mcore.tasks.toy import make_toy_task
 
     arrays, (parity, colocated, memory) = _smoke_parts()
     toy = make_toy_task(tmp_path / "toy", seed=0)
@@ -448,7 +448,7 @@ def test_torchrun_gloo_interface_is_the_one_routing_to_the_rendezvous():
     import psutil
     import socket
 
-    from gspo_mcore.torchrun import gloo_interface, interface_towards
+    from gspo_mcore.run.torchrun import gloo_interface, interface_towards
 
     holding = {a.address: name for name, addresses in psutil.net_if_addrs().items() for a in addresses
                if a.family == socket.AF_INET}
@@ -460,7 +460,7 @@ def test_torchrun_gloo_interface_is_the_one_routing_to_the_rendezvous():
             assert interface_towards(address) == name and gloo_interface(address) == name
     from torch.distributed.run import parse_args
 
-    from gspo_mcore.torchrun import rendezvous_host
+    from gspo_mcore.run.torchrun import rendezvous_host
 
     assert rendezvous_host(parse_args(["--standalone", "x.py"])) is None
     assert rendezvous_host(parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-a:29400", "x.py"])) == "gpu-a"
@@ -482,7 +482,7 @@ def test_torchrun_sets_the_gloo_interface_and_omp_threads_the_user_did_not(tmp_p
     import psutil
     import socket
 
-    from gspo_mcore.netaddr import free_port
+    from gspo_mcore.common.netaddr import free_port
 
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE_ENV)
@@ -491,7 +491,7 @@ def test_torchrun_sets_the_gloo_interface_and_omp_threads_the_user_did_not(tmp_p
     env.update(PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
 
     def workers(args, **extra):
-        proc = subprocess.run([sys.executable, "-m", "gspo_mcore.torchrun", *args, str(probe)], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "gspo_mcore.run.torchrun", *args, str(probe)], capture_output=True,
                               text=True, env={**env, **extra}, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -532,7 +532,7 @@ def test_the_image_builds_for_h100_only_and_imports_no_transformer_engine_at_bui
 
 
 def test_the_smoke_memory_check_holds_the_planner_to_its_stated_tolerance():
-    from gspo_mcore.plan import ESTIMATE_TOLERANCE
+    from gspo_mcore.planner.cli import ESTIMATE_TOLERANCE
 
     script = (REPO / "launch" / "smoke_1gpu.sh").read_text()
     assert 'max(peaks) <= planned * tolerance' in script and 'plan["estimate_tolerance"]' in script
@@ -558,7 +558,7 @@ def test_the_image_carries_vllm_in_its_own_python_and_the_vllm_configs_name_it()
 def test_the_api_key_is_the_engines_and_its_old_name_is_still_read(monkeypatch):
     """GSPO_ENGINE_API_KEY (either engine); a job script of an earlier version exporting
     GSPO_SGLANG_API_KEY still reaches the run; the new name wins when both are set."""
-    from gspo_mcore.http import api_key_from_env
+    from gspo_mcore.common.http import api_key_from_env
 
     monkeypatch.delenv("GSPO_ENGINE_API_KEY", raising=False)
     monkeypatch.setenv("GSPO_SGLANG_API_KEY", "old")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gspo_mcore.logprobs import token_logprobs
+from gspo_mcore.gspo.logprobs import token_logprobs
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

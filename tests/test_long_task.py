@@ -1,4 +1,4 @@
-"""The long task (gspo_mcore/long_task.py): its reward counts every word, and its writer is
+"""The long task (gspo_mcore/tasks/long.py): its reward counts every word, and its writer is
 deterministic and leaves no half-written task directory. No servers."""
 
 import json
@@ -6,8 +6,10 @@ import random
 
 import pytest
 
-from gspo_mcore import long_task, toy_task
-from gspo_mcore.long_task import RESPONSE_WORDS, list_reward, make_long_task, make_prompts
+from gspo_mcore.tasks import long as long_task
+
+from gspo_mcore.tasks import toy as toy_task
+from gspo_mcore.tasks.long import RESPONSE_WORDS, list_reward, make_long_task, make_prompts
 
 
 def words(category: str, count: int, start: int = 0) -> list[str]:
@@ -97,8 +99,8 @@ def test_a_missing_cpu_task_names_the_command_that_writes_it(tmp_path, monkeypat
 
     from helpers import REPO
     from gspo_mcore.config import load_config
-    from gspo_mcore.errors import InputError
-    from gspo_mcore.toy_task import check_task_written
+    from gspo_mcore.common.errors import InputError
+    from gspo_mcore.tasks.toy import check_task_written
 
     monkeypatch.chdir(tmp_path)  # the config's paths are relative to where the run starts
     config = load_config(REPO / "configs" / "long_cpu.yaml")
@@ -106,10 +108,10 @@ def test_a_missing_cpu_task_names_the_command_that_writes_it(tmp_path, monkeypat
         check_task_written(config)
     message = str(err.value)
     assert message == ("model.hf_dir: outputs/long_task/model not found; write the task first: "
-                       "python -m gspo_mcore.long_task outputs/long_task")
+                       "python -m gspo_mcore.tasks.long outputs/long_task")
     python, _, module, *args = shlex.split(message.split("write the task first: ")[1])
     monkeypatch.setattr(sys, "argv", [module, *args])
-    with warnings.catch_warnings():  # runpy: the module is imported already (by gspo_mcore.toy_task's users)
+    with warnings.catch_warnings():  # runpy: the module is imported already (by gspo_mcore.tasks.toy's users)
         warnings.simplefilter("ignore", RuntimeWarning)
         runpy.run_module(module, run_name="__main__")
     check_task_written(config)  # written: nothing missing

@@ -5,7 +5,7 @@ the paper's formulas (arXiv 2507.18071), with loops instead of vectorised code."
 import pytest
 import torch
 
-from gspo_mcore.loss import AGGREGATIONS, Normalizer, aggregate, kl_penalty, policy_loss
+from gspo_mcore.gspo.loss import AGGREGATIONS, Normalizer, aggregate, kl_penalty, policy_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.27  # wide enough that both branches of the clip occur below
 
@@ -263,7 +263,7 @@ def test_decoupled_gspo_with_nothing_stale_is_the_synchronous_loss():
     """max_staleness 0 in effect: no stale token, every behaviour weight exactly 1, the same loss
     and gradient as the synchronous objective."""
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import objective
+    from gspo_mcore.gspo.loss import objective
 
     batch, cfg = _async_batch(), LossConfig(clip_low=0.05, clip_high=0.05)
     logp = (batch["old_logprobs"] + 0.02 * torch.randn(batch["mask"].shape)).requires_grad_()
@@ -277,7 +277,7 @@ def test_decoupled_gspo_with_nothing_stale_is_the_synchronous_loss():
 
 def test_the_behaviour_weight_is_the_length_normalised_stale_ratio_truncated():
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import behavior_weight, objective
+    from gspo_mcore.gspo.loss import behavior_weight, objective
 
     batch = _async_batch(seed=1)
     stale = torch.zeros_like(batch["mask"])
@@ -304,7 +304,7 @@ def test_the_asynchronous_mismatch_is_measured_on_the_current_versions_tokens():
     too: the mismatch (which sizes the later minibatches' band, loss.band_from_mismatch) is taken
     on the current version's tokens, so it stays the train-inference mismatch of sync."""
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import engine_mismatch, objective
+    from gspo_mcore.gspo.loss import engine_mismatch, objective
 
     batch = _async_batch(seed=2)
     stale = torch.zeros_like(batch["mask"])
@@ -321,10 +321,10 @@ def test_the_asynchronous_mismatch_combines_over_its_own_tokens_and_is_null_with
     by their own counts: a microbatch with only stale sequences adds nothing (it used to count as
     a mismatch of 0 weighted by all its sequences, shrinking the band in proportion to the stale
     share), and a first minibatch with no current-version token measures nothing (null), never 0,
-    so the band keeps the latest measurement (gspo_mcore.learner)."""
+    so the band keeps the latest measurement (gspo_mcore.megatron.learner)."""
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import objective
-    from gspo_mcore.metrics import combine, to_floats
+    from gspo_mcore.gspo.loss import objective
+    from gspo_mcore.metrics.report import combine, to_floats
 
     batch = _async_batch(seed=5, B=8)
     stale = torch.zeros_like(batch["mask"])
@@ -353,7 +353,7 @@ def test_free_proximal_policy_is_exact_on_the_first_minibatch_and_the_engine_aft
     pi_prox from its own forward, so stale sequences are weighted by own/engine; a later one's
     pi_old is the engine's, so every weight is 1 and the loss is the synchronous one."""
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import behavior_weight, objective
+    from gspo_mcore.gspo.loss import behavior_weight, objective
 
     batch = _async_batch(seed=3)
     engine = batch["engine_logprobs"]
@@ -377,7 +377,7 @@ def test_a_step_without_current_version_tokens_keeps_the_latest_mismatch_band(mo
     the later minibatches keep the band of the latest one measured. It fell back to the
     configured 4e-4 (10x narrower than sync's on a bf16 engine): half the steps of an async run
     on long_cpu clipped at the paper's band while sync clipped at ~0.008."""
-    from gspo_mcore import learner as learner_module
+    from gspo_mcore.megatron import learner as learner_module
     from gspo_mcore.config import Config
 
     monkeypatch.setattr(learner_module.parallel_state, "is_pipeline_last_stage", lambda: True)
@@ -411,7 +411,7 @@ def test_a_users_loss_by_name_gets_the_documented_inputs_and_its_gradient_reache
     import loss_fixtures
 
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import LossInputs, objective
+    from gspo_mcore.gspo.loss import LossInputs, objective
 
     _, old, adv, mask = make_batch()
     model, logprobs = _linear_policy()
@@ -437,7 +437,7 @@ def test_a_users_loss_by_name_gets_the_documented_inputs_and_its_gradient_reache
 
 def test_a_users_loss_may_differ_from_the_built_ins():
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import objective
+    from gspo_mcore.gspo.loss import objective
 
     logp, old, adv, mask = make_batch()
     loss, metrics = objective(logp, {"old_logprobs": old, "advantages": adv, "mask": mask},
@@ -450,7 +450,7 @@ def test_a_users_loss_may_differ_from_the_built_ins():
 @pytest.mark.parametrize("function, level", [("gspo", "sequence"), ("gspo_token", "sequence_token"), ("grpo", "token")])
 def test_the_built_in_losses_are_functions_by_name_on_the_same_path(function, level):
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import LOSSES, load_loss_function, objective
+    from gspo_mcore.gspo.loss import LOSSES, load_loss_function, objective
 
     assert load_loss_function(function) is LOSSES[function]
     logp, old, adv, mask = make_batch()
@@ -470,8 +470,8 @@ def test_the_built_in_losses_are_functions_by_name_on_the_same_path(function, le
 ])
 def test_a_loss_that_cannot_be_used_is_one_line_at_start_up(name, message, tmp_path):
     from gspo_mcore.config import load_config
-    from gspo_mcore.errors import InputError
-    from gspo_mcore.start import check_inputs
+    from gspo_mcore.common.errors import InputError
+    from gspo_mcore.run.start import check_inputs
 
     with pytest.raises(InputError, match=message):  # before the data, the reward, the model
         check_inputs(load_config(None, [f"loss.function={name}", f"data.path={tmp_path / 'missing.jsonl'}"]),

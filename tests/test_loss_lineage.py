@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gspo_mcore.config import ConfigError, LossConfig, load_config
-from gspo_mcore.loss import (LOSSES, AGGREGATIONS, LossInputs, Normalizer, engine_mismatch, mismatch_weight,
+from gspo_mcore.gspo.loss import (LOSSES, AGGREGATIONS, LossInputs, Normalizer, engine_mismatch, mismatch_weight,
                              objective, policy_loss)
 
 LINEAGE = ("sapo", "gmpo", "luspo", "cispo")
@@ -274,8 +274,8 @@ def test_on_policy_every_losss_gradient_is_gspos(name, aggregation):
 @pytest.mark.parametrize("name", LINEAGE)
 def test_the_global_normalizer_splits_every_loss_exactly(name):
     """Microbatch losses with the whole batch's counts sum to the whole-batch loss, and their
-    metrics combine (gspo_mcore.metrics.combine) to the whole batch's."""
-    from gspo_mcore.metrics import combine, to_floats
+    metrics combine (gspo_mcore.metrics.report.combine) to the whole batch's."""
+    from gspo_mcore.metrics.report import combine, to_floats
 
     logp, old, adv, mask = make_batch(seed=9, spread=0.6)
     aggregations = [None] if name == "luspo" else AGGREGATIONS
@@ -292,7 +292,7 @@ def test_the_global_normalizer_splits_every_loss_exactly(name):
 
 
 def test_every_lineage_figure_is_a_schema_row_and_sapo_reports_no_clip():
-    from gspo_mcore.metric_schema import BY_NAME
+    from gspo_mcore.metrics.schema import BY_NAME
 
     logp, old, adv, mask = make_batch(seed=10)
     for name in LINEAGE:

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from gspo_mcore.loss import objective, policy_loss
-from gspo_mcore.metrics import combine, to_floats, update_report
+from gspo_mcore.gspo.loss import objective, policy_loss
+from gspo_mcore.metrics.report import combine, to_floats, update_report
 
 
 def batch(seed=0, B=7, T=10):
@@ -56,7 +56,7 @@ def test_every_loss_figure_is_a_schema_row_and_every_loss_row_is_computed():
     """A metric is either reported (a row of metric_schema with its combination rule) or not
     computed: the loss with every term on makes exactly the schema's loss rows."""
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.metric_schema import LOSS_METRICS
+    from gspo_mcore.metrics.schema import LOSS_METRICS
 
     logp, old, adv, mask, entropy = batch()
     cfg = LossConfig(kl_loss_coef=0.1, entropy_coef=0.1, token_mask_band=[0.5, 2.0], sequence_mask_threshold=0.1)
@@ -86,7 +86,7 @@ def test_update_report_takes_mismatch_from_the_first_step_and_averages_the_loss(
 
 
 def test_engine_mismatch_per_sequence_and_token_combine_exactly():
-    from gspo_mcore.loss import engine_mismatch
+    from gspo_mcore.gspo.loss import engine_mismatch
 
     logp, old, _, mask, _ = batch(seed=4)
     whole = engine_mismatch(logp, old, mask, 3e-4, 4e-4)
@@ -104,7 +104,7 @@ def test_engine_mismatch_per_sequence_and_token_combine_exactly():
 
 
 def test_run_log_refuses_a_figure_outside_the_schema(tmp_path):
-    from gspo_mcore.metrics import RunLog
+    from gspo_mcore.metrics.report import RunLog
 
     log = RunLog(tmp_path)
     try:
@@ -119,7 +119,7 @@ def test_run_log_refuses_a_figure_outside_the_schema(tmp_path):
 
 def test_weights_and_biases_offline_gets_the_same_rows_and_a_resume_continues_its_run(tmp_path, monkeypatch):
     """train.wandb_project: W&B as a third sink, offline without a network; a resumed run keeps its id."""
-    from gspo_mcore.metrics import RunLog
+    from gspo_mcore.metrics.report import RunLog
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -144,7 +144,7 @@ def test_the_progress_line_keeps_its_columns_and_names_each_idle_share():
     line read "idle: trainer 0.12 engine idle 0.50"; a tool loop's turns and tool errors were missing."""
     import io
 
-    from gspo_mcore.metrics import Progress
+    from gspo_mcore.metrics.report import Progress
 
     base = {"reward_mean": 0.5, "reward_std": 0.5, "response_length_mean": 3.0, "clip_fraction": 0.1,
             "engine_mismatch_mean": 2e-7, "engine_idle_fraction": 0.5, "trainer_idle_fraction": 0.12,

@@ -4,7 +4,7 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from gspo_mcore.netaddr import address_towards, listening_store, local_addresses
+from gspo_mcore.common.netaddr import address_towards, listening_store, local_addresses
 from gspo_mcore.weight_sync.tensor import colocated_readers
 
 
@@ -41,7 +41,7 @@ def test_the_store_listens_on_the_given_address_only():
 
 
 def test_torchrun_store_binds_the_rendezvous_address(monkeypatch):
-    from gspo_mcore.torchrun import bind_address
+    from gspo_mcore.run.torchrun import bind_address
 
     assert bind_address("localhost") == "127.0.0.1" and bind_address("127.0.0.1") == "127.0.0.1"
     ip = _interface_address()
@@ -71,7 +71,7 @@ def test_a_single_node_run_listens_on_loopback_only(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     env = environment()
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.torchrun", "--standalone", "--nproc_per_node", "1",
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.run.torchrun", "--standalone", "--nproc_per_node", "1",
                            str(probe)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["127.0.0.1"]

@@ -1,4 +1,4 @@
-"""gspo_mcore.optimizer's arguments to megatron-core 0.16.1 for the precision-aware optimizer.
+"""gspo_mcore.megatron.optimizer's arguments to megatron-core 0.16.1 for the precision-aware optimizer.
 It runs on Transformer Engine's FusedAdam, which is CUDA only: here, Megatron's own OptimizerConfig
 takes the arguments (with a FusedAdam of TE's signature in place), and the upstream lines the
 planner's bytes rely on are read (launch/gpu_check.py's section 3 builds and steps it on a GPU)."""
@@ -15,7 +15,7 @@ from packaging.version import Version
 import megatron.core.optimizer as megatron_optimizer
 import megatron.core.utils
 from gspo_mcore.config import ConfigError, load_config
-from gspo_mcore.optimizer import megatron_optimizer_settings
+from gspo_mcore.megatron.optimizer import megatron_optimizer_settings
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
 GPU_BF16 = ["distributed.device=cuda", "model.dtype=bfloat16"]
@@ -45,7 +45,7 @@ def test_megatron_takes_the_precision_aware_arguments(te_fused_adam):
     assert settings["main_params_dtype"] == torch.float32 and "optimizer_cpu_offload" not in settings
     megatron = MegatronOptimizerConfig(**settings)  # __post_init__: adam, distributed optimizer, TE's FusedAdam
     assert megatron.use_precision_aware_optimizer_no_fp8_or_ds_fp8  # TE keeps the master weights
-    assert megatron.store_param_remainders  # TE >= 2.1: 2 bytes of master weight (gspo_mcore.plan)
+    assert megatron.store_param_remainders  # TE >= 2.1: 2 bytes of master weight (gspo_mcore.planner.cli)
 
 
 def test_without_it_megatron_keeps_fp32_states_and_offload_its_own_pairing():

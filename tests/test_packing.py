@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from gspo_mcore.packing import balance_across_ranks, pack_microbatches, split_minibatches
+from gspo_mcore.gspo.packing import balance_across_ranks, pack_microbatches, split_minibatches
 
 
 def test_split_minibatches_covers_in_order_with_near_equal_sizes():
@@ -46,7 +46,7 @@ def test_microbatches_respect_the_padded_token_budget_and_keep_sequences_whole(s
 def test_masked_in_values_spread_over_the_response_with_zeros_for_the_environment():
     """A trainer forward yields the trained tokens' log-probs only; pi_prox, a recomputed pi_old
     and the reference need one per response token (a multi-turn trajectory's environment: 0)."""
-    from gspo_mcore.packing import spread_over_response
+    from gspo_mcore.gspo.packing import spread_over_response
 
     assert spread_over_response([-1.0, -2.0, -3.0], [1, 0, 0, 1, 1]) == [-1.0, 0.0, 0.0, -2.0, -3.0]
     assert spread_over_response([-1.0], [1]) == [-1.0]

@@ -13,7 +13,7 @@ import json, sys
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from gspo_mcore.config import load_config
-from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config
 
 states = {}
 for seed in (1, 2, 1):
@@ -43,7 +43,7 @@ import sys, time
 from datetime import timedelta
 import torch.distributed as dist
 from gspo_mcore.config import DistributedConfig
-from gspo_mcore.parallel import broadcast_from_host, init_distributed
+from gspo_mcore.megatron.parallel import broadcast_from_host, init_distributed
 
 # 6 s: gloo connects within the group timeout too, and a loaded machine can take seconds
 init_distributed(DistributedConfig(timeout_minutes=0.1, rollout_timeout_minutes=1.0), seed=0)

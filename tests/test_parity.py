@@ -8,7 +8,7 @@ import pytest
 from conftest import LAYOUTS, plan_layout_job
 
 TOLERANCE = 1e-4
-plan_layout_job("parity", "parity", LAYOUTS)  # 4 sequences of 16 tokens (gspo_mcore.parity.run)
+plan_layout_job("parity", "parity", LAYOUTS)  # 4 sequences of 16 tokens (gspo_mcore.megatron.parity.run)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

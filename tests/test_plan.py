@@ -8,10 +8,10 @@ import pytest
 
 from helpers import REPO
 from gspo_mcore.config import ConfigError, load_config
-from gspo_mcore.errors import InputError
-from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.plan import main, plan
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.gspo.logprobs import DEFAULT_CHUNK_ELEMENTS
+from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.planner.cli import main, plan
 from gspo_mcore.planner.memory_model import H100_GB, PHASES, TRAINER_CONTEXT_GB, MemoryRefused, param_counts
 
 HF_30B = REPO / "configs/hf/qwen3-30b-a3b.config.json"
@@ -184,10 +184,10 @@ def test_split_mode_reports_the_engines_kv_capacity():
 
 @pytest.mark.slow  # the CLI in subprocesses
 def _plan_cli(argv, capsys) -> tuple[int, str, str]:
-    """`python -m gspo_mcore.plan ARGV` in this process (exit code, stdout, stderr): a process
+    """`python -m gspo_mcore.planner.cli ARGV` in this process (exit code, stdout, stderr): a process
     per call spent ~15 s importing Megatron; one subprocess below checks the entry point."""
-    from gspo_mcore.errors import run_cli
-    from gspo_mcore.plan import main
+    from gspo_mcore.common.errors import run_cli
+    from gspo_mcore.planner.cli import main
 
     code = run_cli(lambda: main(argv))
     out, err = capsys.readouterr()
@@ -196,7 +196,7 @@ def _plan_cli(argv, capsys) -> tuple[int, str, str]:
 
 def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses(capsys):
     args = ["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(HF_30B)]
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.plan", *args], capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.planner.cli", *args], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "8 GPUs: 8 trainer (TP 1 x PP 1 x DP 8; experts EP 8 x ETP 1 x expert-DP 1)" in proc.stdout
     assert "per GPU by phase (GiB of 77.6 usable: 79.6 less 2 for the trainer's CUDA context" in proc.stdout
@@ -229,10 +229,10 @@ def test_the_readme_planner_command_runs_without_weights_and_the_default_names_t
     --hf-config and without the weights, the error names model.hf_dir and --hf-config."""
     import shlex
 
-    from gspo_mcore.plan import main
+    from gspo_mcore.planner.cli import main
 
     line = next(line for line in (REPO / "README.md").read_text().splitlines()
-                if line.startswith("python -m gspo_mcore.plan"))
+                if line.startswith("python -m gspo_mcore.planner.cli"))
     argv = shlex.split(line)[3:]
     assert "--hf-config" in argv
     argv[argv.index("--hf-config") + 1] = str(REPO / argv[argv.index("--hf-config") + 1])

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gspo_mcore.metric_schema import FIGURES
-from gspo_mcore.plot import default_out, figures
+from gspo_mcore.metrics.schema import FIGURES
+from gspo_mcore.run.plot import default_out, figures
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +66,7 @@ def test_the_evaluation_plot_starts_at_the_evaluation_before_training(tmp_path):
     """plots/eval.png lacked step 0: that evaluation is in eval.jsonl, not in a metrics row."""
     import json
 
-    from gspo_mcore.plot import plot_runs
+    from gspo_mcore.run.plot import plot_runs
 
     rows = _rows(1e-7, 4)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

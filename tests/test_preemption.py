@@ -1,7 +1,7 @@
 """Operating a run: Slurm's time-limit warning (SIGUSR1) mid-run saves the last completed step
 although `train.save_every` is 0, a resume that would change the run is refused in one line, and
 one that changes the learning rate applies it and says so, the LR schedule continuing exactly
-where it stopped. Two trainer ranks under gspo_mcore.torchrun, as the launch scripts run them."""
+where it stopped. Two trainer ranks under gspo_mcore.run.torchrun, as the launch scripts run them."""
 
 import math
 import os
@@ -29,7 +29,7 @@ def _schedule(step: int, lr: float) -> float:
 
 
 def _command(out, overrides, nproc=2, resume=False):
-    launcher = ["-m", "gspo_mcore.torchrun", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+    launcher = ["-m", "gspo_mcore.run.torchrun", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
     return [sys.executable, *launcher, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
             "--output-dir", str(out), *(["--resume"] if resume else []), *overrides]
 

@@ -13,21 +13,33 @@ import pytest
 
 from helpers import REPO
 import gspo_mcore.api as api
-from gspo_mcore.deprecation import MovedWarning
-from gspo_mcore.plugins import by_name
+from gspo_mcore.common.deprecation import MovedWarning
+from gspo_mcore.common.plugins import by_name
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # `module:function` names configs and docs have shown users (git log -p -- docs README.md configs),
 # whether or not the current pages still quote them: each must keep resolving.
-SHOWN_CONFIG_NAMES = {"gspo_mcore.toy_task:category_reward", "gspo_mcore.tools.python:python",
-                      "gspo_mcore.agent_task:lookup", "gspo_mcore.agent_task:lookup_reward",
-                      "gspo_mcore.code_task:program_rewards", "gspo_mcore.long_task:list_reward",
-                      "gspo_mcore.rewards.code:code_group_reward"}
+SHOWN_CONFIG_NAMES = {"gspo_mcore.tasks.toy:category_reward", "gspo_mcore.tools.python:python",
+                      "gspo_mcore.tasks.agent:lookup", "gspo_mcore.tasks.agent:lookup_reward",
+                      "gspo_mcore.tasks.code:program_rewards", "gspo_mcore.tasks.long:list_reward",
+                      "gspo_mcore.rewards.code:code_group_reward",
+                      # the same before the package layout (they warn)
+                      "gspo_mcore.toy_task:category_reward", "gspo_mcore.agent_task:lookup",
+                      "gspo_mcore.agent_task:lookup_reward", "gspo_mcore.code_task:program_rewards",
+                      "gspo_mcore.long_task:list_reward"}
 # Import paths that moved, with a name users imported from each and where it lives now.
 # (the old path, the name, its home now, what the warning tells users to write instead)
-MOVED = {"gspo_mcore.rollout.trajectory": ("Trajectory", "gspo_mcore.trajectory", "from gspo_mcore.api import Trajectory"),
-         "gspo_mcore.rollout.serve": ("main", "gspo_mcore.engines.serve", "python -m gspo_mcore.engines.serve")}
+MOVED = {"gspo_mcore.rollout.trajectory": ("Trajectory", "gspo_mcore.batch.trajectory", "from gspo_mcore.api import Trajectory"),
+         "gspo_mcore.rollout.serve": ("main", "gspo_mcore.engines.serve", "python -m gspo_mcore.engines.serve"),
+         # the flat modules users named in configs or ran with `python -m`, before the package layout
+         **{f"gspo_mcore.{old}_task": (name, f"gspo_mcore.tasks.{old}", f"gspo_mcore.tasks.{old}")
+            for old, name in [("toy", "category_reward"), ("long", "list_reward"), ("agent", "lookup"),
+                              ("code", "program_rewards")]},
+         **{f"gspo_mcore.{old}": ("main", f"gspo_mcore.{new}", f"python -m gspo_mcore.{new}")
+            for old, new in [("plan", "planner.cli"), ("plot", "run.plot"), ("parity", "megatron.parity"),
+                             ("torchrun", "run.torchrun")]},
+         "gspo_mcore.evaluate": ("cli", "gspo_mcore.evaluation.cli", "gspo-eval (python -m gspo_mcore.evaluation.cli)")}
 
 
 def python_blocks(text: str) -> list[str]:
@@ -75,8 +87,8 @@ def test_a_reward_importing_classify_does_not_import_torch():
 
 def test_the_import_check_flags_what_it_should():
     assert off_api("from gspo_mcore.api import Trajectory, aggregate\nimport torch") == []
-    assert off_api("from gspo_mcore.loss import aggregate") == ["gspo_mcore.loss: ['aggregate']"]
-    assert off_api("import gspo_mcore.trajectory") == ["gspo_mcore.trajectory: []"]
+    assert off_api("from gspo_mcore.gspo.loss import aggregate") == ["gspo_mcore.gspo.loss: ['aggregate']"]
+    assert off_api("import gspo_mcore.batch.trajectory") == ["gspo_mcore.batch.trajectory: []"]
     assert off_api("from gspo_mcore.api import not_exported") == ["gspo_mcore.api: ['not_exported']"]
     assert python_blocks("x\n```python\na = 1\n```\n```bash\nb\n```\n") == ["a = 1\n"]
 
@@ -127,3 +139,13 @@ def test_every_config_name_users_were_shown_resolves():
     assert SHOWN_CONFIG_NAMES & quoted  # the pattern finds the names the pages quote
     for name in sorted(SHOWN_CONFIG_NAMES | quoted):
         assert callable(by_name(name, {}, "reward.name")), name
+
+
+@pytest.mark.parametrize("old", ["plan", "plot", "parity", "torchrun", "evaluate", "train"])
+def test_a_moved_command_still_runs(old):
+    """`python -m gspo_mcore.<old> --help` as users ran it: the command answers, and only the
+    moved ones say where it went (gspo_mcore.train is the `-m` form of gspo-train, not moved)."""
+    done = subprocess.run([sys.executable, "-m", f"gspo_mcore.{old}", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+    assert (f"gspo_mcore.{old} is deprecated" in done.stderr) == (old != "train"), done.stderr[-2000:]

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from gspo_mcore.errors import InputError
+from gspo_mcore.common.errors import InputError
 from gspo_mcore.rewards import load_reward_fn
 from gspo_mcore.rewards.answers import exact_match_reward, last_boxed, math_reward
 from gspo_mcore.rewards.runner import RewardRunner

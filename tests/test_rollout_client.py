@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from gspo_mcore.errors import InputError
-from gspo_mcore.netaddr import free_port
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.netaddr import free_port
 from gspo_mcore.engines.base import check_sampling_params
 from gspo_mcore.engines.sglang.client import SGLangClient
-from gspo_mcore.errors import RolloutError
-from gspo_mcore.processes import ManagedServer
+from gspo_mcore.common.errors import RolloutError
+from gspo_mcore.common.processes import ManagedServer
 from gspo_mcore.engines.sglang.server import sglang_command
 
 PARAMS = {"max_new_tokens": 4, "temperature": 1.0}
@@ -92,7 +92,7 @@ def test_a_long_tmpdir_puts_the_servers_tmpdir_where_its_sockets_can_be_named(tm
     import socket
     import tempfile
 
-    from gspo_mcore.processes import SOCKET_PATH_MAX, server_tmp_root
+    from gspo_mcore.common.processes import SOCKET_PATH_MAX, server_tmp_root
 
     long_dir = tmp_path / ("d" * max(1, 80 - len(str(tmp_path))))
     long_dir.mkdir()
@@ -176,7 +176,7 @@ def test_truncated_or_greedy_sampling_is_refused(params):
 
 
 def test_sglang_command(tmp_path):
-    from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
+    from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
 
     all_moe = make_tiny_checkpoint(tmp_path / "moe", mlp_only_layers=[])
     cmd = sglang_command(str(all_moe), 30000)
@@ -446,7 +446,7 @@ def test_the_client_sends_each_request_on_a_connection_of_its_own():
     7 to 36 requests per step were retried in the vLLM async test. No connection is reused."""
     import asyncio
 
-    from gspo_mcore.http_async import open_session
+    from gspo_mcore.common.http_async import open_session
 
     async def reuses() -> bool:
         session = open_session()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import REPO
-from gspo_mcore.packing import collate
-from gspo_mcore.errors import RolloutError
+from gspo_mcore.gspo.packing import collate
+from gspo_mcore.common.errors import RolloutError
 from gspo_mcore.engines.sglang.response import parse_generate_response
 
 FIXTURE = json.loads((REPO / "tests" / "fixtures" / "sglang_0.5.23_generate.json").read_text())
@@ -72,7 +72,7 @@ def test_routed_experts_decoded_per_input_token():
 
     import numpy as np
 
-    from gspo_mcore.packing import input_aligned_routing
+    from gspo_mcore.gspo.packing import input_aligned_routing
 
     routed = np.arange(7 * 2 * 3, dtype=np.int32).reshape(7, 2, 3) % 8  # prompt 5 + response 3 -> 7 inputs
     payload = {"output_ids": [5, 6, 7], "meta_info": {

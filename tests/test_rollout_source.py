@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gspo_mcore.config import load_config
-from gspo_mcore.toy_task import make_prompts, make_tokenizer
+from gspo_mcore.tasks.toy import make_prompts, make_tokenizer
 from helpers import GROUP, source_for
 
 
@@ -90,7 +90,7 @@ def test_a_reward_that_takes_the_prompt_and_stop_strings(task):
 
 
 def test_chat_template_kwargs_that_break_the_template_are_named(task):
-    from gspo_mcore.errors import InputError
+    from gspo_mcore.common.errors import InputError
 
     with pytest.raises(InputError, match=r"^data.chat_template_kwargs: the chat template fails on the first record "
                                          r"\(TypeError: .*add_generation_prompt"):
@@ -192,7 +192,7 @@ def test_async_pacing_does_not_depend_on_when_a_groups_callback_runs(task, monke
 def test_a_reward_that_always_raises_stops_the_run_quoting_it(task, tmp_path):
     """It scored 0 on every call and the run looked like a run (exit 0, reward 0.000, the
     exception's text nowhere)."""
-    from gspo_mcore.errors import InputError
+    from gspo_mcore.common.errors import InputError
 
     source, _ = source_for(task, "reward.name=tests.reward_fixtures:always_raises", rollout_batch_size=2)
     source.error_log = tmp_path / "logs" / "reward_errors.log"
@@ -208,7 +208,7 @@ def test_a_reward_that_always_raises_stops_the_run_quoting_it(task, tmp_path):
 
 
 def test_reward_failures_under_the_bound_are_logged_and_the_round_goes_on(task, tmp_path):
-    from gspo_mcore.errors import InputError
+    from gspo_mcore.common.errors import InputError
     from gspo_mcore.rewards.runner import RewardStats
 
     source, _ = source_for(task, "reward.max_error_fraction=0.25")
@@ -217,8 +217,8 @@ def test_reward_failures_under_the_bound_are_logged_and_the_round_goes_on(task, 
         source._check_rewards(RewardStats(errors=1, timeouts=1, messages=["response 3: ValueError: x",
                                                                          "response 5: timed out after 10 s"]), 8)
         assert source.error_log.read_text().splitlines() == [
-            "reward gspo_mcore.toy_task:category_reward: response 3: ValueError: x",
-            "reward gspo_mcore.toy_task:category_reward: response 5: timed out after 10 s"]
+            "reward gspo_mcore.tasks.toy:category_reward: response 3: ValueError: x",
+            "reward gspo_mcore.tasks.toy:category_reward: response 5: timed out after 10 s"]
         with pytest.raises(InputError, match="3 of 8 calls failed .*the first: response 0: KeyError: 'k'"):
             source._check_rewards(RewardStats(errors=3, messages=["response 0: KeyError: 'k'"] * 3), 8)
     finally:

@@ -1,4 +1,4 @@
-"""The trainer's routers against the engine's routed experts (gspo_mcore.models.qwen3_moe.routing),
+"""The trainer's routers against the engine's routed experts (gspo_mcore.megatron.qwen3_moe.routing),
 without a model: one stand-in router whose choice the test sets."""
 
 from types import SimpleNamespace
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from gspo_mcore.models.qwen3_moe import routing as routing_module
-from gspo_mcore.packing import input_aligned_routing
-from gspo_mcore.samples import Rollout
+from gspo_mcore.megatron.qwen3_moe import routing as routing_module
+from gspo_mcore.gspo.packing import input_aligned_routing
+from gspo_mcore.batch.rollout import Rollout
 
 
 class FixedRouter(nn.Module):

@@ -1,5 +1,5 @@
 """The engine's routed experts reach each trainer rank as the rows its update reads and the
-layers its stage holds (gspo_mcore.routing_delivery), uint8 as the engine sent them: not the
+layers its stage holds (gspo_mcore.megatron.routing_delivery), uint8 as the engine sent them: not the
 whole batch to every rank (~1.5 GB pickled per rank per step at the 30B shape)."""
 
 import numpy as np

@@ -1,5 +1,5 @@
-"""Operating a run, the pure parts: what a --resume may change (gspo_mcore.run_config), the LR
-schedule over training steps (gspo_mcore.optimizer.lr_scheduler), torchrun's signal defaults."""
+"""Operating a run, the pure parts: what a --resume may change (gspo_mcore.run.saved_config), the LR
+schedule over training steps (gspo_mcore.megatron.optimizer.lr_scheduler), torchrun's signal defaults."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gspo_mcore.config import ConfigError, load_config
-from gspo_mcore.run_config import check_resume, save
+from gspo_mcore.run.saved_config import check_resume, save
 
 
 def test_a_resume_applies_the_lr_and_the_step_count_and_refuses_the_rest(tmp_path):
@@ -32,7 +32,7 @@ def test_the_saved_config_loads_again_as_a_config(tmp_path):
 
 def test_the_lr_schedule_warms_up_then_decays_over_training_steps():
     from gspo_mcore.config import OptimizerConfig
-    from gspo_mcore.optimizer import lr_scheduler
+    from gspo_mcore.megatron.optimizer import lr_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     for group in optimizer.param_groups:  # as Megatron's param groups carry them
@@ -60,7 +60,7 @@ def test_schedule_fields_are_checked(override, message):
 
 
 def test_torchrun_passes_sigusr1_on_and_waits_for_the_save():
-    from gspo_mcore.torchrun import with_signal_defaults
+    from gspo_mcore.run.torchrun import with_signal_defaults
 
     argv = ["--standalone", "--nproc_per_node", "2", "-m", "gspo_mcore.train"]
     assert with_signal_defaults(argv, {}) == ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
@@ -75,7 +75,7 @@ def stop_request():
     """A StopRequest installed in this process; pytest's own handlers back afterwards."""
     import signal
 
-    from gspo_mcore.preemption import SIGNALS, StopRequest
+    from gspo_mcore.run.preemption import SIGNALS, StopRequest
 
     saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
     abandoned = []
@@ -90,7 +90,7 @@ def test_a_signal_stops_at_once_while_starting_and_after_the_step_once_training(
     import os
     import signal
 
-    from gspo_mcore.preemption import Preempted, duplicate_window_s
+    from gspo_mcore.run.preemption import Preempted, duplicate_window_s
 
     stop, abandoned = stop_request
     assert stop.duplicate_s == 0  # a process on its own: each signal counts
@@ -117,7 +117,7 @@ def test_a_run_starts_without_megatrons_apex_and_te_warnings():
 
     from helpers import REPO
 
-    proc = subprocess.run([sys.executable, "-c", "import gspo_mcore.trainer"], capture_output=True, text=True, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", "import gspo_mcore.run.trainer"], capture_output=True, text=True, cwd=REPO,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert proc.returncode == 0 and "not installed" not in proc.stderr, proc.stderr[-2000:]
 
@@ -125,7 +125,7 @@ def test_a_run_starts_without_megatrons_apex_and_te_warnings():
 def test_a_resume_keeps_the_first_runs_overrides_and_applies_its_own(tmp_path):
     """A 12-step run with optimizer.lr=0.0005, resumed with train.steps=40: the run's lr stays
     (it was dropped back to the file's 0.001), the step count changes; --config is optional."""
-    from gspo_mcore.run_config import resume_config
+    from gspo_mcore.run.saved_config import resume_config
 
     first = load_config("configs/tiny_cpu.yaml", ["optimizer.lr=0.0005", "train.steps=12"])
     save(first, tmp_path)
@@ -139,7 +139,7 @@ def test_a_resume_keeps_the_first_runs_overrides_and_applies_its_own(tmp_path):
 
 
 def test_a_resume_without_a_saved_config_needs_the_config_file(tmp_path):
-    from gspo_mcore.run_config import resume_config
+    from gspo_mcore.run.saved_config import resume_config
 
     with pytest.raises(ConfigError, match=r"^--resume: .*config.yaml not found: give --config"):
         resume_config(tmp_path, None, [])
@@ -148,8 +148,8 @@ def test_a_resume_without_a_saved_config_needs_the_config_file(tmp_path):
 
 
 def test_a_directory_without_a_checkpoint_is_not_a_run_to_resume(tmp_path):
-    from gspo_mcore.errors import InputError
-    from gspo_mcore.run_dir import check_output_dir
+    from gspo_mcore.common.errors import InputError
+    from gspo_mcore.run.directory import check_output_dir
 
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(InputError, match="holds a run that saved no checkpoint .*--overwrite replaces it"):
@@ -161,7 +161,7 @@ def test_a_directory_without_a_checkpoint_is_not_a_run_to_resume(tmp_path):
 
 
 def test_resume_needs_no_config_file_on_the_command_line():
-    from gspo_mcore.cli import parse_args
+    from gspo_mcore.run.cli import parse_args
 
     args = parse_args(["--resume", "--output-dir", "runs/x", "optimizer.lr=0.001"])
     assert args.config is None and args.overrides == ["optimizer.lr=0.001"]
@@ -180,7 +180,7 @@ def test_a_run_saved_with_loss_level_resumes_with_the_loss_function_it_named(tmp
     assert check_resume(config, tmp_path) is None
     with pytest.raises(ConfigError, match=r"^--resume: loss.function \('grpo' -> 'gspo'\) differ"):
         check_resume(load_config("configs/tiny_cpu_grpo.yaml", ["loss.function=gspo"]), tmp_path)
-    from gspo_mcore.run_config import resume_config
+    from gspo_mcore.run.saved_config import resume_config
 
     resumed, _ = resume_config(tmp_path, None, [])
     assert resumed.loss.function == "grpo"  # resume_config reads an older saved config too
@@ -207,8 +207,8 @@ def test_what_a_resume_may_change_is_the_schemas_field_metadata():
     import dataclasses
 
     from gspo_mcore.config import Config, resume_fields
-    from gspo_mcore.config_reference import keys
-    from gspo_mcore.run_config import APPLIED_ON_RESUME, flat
+    from gspo_mcore.config.reference import keys
+    from gspo_mcore.run.saved_config import APPLIED_ON_RESUME, flat
 
     assert APPLIED_ON_RESUME == resume_fields() == {
         "optimizer.lr", "optimizer.lr_warmup_steps", "optimizer.lr_decay", "optimizer.min_lr",

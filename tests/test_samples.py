@@ -1,6 +1,6 @@
 """The batch carries its facts: which tokens older weights generated, which responses they routed."""
 
-from gspo_mcore.samples import Batch, Rollout
+from gspo_mcore.batch.rollout import Batch, Rollout
 
 
 def rollout(versions, n=None):

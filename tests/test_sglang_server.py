@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from gspo_mcore.models.qwen3_moe.tiny import make_tiny_checkpoint
-from gspo_mcore.safetensors_io import HFCheckpointReader
-from gspo_mcore.netaddr import free_port
+from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
+from gspo_mcore.common.safetensors_io import HFCheckpointReader
+from gspo_mcore.common.netaddr import free_port
 from gspo_mcore.engines.sglang.client import SGLangClient
-from gspo_mcore.processes import ManagedServer
+from gspo_mcore.common.processes import ManagedServer
 from gspo_mcore.engines.sglang.server import sglang_command
 from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
@@ -177,7 +177,7 @@ def test_real_server_killed_mid_batch_and_restarted_then_gone(tmp_path):
     import threading
     import time
 
-    from gspo_mcore.errors import RolloutError
+    from gspo_mcore.common.errors import RolloutError
 
     hf_dir = make_tiny_checkpoint(tmp_path / "model", seed=3, dtype=torch.bfloat16, mlp_only_layers=[])
     port = free_port()
@@ -246,7 +246,7 @@ def test_stop_strings_end_responses_with_their_log_probs_aligned(tmp_path):
     and that token is kept, so the trainer scores what the engine sampled."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.tasks.toy import make_toy_task
 
     task = make_toy_task(tmp_path / "toy", seed=0, num_prompts=8)
     port = free_port()

@@ -104,8 +104,8 @@ def test_the_structure_test_sees_an_endpoint_named_outside():
 def test_the_sample_types_and_models_belong_to_no_engine_and_no_rollout():
     """Rollout and Trajectory are the trainer's data: engines produce them, models and the
     learner consume them, and none of these reaches up into rollout/ or engines/."""
-    neutral = ["gspo_mcore/samples.py", "gspo_mcore/trajectory.py", "gspo_mcore/learner.py",
-               *[str(p.relative_to(REPO)) for p in (REPO / "gspo_mcore" / "models").rglob("*.py")]]
+    neutral = ["gspo_mcore/batch/rollout.py", "gspo_mcore/batch/trajectory.py", "gspo_mcore/megatron/learner.py",
+               *[str(p.relative_to(REPO)) for p in (REPO / "gspo_mcore" / "megatron" / "qwen3_moe").rglob("*.py")]]
     offenders = [f"{name}: {m}" for name in neutral for m in imported_modules(ast.parse((REPO / name).read_text()))
                  if m.startswith(("gspo_mcore.rollout", "gspo_mcore.engines"))]
     assert offenders == []
@@ -131,18 +131,22 @@ def _imports_when_imported(tree: ast.AST, modules: set[str]) -> set[str]:
     return {m for m in found if m in modules}
 
 
-def import_cycles(sources, root=REPO) -> list[list[str]]:
-    """Strongly connected groups of more than one module in the import graph (Tarjan)."""
+def module_graph(sources, root=REPO) -> dict[str, set[str]]:
+    """Module -> the project modules it imports when imported."""
     names = {_module_name(p, root): p for p in sources}
-    graph = {n: _imports_when_imported(ast.parse(p.read_text()), set(names)) - {n} for n, p in names.items()}
-    index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+    return {n: _imports_when_imported(ast.parse(p.read_text()), set(names)) - {n} for n, p in names.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one node (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
         index[v] = low[v] = counter[0]
         counter[0] += 1
         stack.append(v)
         on_stack.add(v)
-        for w in graph[v]:
+        for w in graph.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -154,12 +158,30 @@ def import_cycles(sources, root=REPO) -> list[list[str]]:
                 group.append(stack.pop())
                 on_stack.discard(group[-1])
             if len(group) > 1:
-                cycles.append(sorted(group))
+                found.append(sorted(group))
 
     for v in graph:
         if v not in index:
             visit(v)
-    return cycles
+    return found
+
+
+def import_cycles(sources, root=REPO) -> list[list[str]]:
+    return cycles(module_graph(sources, root))
+
+
+def package_graph(sources, root=REPO) -> dict[str, set[str]]:
+    """gspo_mcore's packages -> the packages their modules import (top-level modules left out:
+    the public API and shims import anything)."""
+    def package(module):
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and (root / "gspo_mcore" / parts[1]).is_dir() else None
+
+    graph: dict[str, set[str]] = {}
+    for module, imports in module_graph(sources, root).items():
+        if package(module):
+            graph.setdefault(package(module), set()).update(filter(None, map(package, imports)))
+    return {package: imports - {package} for package, imports in graph.items()}
 
 
 def test_gspo_mcore_has_no_import_cycle():
@@ -173,3 +195,75 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     (package / "b.py").write_text("from gspo_mcore import a\n")
     (package / "c.py").write_text("if __name__ == '__main__':\n    from gspo_mcore import a\n")
     assert import_cycles(sorted(package.glob("*.py")), root=tmp_path) == [["gspo_mcore.a", "gspo_mcore.b"]]
+
+
+# ------------------------------------------------------------------ the package layout
+# The architecture as packages (docs/11-code-map.md draws it). A new package is a decision: add it here and there.
+PACKAGES = {
+    "common": "errors, files, processes, HTTP, addresses, records, seeds, plugins, deprecation",
+    "batch": "the trainer's data: Rollout, Batch, Trajectory",
+    "config": "schema, validation across sections, loading, the reference page",
+    "gspo": "the GSPO math: losses, advantages, log-probs, packing",
+    "metrics": "the metric schema and the report",
+    "megatron": "parallel state, learner, optimizer, pipeline loss, checkpoints, CPU bridge, the model",
+    "engines": "the engine core, its capabilities, SGLang and vLLM",
+    "weight_sync": "trainer -> engine weights",
+    "rollout": "producers, the rollout source, rollout functions, the tool loop",
+    "rewards": "answer checks, the code grader",
+    "sandbox": "model-written code, isolated",
+    "tools": "tools a rollout function calls",
+    "data": "prompt datasets and their preparation",
+    "tasks": "the CPU configs' tasks",
+    "evaluation": "held-out evaluation, gspo-eval",
+    "planner": "the memory model, costs, the plan CLI",
+    "run": "the loop, its CLI, start-up, directory, resume policy, preemption",
+}
+# Below the run, each layer imports only the layers before it (a package may import one further
+# down only where the pair is listed: none now).
+LAYERS = [["common"], ["batch", "metrics", "sandbox"], ["gspo", "rewards"], ["config", "data", "tools"],
+          ["megatron"], ["engines", "weight_sync"], ["rollout", "planner"], ["tasks", "evaluation"], ["run"]]
+TOP_LEVEL = {"__init__", "api", "train"}  # the package, the public API, the `python -m` entry point
+
+
+def test_the_packages_are_the_architectures():
+    found = {p.name for p in (REPO / "gspo_mcore").iterdir() if (p / "__init__.py").is_file()}
+    assert found == set(PACKAGES)
+    assert sorted(p for p in LAYERS for p in p) == sorted(PACKAGES)
+    code_map = (REPO / "docs" / "11-code-map.md").read_text()
+    assert [p for p in PACKAGES if f"gspo_mcore/{p}/" not in code_map] == []
+
+
+def test_top_level_modules_are_the_api_the_entry_point_or_deprecation_shims():
+    """Anything else at the top of gspo_mcore is an old path kept for a release: it warns
+    (`moved`) and defines nothing of its own."""
+    offenders = []
+    for path in sorted((REPO / "gspo_mcore").glob("*.py")):
+        if path.stem in TOP_LEVEL:
+            continue
+        tree = ast.parse(path.read_text())
+        calls_moved = any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "moved" for n in ast.walk(tree))
+        defines = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+        if not calls_moved or defines:
+            offenders.append(path.name)
+    assert offenders == []
+
+
+def test_packages_import_one_way_down_the_layers():
+    layer = {package: i for i, names in enumerate(LAYERS) for package in names}
+    graph = package_graph(PACKAGE)
+    assert cycles(graph) == []
+    upward = sorted(f"{a} -> {b}" for a, imports in graph.items() for b in imports if layer[b] >= layer[a])
+    assert upward == []
+
+
+def test_the_package_check_sees_an_upward_import(tmp_path):
+    root = tmp_path
+    for package in ("low", "high"):
+        (root / "gspo_mcore" / package).mkdir(parents=True)
+        (root / "gspo_mcore" / package / "__init__.py").write_text("")
+    (root / "gspo_mcore" / "low" / "x.py").write_text("from gspo_mcore.high.y import f\n")
+    (root / "gspo_mcore" / "high" / "y.py").write_text("from gspo_mcore.low import x\n")
+    (root / "gspo_mcore" / "top.py").write_text("from gspo_mcore.high import y\n")
+    graph = package_graph(sorted((root / "gspo_mcore").rglob("*.py")), root=root)
+    assert graph == {"low": {"high"}, "high": {"low"}}
+    assert cycles(graph) == [["high", "low"]]

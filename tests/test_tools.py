@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_mcore.errors import InputError
+from gspo_mcore.common.errors import InputError
 from gspo_mcore.tools.runner import (QWEN3_TOOL_TEMPLATE, ToolCall, ToolCallError, ToolResult, ToolRunner,
                                       ToolStats, load_tools, parse_tool_calls, tool_messages)
 from helpers import REPO, environment

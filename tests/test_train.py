@@ -13,7 +13,7 @@ import torch
 
 from conftest import REPO, run_module
 from helpers import metrics, toy_overrides, train
-from gspo_mcore.metric_schema import BY_NAME
+from gspo_mcore.metrics.schema import BY_NAME
 
 # Slow: starts torchrun and SGLang servers. One xdist group: the module's server and default
 # run are made once (`make test` runs two workers, --dist loadgroup).
@@ -108,13 +108,13 @@ def test_checkpoints_and_final_hf_export(default_run, toy):
 
 def test_plots_for_one_run_and_an_overlay(default_run, tmp_path):
     out, _ = default_run
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.plot", str(out), str(out), "--labels", "GSPO,again",
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.run.plot", str(out), str(out), "--labels", "GSPO,again",
                            "--out", str(tmp_path / "plots")], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     for name in ("reward", "clip_fraction", "response_length", "mismatch", "step_time", "reward_wallclock"):
         png = tmp_path / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.plot", str(tmp_path)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.run.plot", str(tmp_path)], capture_output=True,
                           text=True, cwd=REPO)
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: {tmp_path / 'metrics.jsonl'}: no metrics (is {tmp_path} a run's output directory?)"
 
@@ -256,7 +256,7 @@ def test_gspo_eval_on_the_default_runs_exported_model(default_run, toy, server, 
     the table and a JSON line, near the run's own last evaluation of the same weights."""
     out, _ = default_run
     dataset = f"eval.datasets=[{{name: toy, path: {toy / 'eval.jsonl'}, samples: 4, max_new_tokens: 3}}]"
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.evaluate", "--config", "configs/tiny_cpu.yaml",
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.evaluation.cli", "--config", "configs/tiny_cpu.yaml",
                            "--model", str(out), "--urls", server, dataset], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
                           timeout=600)
@@ -270,7 +270,7 @@ def test_gspo_eval_on_the_default_runs_exported_model(default_run, toy, server, 
     # A run without hf/: its latest checkpoint is converted for the engine.
     bare = tmp_path / "bare"
     shutil.copytree(out / "checkpoints", bare / "checkpoints")
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.evaluate", "--config", "configs/tiny_cpu.yaml",
+    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.evaluation.cli", "--config", "configs/tiny_cpu.yaml",
                            "--model", str(bare), "--urls", server, dataset, f"model.hf_dir={toy / 'model'}"],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}, timeout=600)

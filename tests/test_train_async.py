@@ -26,8 +26,8 @@ def servers(toy, tmp_path_factory):
     """Two float32 servers of the toy model, started at once."""
     from contextlib import ExitStack
 
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
 

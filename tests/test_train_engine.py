@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
 @pytest.fixture(scope="module")
 def bf16_server(toy, tmp_path_factory):
     """A bf16 engine of the toy model that returns each token's routed experts."""
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
@@ -73,7 +73,7 @@ def test_engine_routing_compared_and_replayed(toy, bf16_server, tmp_path):
     train(tmp_path / "free", [*common, "distributed.tensor_parallel=2",
                                "loss.on_policy_first_minibatch=true", "loss.band_from_mismatch=2"], nproc=2)
     train(tmp_path / "replay", [*common, "distributed.expert_parallel=2", "train.routing_replay=true"], nproc=2)
-    # Each stage gets its own layers' routing only (gspo_mcore.routing_delivery): replayed
+    # Each stage gets its own layers' routing only (gspo_mcore.megatron.routing_delivery): replayed
     # at the wrong layer, the second stage's routers would differ from the engine's.
     train(tmp_path / "replay_pp", [*common, "distributed.pipeline_parallel=2", "train.routing_replay=true"], nproc=2)
     free, replay, replay_pp = (metrics(tmp_path / name) for name in ("free", "replay", "replay_pp"))
@@ -103,8 +103,8 @@ def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
     live server (10 s timed out step 1 on a loaded machine)."""
     import os
 
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
 

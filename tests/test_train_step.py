@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gspo_mcore.safetensors_io import HFCheckpointReader
+from gspo_mcore.common.safetensors_io import HFCheckpointReader
 from conftest import LAYOUTS, plan_layout_job
 
 # Adam's first step is w - lr * g / (|g| + eps). With eps = 1 it is a smooth function of the

@@ -1,5 +1,5 @@
 """The real `Trainer.run` loop driven with stand-ins for the learner, the engine, the weight sync,
-the producer and the evaluator (the builder seam, gspo_mcore.trainer.build_parts), in one process
+the producer and the evaluator (the builder seam, gspo_mcore.run.trainer.build_parts), in one process
 with a gloo group of one: the save cadence and its retention, the evaluation cadence, a signal in
 a step's rollout and one in its update, a resume continuing the schedule and the data, the metric
 rows (null where a figure is absent). The real checkpointer, metrics sinks and stop request run
@@ -33,7 +33,7 @@ def one_rank(tmp_path_factory):
 
 @pytest.fixture
 def signal_handlers():
-    """The run installs its handlers process-wide (gspo_mcore.preemption.StopRequest): restored after."""
+    """The run installs its handlers process-wide (gspo_mcore.run.preemption.StopRequest): restored after."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     yield
     for sig, handler in saved.items():
@@ -92,7 +92,7 @@ class StandInProducer:
         self.started_at = version
 
     def get_batch(self, step: int):
-        from gspo_mcore.samples import Batch, Rollout
+        from gspo_mcore.batch.rollout import Batch, Rollout
 
         assert self.started_at is not None, "a batch asked for before start()"
         if self.signal_in_rollout and self.signal_in_rollout[0] == step:
@@ -163,8 +163,8 @@ class StandIns:
     def build(self, config, output_dir, *, resume, overwrite, stop, stack):
         from types import SimpleNamespace
 
-        from gspo_mcore.checkpointing import Checkpointer
-        from gspo_mcore.trainer import RankZero, TrainerParts
+        from gspo_mcore.megatron.checkpointing import Checkpointer
+        from gspo_mcore.run.trainer import RankZero, TrainerParts
 
         class Counted(Checkpointer):
             def save(inner, step: int):
@@ -192,7 +192,7 @@ def _config(tmp_path, *overrides):
 
 def _run(config, out, stand_ins, resume=False) -> int | None:
     """The loop to its end (None) or to the exit code a signal stopped it with."""
-    from gspo_mcore.trainer import Trainer
+    from gspo_mcore.run.trainer import Trainer
 
     try:
         Trainer(config, out, resume=resume, build=stand_ins.build).run()
@@ -210,7 +210,7 @@ def _checkpoints(out) -> list[str]:
 
 
 def test_the_loop_saves_evaluates_and_logs_on_its_cadences(one_rank, signal_handlers, tmp_path, capsys):
-    from gspo_mcore.metric_schema import ASYNC_METRICS, UPDATE
+    from gspo_mcore.metrics.schema import ASYNC_METRICS, UPDATE
 
     out, stand_ins = tmp_path / "run", StandIns()
     assert _run(_config(tmp_path, "train.save_every=2", "train.keep_checkpoints=2"), out, stand_ins) is None
@@ -309,7 +309,7 @@ def test_a_signal_before_any_step_completes_saves_nothing(one_rank, signal_handl
 
 def test_the_other_ranks_twin_has_every_method_rank_zero_has():
     """The step calls `host.X` on every rank: OtherRank must answer each of RankZero's."""
-    from gspo_mcore.trainer import OtherRank, RankZero
+    from gspo_mcore.run.trainer import OtherRank, RankZero
 
     public = {name for name in vars(RankZero) if not name.startswith("_")} - {"evaluate"}
     assert public <= set(vars(OtherRank)), public - set(vars(OtherRank))
@@ -329,7 +329,7 @@ def test_python_m_gspo_mcore_train_executes_the_module_once(tmp_path):
         "    runpy.run_module('gspo_mcore.train', run_name='__main__', alter_sys=True)\n"
         "finally:\n"
         "    print('train.py executed', len(ran), file=sys.stderr)\n")
-    # A run that gets as far as the trainer's module (gspo_mcore.start), then stops on its input.
+    # A run that gets as far as the trainer's module (gspo_mcore.run.start), then stops on its input.
     proc = subprocess.run([sys.executable, "-c", driver, "--config", "configs/tiny_cpu.yaml", "--output-dir",
                            str(tmp_path / "run"), f"data.path={tmp_path / 'missing.jsonl'}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from gspo_mcore.errors import RolloutError
-from gspo_mcore.packing import collate
-from gspo_mcore.samples import Rollout
-from gspo_mcore.trajectory import Segment, Trajectory, to_rollout
+from gspo_mcore.common.errors import RolloutError
+from gspo_mcore.gspo.packing import collate
+from gspo_mcore.batch.rollout import Rollout
+from gspo_mcore.batch.trajectory import Segment, Trajectory, to_rollout
 from helpers import ScriptedClient
 from rollout_fixtures import three_turns
 
@@ -72,7 +72,7 @@ def test_the_last_model_turns_routing_covers_every_segment():
 
 def test_environment_tokens_get_exactly_zero_gradient_and_do_not_count_in_the_length():
     from gspo_mcore.config import LossConfig
-    from gspo_mcore.loss import objective, sequence_log_ratio
+    from gspo_mcore.gspo.loss import objective, sequence_log_ratio
 
     r = to_rollout(_trajectory())
     batch = collate([r, Rollout([5, 6, 7], [10, 11, 12], [-0.5, -0.25, -1.0], "stop", "step-4")])
@@ -93,7 +93,7 @@ def test_environment_ids_splice_a_turn_as_the_chat_template_renders_it(tmp_path)
     from transformers import AutoTokenizer
 
     from gspo_mcore.rollout.engine_handle import environment_ids
-    from gspo_mcore.toy_task import make_tokenizer
+    from gspo_mcore.tasks.toy import make_tokenizer
 
     make_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
@@ -116,14 +116,14 @@ def test_each_model_token_of_three_turns_has_the_trainers_log_prob_and_routing(t
     the earlier turns and the environment's), are the trainer side's."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from gspo_mcore.netaddr import free_port
-    from gspo_mcore.processes import ManagedServer
+    from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.client import SGLangClient
     from gspo_mcore.rollout.engine_handle import EngineHandle, Task
     from gspo_mcore.rollout.functions import run_functions
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
-    from gspo_mcore.toy_task import make_toy_task
+    from gspo_mcore.tasks.toy import make_toy_task
 
     model_dir = make_toy_task(tmp_path / "toy", seed=0) / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -267,7 +267,7 @@ def test_a_request_the_engine_refuses_is_the_rollout_functions_error():
     import asyncio
 
     from gspo_mcore.config import RolloutConfig
-    from gspo_mcore.errors import InputError, RequestRefused
+    from gspo_mcore.common.errors import InputError, RequestRefused
     from gspo_mcore.rollout.engine_handle import EngineHandle
 
     class Refusing:
@@ -289,7 +289,7 @@ async def always_fails(task, engine):
 
 def test_a_rollout_function_that_raises_is_the_users_error_naming_it():
     """It surfaced as a traceback (a bug's exit 1) from inside asyncio."""
-    from gspo_mcore.errors import InputError
+    from gspo_mcore.common.errors import InputError
     from gspo_mcore.rollout.engine_handle import Task
     from gspo_mcore.rollout.functions import run_functions
 

@@ -20,7 +20,7 @@ VOCAB = 256
 @pytest.fixture(scope="module")
 def models(vllm_toy, tmp_path_factory):
     """Weights A (the toy task's) and B (another seed's), both head_dim 64."""
-    from gspo_mcore.toy_task import make_model
+    from gspo_mcore.tasks.toy import make_model
 
     other = tmp_path_factory.mktemp("vllm_b") / "model"
     make_model(other, seed=7, head_dim=64)

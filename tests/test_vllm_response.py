@@ -15,7 +15,7 @@ from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.engines.vllm.client import vllm_sampling_params
 from gspo_mcore.engines.vllm.engine import VLLMEngine
 from gspo_mcore.engines.vllm.response import parse_generate_response
-from gspo_mcore.errors import InputError, RolloutError
+from gspo_mcore.common.errors import InputError, RolloutError
 
 VOCAB = 256
 PROMPT = [3, 5, 7, 4]
@@ -159,7 +159,7 @@ def test_a_request_vllm_refuses_while_a_push_pauses_it_starts_over_without_an_at
     push's abort: the request starts over, using no attempt, until the server resumes; outside a
     push it is a failure like any 5xx."""
     from gspo_mcore.engines.vllm import client as vllm_client
-    from gspo_mcore.http import HTTPStatusError
+    from gspo_mcore.common.http import HTTPStatusError
 
     client = vllm_client.VLLMClient(["http://stand-in"], VOCAB, max_attempts=1)
     monkeypatch.setattr(vllm_client, "PAUSED_RETRY_S", 0.01)

@@ -17,7 +17,7 @@ from helpers import REPO, ToyHandler
 from gspo_mcore.config import load_config
 from gspo_mcore.engines.vllm import engine as vllm_engine
 from gspo_mcore.engines.vllm.engine import VLLMEngine
-from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.common.errors import WeightSyncError
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 NCCL_2_27_5 = 22705
@@ -384,7 +384,7 @@ def test_a_broadcast_runs_on_the_groups_own_stream(monkeypatch):
 
 
 def test_servers_the_trainer_joins_over_nccl_get_its_cumem_setting():
-    """The trainer runs its NCCL groups with NCCL_CUMEM_ENABLE=0 unless set (gspo_mcore/start.py);
+    """The trainer runs its NCCL groups with NCCL_CUMEM_ENABLE=0 unless set (gspo_mcore/run/start.py);
     vLLM 0.33 sets nothing, and members that disagree fail with "invalid argument"."""
     from gspo_mcore.engines.vllm.server import server_env
 

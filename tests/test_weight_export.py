@@ -4,7 +4,7 @@ bitwise equal to what was loaded, in bounded buckets, under every parallel layou
 import pytest
 import torch
 
-from gspo_mcore.safetensors_io import HFCheckpointReader
+from gspo_mcore.common.safetensors_io import HFCheckpointReader
 from conftest import LAYOUTS, plan_layout_job
 from gspo_mcore.weight_sync import bucketed
 
@@ -51,7 +51,7 @@ def test_save_hf_checkpoint_from_sharded_model(tiny_hf_dir, layout_output, layou
 def test_colocated_servers_read_from_the_trainer_rank_on_their_gpu():
     """The tensor method's map (server TP rank -> trainer rank on the same GPU), whatever order
     the rendezvous gave the trainer ranks, and one-line errors for layouts it cannot serve."""
-    from gspo_mcore.errors import WeightSyncError
+    from gspo_mcore.common.errors import WeightSyncError
     from gspo_mcore.weight_sync import colocated_readers
 
     # Two 8-GPU hosts; the rendezvous numbered node-b's ranks first.

@@ -61,7 +61,7 @@ def _convert(tp, value, where: str):
 
 # Fields that moved to the section that reads them: a config written for the old place gets told.
 # loss.level's values as loss.function's (what a run directory's config.yaml of an older version
-# holds: gspo_mcore.run_config reads it with them).
+# holds: gspo_mcore.run.saved_config reads it with them).
 LEVEL_FUNCTIONS = {"sequence": "gspo", "sequence_token": "gspo_token", "token": "grpo"}
 # Fields another replaced: a one-line error naming the new field.
 REPLACED = {

@@ -5,7 +5,7 @@ gspo_mcore.config.validate's; reading YAML and overrides is gspo_mcore.config.lo
 
 A field a `--resume` may change carries `metadata=RESUME` (the learning rate and its schedule, the
 step count, the save cadence, where the servers are, timeouts): `resume_fields()` lists them for
-gspo_mcore.run_config; any other field changes the model or the data order and refuses a resume.
+gspo_mcore.run.saved_config; any other field changes the model or the data order and refuses a resume.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_type_hints
 
-from gspo_mcore.advantages import RewardNorm
-from gspo_mcore.loss import Aggregation, KLEstimator, MismatchCorrection, foreign_fields
+from gspo_mcore.gspo.advantages import RewardNorm
+from gspo_mcore.gspo.loss import Aggregation, KLEstimator, MismatchCorrection, foreign_fields
 from gspo_mcore.config.validate import ConfigError, validate
 from gspo_mcore.rewards.code_config import CodeRewardConfig
 
@@ -173,7 +173,7 @@ class LossConfig:
     """KL penalty to the reference policy (the initial weights, frozen; a second model whose
     log-probs are computed before each step's updates); off in the paper's setup."""
     kl_estimator: KLEstimator = "k3"
-    """The per-token KL estimator of kl_loss_coef's term: k1, k2 or k3 (gspo_mcore.loss.kl_penalty)."""
+    """The per-token KL estimator of kl_loss_coef's term: k1, k2 or k3 (gspo_mcore.gspo.loss.kl_penalty)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss minus this times the policy entropy (aggregated like the loss)."""
     behavior_weight_cap: float = 2.0
@@ -444,7 +444,7 @@ class TrainConfig:
     steps: int = field(default=100, metadata=RESUME)
     """Training steps: a rollout batch and its update each."""
     seed: int = 1234
-    """The run's seed: prompt order, minibatch order and sampling seeds derive from it (gspo_mcore.seeds)."""
+    """The run's seed: prompt order, minibatch order and sampling seeds derive from it (gspo_mcore.common.seeds)."""
     rollout_batch_size: int = 32
     """Prompts per step."""
     group_size: int = 8

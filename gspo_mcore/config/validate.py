@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gspo_mcore.errors import InputError
+from gspo_mcore.common.errors import InputError
 
 
 class ConfigError(InputError):

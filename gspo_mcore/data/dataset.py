@@ -8,11 +8,11 @@ nested objects (`data.answer_key=reward_model.ground_truth`)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gspo_mcore.errors import InputError
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.records import read_records, require_file
 
 
 @dataclass(frozen=True)
@@ -30,25 +30,6 @@ class PromptSample:
     def reward_context(self) -> dict:
         """What a reward may ask for (gspo_mcore.rewards.CONTEXT)."""
         return {"prompt": self.prompt, "messages": self.messages, "extra": self.metadata}
-
-
-def _records(path: Path):
-    """(where, record) pairs; `where` names the file and line or row for error messages."""
-    if path.suffix == ".jsonl":
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield f"{path}:{number}", json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise InputError(f"{path}:{number}: not valid JSON ({err})") from None
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # heavy: Parquet datasets only
-
-        for number, record in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path} row {number}", record
-    else:
-        raise InputError(f"{path}: unsupported dataset format (expected .jsonl or .parquet)")
 
 
 # Where the answer is when data.answer_key is left at its default: ours, verl's, slime's (--label-key label).
@@ -73,14 +54,6 @@ def _is_chat(value) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
 
 
-def require_file(path) -> Path:
-    """`path` as a Path; InputError naming it if there is no such file."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: dataset file not found")
-    return path
-
-
 class PromptDataset:
     def __init__(self, samples: list[PromptSample]):
         self.samples = samples
@@ -91,7 +64,7 @@ class PromptDataset:
         path = require_file(path)
         samples = []
         answer_keys = DEFAULT_ANSWER_KEYS if answer_key == DEFAULT_ANSWER_KEYS[0] else (answer_key,)
-        for where, record in _records(path):
+        for where, record in read_records(path):
             if not isinstance(record, dict):
                 raise InputError(f"{where}: expected an object")
             messages, prompt = field_at(record, messages_key), field_at(record, prompt_key)

@@ -15,9 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-from gspo_mcore.data.dataset import _records, prepare_command
-from gspo_mcore.errors import InputError, run_cli
-from gspo_mcore.files import atomic_output
+from gspo_mcore.common.records import read_records
+from gspo_mcore.data.dataset import prepare_command
+from gspo_mcore.common.errors import InputError, run_cli
+from gspo_mcore.common.files import atomic_output
 from gspo_mcore.rewards.code import FORMATS, answer_from_problem, problem_from_record
 
 QUESTION_FIELDS = ("question_content", "question", "description", "problem", "prompt")
@@ -43,7 +44,7 @@ def prompt_text(record: dict, where: str) -> str:
 
 def prepare(input_path, output_path) -> int:
     rows = []
-    for where, record in _records(Path(input_path)):  # every row checked before anything is written
+    for where, record in read_records(Path(input_path)):  # every row checked before anything is written
         problem = problem_from_record(record, where)
         row = {"messages": [{"role": "system", "content": SYSTEM},
                             {"role": "user", "content": prompt_text(record, where)}],

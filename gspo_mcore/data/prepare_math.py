@@ -15,9 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-from gspo_mcore.data.dataset import _records, prepare_command
-from gspo_mcore.errors import InputError, run_cli
-from gspo_mcore.files import atomic_output
+from gspo_mcore.common.records import read_records
+from gspo_mcore.data.dataset import prepare_command
+from gspo_mcore.common.errors import InputError, run_cli
+from gspo_mcore.common.files import atomic_output
 from gspo_mcore.rewards.answers import last_boxed
 
 FIELDS = ("problem", "solution", "answer")
@@ -48,7 +49,7 @@ def prepare(input_path, output_path) -> int:
     count = 0
     with atomic_output(output_path) as tmp:
         with open(tmp, "w") as out:
-            for where, record in _records(Path(input_path)):
+            for where, record in read_records(Path(input_path)):
                 if isinstance(record, dict):  # AIME 2024's Problem / Answer as problem / answer
                     record = {k.lower() if k.lower() in FIELDS else k: v for k, v in record.items()}
                 row = {"prompt": f"{_field(record, 'problem', where)}\n\n{INSTRUCTION}", "answer": _answer(record, where)}

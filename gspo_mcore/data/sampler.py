@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo_mcore.seeds import step_seed
+from gspo_mcore.common.seeds import step_seed
 
 
 class PromptSampler:

@@ -12,8 +12,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from gspo_mcore.engines.base import Engine, EngineMemory, check_sampling_params
-from gspo_mcore.netaddr import free_port
-from gspo_mcore.processes import ManagedServer
+from gspo_mcore.common.netaddr import free_port
+from gspo_mcore.common.processes import ManagedServer
 
 # rollout.engine -> the class implementing it (imported when asked for: an engine's package may
 # import that engine's own heavy modules).

@@ -23,8 +23,8 @@ from typing import Callable, ClassVar
 
 from gspo_mcore.config import ConfigError
 from gspo_mcore.engines.capabilities import asked, methods
-from gspo_mcore.errors import InputError, WeightSyncError
-from gspo_mcore.http import HTTPRequestError, request_json
+from gspo_mcore.common.errors import InputError, WeightSyncError
+from gspo_mcore.common.http import HTTPRequestError, request_json
 
 GB = 2**30
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.common.errors import WeightSyncError
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -26,9 +26,9 @@ import weakref
 from abc import ABC, abstractmethod
 
 from gspo_mcore.engines.base import check_sampling_params, server_urls
-from gspo_mcore.errors import RolloutError
-from gspo_mcore.http_async import open_session
-from gspo_mcore.samples import Rollout
+from gspo_mcore.common.errors import RolloutError
+from gspo_mcore.common.http_async import open_session
+from gspo_mcore.batch.rollout import Rollout
 
 
 class RetryableError(Exception):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gspo_mcore.errors import RolloutError
-from gspo_mcore.samples import version_number
+from gspo_mcore.common.errors import RolloutError
+from gspo_mcore.batch.rollout import version_number
 
 
 def check_logprobs(request: str, response_ids: np.ndarray, values: np.ndarray, vocab_size: int) -> None:

@@ -9,9 +9,9 @@ import signal
 import sys
 
 from gspo_mcore.config import load_config
-from gspo_mcore.errors import InputError, run_cli
-from gspo_mcore.processes import start_redacted
-from gspo_mcore.http import API_KEY_ENV, api_key_from_env
+from gspo_mcore.common.errors import InputError, run_cli
+from gspo_mcore.common.processes import start_redacted
+from gspo_mcore.common.http import API_KEY_ENV, api_key_from_env
 from gspo_mcore.engines import engine_class
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -4,7 +4,7 @@ memory, the FLOPs of every pass the step makes, and a code reward's sandbox CPU.
 from __future__ import annotations
 
 from gspo_mcore.config import Config
-from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch
+from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
 from gspo_mcore.planner.memory_model import GB, Layout, param_counts, requests_in_flight_estimate, response_tokens
 
 DISK_GB = 1000**3  # disk in GB, as df -H and drive sizes count it
@@ -35,7 +35,7 @@ def routing_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_
     """The engine's routed experts (rollout.return_routed_experts), at full-length responses:
     what rank 0's host holds (a batch and the requests in flight) and what the busiest trainer
     rank receives per step (its data-parallel share of the batch, its pipeline stage's MoE
-    layers: gspo_mcore.routing_delivery). Expert ids travel in the smallest unsigned type."""
+    layers: gspo_mcore.megatron.routing_delivery). Expert ids travel in the smallest unsigned type."""
     if not config.rollout.return_routed_experts:
         return {}
     t, pp = config.train, config.distributed.pipeline_parallel
@@ -50,7 +50,7 @@ def routing_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_
 
 def forward_passes(config: Config) -> dict[str, int]:
     """The forward-only passes over the whole batch a step makes besides its update, by what they
-    are for (gspo_mcore.trainer's `_update`, gspo_mcore.learner's `update`): pi_prox in the
+    are for (gspo_mcore.run.trainer's `_update`, gspo_mcore.megatron.learner's `update`): pi_prox in the
     asynchronous modes (loss.proximal recompute) or pi_old in sync (train.recompute_old_logprobs);
     strict exactness's forward at theta_old where neither already made one (Config.strict); the
     frozen reference's (loss.kl_loss_coef > 0)."""

@@ -2,7 +2,7 @@
 phase of a step and per engine GPU, estimated from the config and the model's shapes (arithmetic,
 not measurement: activations after Korthikanti et al. 2022, sequence parallel and flash attention,
 adapted to top-k experts; expected within ESTIMATE_TOLERANCE of a measured peak). The Trainer
-reports its measured peak beside `memory_estimate`; `python -m gspo_mcore.plan` prints it all."""
+reports its measured peak beside `memory_estimate`; `python -m gspo_mcore.planner.cli` prints it all."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from gspo_mcore.config import Config, ConfigError
 from gspo_mcore.engines import EngineMemory, engine_class, requests_in_flight
-from gspo_mcore.logprobs import DEFAULT_CHUNK_ELEMENTS
-from gspo_mcore.models.qwen3_moe.hf_config import Qwen3MoeArch
-from gspo_mcore.models.qwen3_moe.model import check_layout as check_model_layout
+from gspo_mcore.gspo.logprobs import DEFAULT_CHUNK_ELEMENTS
+from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
+from gspo_mcore.megatron.qwen3_moe.model import check_layout as check_model_layout
 
 GB = 1024**3  # memory in GiB, as torch and nvidia-smi count it
 ESTIMATE_TOLERANCE = 1.5  # how far a measured peak may exceed the estimate
@@ -122,7 +122,7 @@ def activation_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> floa
 def logits_bytes(arch: Qwen3MoeArch, tokens: int, tp: int) -> float:
     """bf16 logits: two [tokens, vocab / TP] copies at a time (GPTModel's [s, b, v] output and
     its contiguous [b, s, v] copy, the first freed once copied: the output layer saves its input,
-    not its output; in backward, that copy and its gradient), + gspo_mcore.logprobs' float32 chunk."""
+    not its output; in backward, that copy and its gradient), + gspo_mcore.gspo.logprobs' float32 chunk."""
     return arch.vocab_size / tp * tokens * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4
 
 
@@ -170,7 +170,7 @@ def optimizer_bytes_per_param(config: Config) -> int:
 
 
 def requests_in_flight_estimate(config: Config, prompt_tokens: int) -> dict[str, int]:
-    """What the rollout client keeps in flight (gspo_mcore.trainer: each server's running limit and
+    """What the rollout client keeps in flight (gspo_mcore.run.trainer: each server's running limit and
     KV room for a full-length request, one slot per server kept free), from the config."""
     r = config.rollout
     request = prompt_tokens + response_tokens(config)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from gspo_mcore.errors import InputError
-from gspo_mcore.plugins import by_name
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.plugins import by_name
 from gspo_mcore.rewards.answers import exact_match_reward, math_reward
 
 

@@ -37,7 +37,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 
-from gspo_mcore.errors import InputError, run_cli
+from gspo_mcore.common.errors import InputError, run_cli
 from gspo_mcore.rewards.code_config import CodeRewardConfig
 from gspo_mcore.sandbox import Judgement, Limits, Problem, Test, check_sandbox, judge
 from gspo_mcore.sandbox.judge import judge_programs
@@ -440,11 +440,11 @@ def main() -> int:
     parser.add_argument("--subset", action="store_true", help="the training subset (stop at the first failure); "
                         "default: every test")
     args = parser.parse_args()
-    from gspo_mcore.data.dataset import _records, require_file
-    from gspo_mcore.files import atomic_output
+    from gspo_mcore.common.records import read_records, require_file
+    from gspo_mcore.common.files import atomic_output
 
     rows = []
-    for where, record in _records(require_file(args.input)):  # every row read before anything runs
+    for where, record in read_records(require_file(args.input)):  # every row read before anything runs
         problem = problem_from_record(record, where)
         responses = reference_solutions(record) if args.references else [record.get("response")]
         if not responses or not all(isinstance(r, str) for r in responses):

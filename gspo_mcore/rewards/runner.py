@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gspo_mcore.errors import InputError
-from gspo_mcore.processes import kill_worker, read_json_reply, start_worker
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.processes import kill_worker, read_json_reply, start_worker
 from gspo_mcore.rewards import call_arguments, load_reward_fn, reward_arguments
 
 STARTUP_TIMEOUT_S = 300.0  # importing a heavy reward (a math checker, a tokenizer) on a busy node

@@ -8,7 +8,7 @@ batched reward formats each (prompt, response) with the reward model's chat temp
 
 from __future__ import annotations
 
-from gspo_mcore.http import HTTPRequestError, post_json
+from gspo_mcore.common.http import HTTPRequestError, post_json
 
 
 def classify(url: str, texts: list[str], timeout_s: float = 60.0, api_key: str | None = None) -> list[float]:

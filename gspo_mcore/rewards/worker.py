@@ -16,7 +16,7 @@ import math
 import os
 import sys
 
-from gspo_mcore.processes import exit_with_parent
+from gspo_mcore.common.processes import exit_with_parent
 
 
 def main() -> int:

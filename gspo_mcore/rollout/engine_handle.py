@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gspo_mcore.errors import InputError, RequestRefused
-from gspo_mcore.samples import Rollout
+from gspo_mcore.common.errors import InputError, RequestRefused
+from gspo_mcore.batch.rollout import Rollout
 
 
 @dataclass

@@ -19,11 +19,11 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
 
-from gspo_mcore.errors import EngineError, InputError
-from gspo_mcore.plugins import by_name
+from gspo_mcore.common.errors import EngineError, InputError
+from gspo_mcore.common.plugins import by_name
 from gspo_mcore.rollout.engine_handle import EngineHandle, Task
 from gspo_mcore.rollout.tool_loop import tool_loop
-from gspo_mcore.trajectory import Trajectory
+from gspo_mcore.batch.trajectory import Trajectory
 
 SINGLE_TURN = "single_turn"
 

@@ -11,7 +11,7 @@ from gspo_mcore.data import chat_prompt_ids
 from gspo_mcore.rollout.engine_handle import EngineHandle, Task
 from gspo_mcore.rollout.functions import load_rollout_function, run_functions
 from gspo_mcore.tools.runner import ToolRunner
-from gspo_mcore.trajectory import to_rollout
+from gspo_mcore.batch.trajectory import to_rollout
 
 
 @dataclass

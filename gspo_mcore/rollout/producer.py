@@ -19,9 +19,9 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from gspo_mcore.samples import Batch, Rollout
+from gspo_mcore.batch.rollout import Batch, Rollout
 from gspo_mcore.rollout.source import RolloutSource
-from gspo_mcore.seeds import step_seed
+from gspo_mcore.common.seeds import step_seed
 
 
 def staleness_metrics(rollouts: list[Rollout], version: int) -> dict:

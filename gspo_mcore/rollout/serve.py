@@ -2,9 +2,9 @@
 
 import sys
 
-from gspo_mcore.deprecation import moved
+from gspo_mcore.common.deprecation import moved
 from gspo_mcore.engines.serve import main
-from gspo_mcore.errors import run_cli
+from gspo_mcore.common.errors import run_cli
 
 moved("python -m gspo_mcore.rollout.serve", "python -m gspo_mcore.engines.serve")
 

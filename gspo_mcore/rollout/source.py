@@ -15,16 +15,16 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from gspo_mcore import advantages as adv
+from gspo_mcore.gspo import advantages as adv
 from gspo_mcore.config import Config
 from gspo_mcore.data import PromptDataset, PromptSampler, chat_prompt_ids
-from gspo_mcore.errors import InputError
-from gspo_mcore.plugins import by_name
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.plugins import by_name
 from gspo_mcore.rewards.code import step_figures
 from gspo_mcore.rewards.runner import RewardRunner
 from gspo_mcore.rollout.generation import Generator
-from gspo_mcore.samples import Rollout
-from gspo_mcore.seeds import step_seed
+from gspo_mcore.batch.rollout import Rollout
+from gspo_mcore.common.seeds import step_seed
 
 
 class RolloutSource:

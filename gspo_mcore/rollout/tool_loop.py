@@ -13,7 +13,7 @@ import asyncio
 
 from gspo_mcore.rollout.engine_handle import EngineHandle, Task
 from gspo_mcore.tools.runner import ToolCall, parse_tool_calls, tool_messages
-from gspo_mcore.trajectory import Trajectory
+from gspo_mcore.batch.trajectory import Trajectory
 
 
 async def tool_loop(task: Task, engine: EngineHandle) -> Trajectory:

@@ -1,7 +1,7 @@
 """Deprecated: `gspo_mcore.rollout.trajectory` moved; rollout functions import from `gspo_mcore.api`."""
 
-from gspo_mcore.deprecation import moved
-from gspo_mcore.trajectory import Segment, Trajectory, to_rollout
+from gspo_mcore.common.deprecation import moved
+from gspo_mcore.batch.trajectory import Segment, Trajectory, to_rollout
 
 __all__ = ["Segment", "Trajectory", "to_rollout"]
 

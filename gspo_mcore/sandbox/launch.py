@@ -26,7 +26,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from gspo_mcore.errors import EngineError
+from gspo_mcore.common.errors import EngineError
 from gspo_mcore.sandbox.seccomp import SeccompUnavailable, filter_bpf
 
 HARNESS = Path(__file__).with_name("harness.py")

@@ -17,7 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from gspo_mcore.errors import EngineError
+from gspo_mcore.common.errors import EngineError
 from gspo_mcore.sandbox.launch import SandboxSettings, SandboxUnavailable, Slot, explain_failure, start_harness
 
 STARTUP_S = 15.0  # bwrap + interpreter start: ~50 ms idle; a loaded node is slower

@@ -31,9 +31,9 @@ from typing import Callable
 
 from transformers.utils import get_json_schema
 
-from gspo_mcore.errors import InputError
-from gspo_mcore.plugins import by_name
-from gspo_mcore.processes import child_env, kill_worker, read_json_reply, start_worker
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.plugins import by_name
+from gspo_mcore.common.processes import child_env, kill_worker, read_json_reply, start_worker
 from gspo_mcore.rewards.runner import STARTUP_TIMEOUT_S
 from gspo_mcore.tools.worker import clip
 

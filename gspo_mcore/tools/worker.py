@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from gspo_mcore.processes import exit_with_parent
+from gspo_mcore.common.processes import exit_with_parent
 
 
 def clip(text: str, limit: int) -> str:
@@ -50,7 +50,7 @@ def main() -> int:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else written to stdout goes to stderr
     sys.stdout = sys.stderr
-    from gspo_mcore.plugins import by_name  # after stdout is redirected: a tool's import may print
+    from gspo_mcore.common.plugins import by_name  # after stdout is redirected: a tool's import may print
 
     limit, names = int(sys.argv[1]), sys.argv[2:]
     try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from gspo_mcore.models.qwen3_moe.model import DTYPES
+from gspo_mcore.megatron.qwen3_moe.model import DTYPES
 from gspo_mcore.weight_sync.buckets import bucketed, update_session
 from gspo_mcore.weight_sync.check import check_sync
 from gspo_mcore.weight_sync.disk import DiskWeightSync

@@ -8,8 +8,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owns
-from gspo_mcore.parallel import host_group
+from gspo_mcore.megatron.qwen3_moe.parallel_weights import export_hf_weights, owns
+from gspo_mcore.megatron.parallel import host_group
 
 
 def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,

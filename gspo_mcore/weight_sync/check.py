@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.models.qwen3_moe.forward import last_stage_rank, sequence_logprobs
-from gspo_mcore.parallel import broadcast_from_host
+from gspo_mcore.common.errors import WeightSyncError
+from gspo_mcore.megatron.qwen3_moe.forward import last_stage_rank, sequence_logprobs
+from gspo_mcore.megatron.parallel import broadcast_from_host
 
 
 def check_sync(model, engine, probes: list[list[int]], median_tolerance: float,

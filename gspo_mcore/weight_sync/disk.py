@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from gspo_mcore.checkpointing import save_hf_checkpoint
+from gspo_mcore.megatron.checkpointing import save_hf_checkpoint
 
 
 class DiskWeightSync:

@@ -8,8 +8,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.models.qwen3_moe.parallel_weights import owned_hf_plan, owned_hf_weights
-from gspo_mcore.parallel import device
+from gspo_mcore.megatron.qwen3_moe.parallel_weights import owned_hf_plan, owned_hf_weights
+from gspo_mcore.megatron.parallel import device
 from gspo_mcore.weight_sync.buckets import bucketed, owned_rounds, settle, update_session
 
 

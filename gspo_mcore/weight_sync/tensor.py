@@ -10,9 +10,9 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.netaddr import local_addresses
-from gspo_mcore.parallel import device, host_group
+from gspo_mcore.common.errors import WeightSyncError
+from gspo_mcore.common.netaddr import local_addresses
+from gspo_mcore.megatron.parallel import device, host_group
 from gspo_mcore.weight_sync.buckets import owned_rounds, settle, update_session
 
 

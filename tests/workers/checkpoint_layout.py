@@ -19,11 +19,11 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint import FileSystemReader
 
-from gspo_mcore.checkpointing import (LATEST, Checkpointer, FunctionState, MegatronState, SchedulerState,
+from gspo_mcore.megatron.checkpointing import (LATEST, Checkpointer, FunctionState, MegatronState, SchedulerState,
                                       _init_optimizer_states, _rng_state, keep_writer_results_in_process)
 from gspo_mcore.config import load_config
-from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
-from gspo_mcore.optimizer import lr_scheduler, setup_training
+from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.megatron.optimizer import lr_scheduler, setup_training
 
 ROLLOUT = {"sampler": {"epoch": 1, "position": 48, "seed": 7, "num_samples": 64},
            "running": {"count": 3, "mean": 0.5, "m2": 0.25}}

@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from gspo_mcore import parity
+from gspo_mcore.megatron import parity
 from gspo_mcore.config import load_config
-from gspo_mcore.learner import Learner
-from gspo_mcore.logprobs import token_logprobs
-from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.models.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
-from gspo_mcore.optimizer import optimizer_step, setup_training
-from gspo_mcore.samples import Batch, Rollout
-from gspo_mcore.checkpointing import save_hf_checkpoint
+from gspo_mcore.megatron.learner import Learner
+from gspo_mcore.gspo.logprobs import token_logprobs
+from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.megatron.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
+from gspo_mcore.megatron.optimizer import optimizer_step, setup_training
+from gspo_mcore.batch.rollout import Batch, Rollout
+from gspo_mcore.megatron.checkpointing import save_hf_checkpoint
 from gspo_mcore.weight_sync import bucketed
 
 MICRO_BATCH = 2
@@ -34,7 +34,7 @@ BUCKET_BYTES = 100_000  # export_owned's bucket bound (tests/test_weight_export.
 
 
 def parity_job(config, out_dir: Path, job: dict) -> None:
-    """Logits vs transformers and the exported weights vs the file (gspo_mcore.parity.run):
+    """Logits vs transformers and the exported weights vs the file (gspo_mcore.megatron.parity.run):
     rank 0 writes figures.json."""
     vocab_size = load_hf_config(config.model.hf_dir).vocab_size
     figures = parity.run(config, parity.sample_tokens(vocab_size, job.get("batch", 4), job.get("seq_len", 16)))
@@ -44,10 +44,10 @@ def parity_job(config, out_dir: Path, job: dict) -> None:
 
 def train_step_job(config, out_dir: Path, job: dict) -> None:
     """One training step on the global batch in `batch_file`, by the trainer's own code. With
-    `advantages` in the batch it is a GSPO update of gspo_mcore.learner.Learner (config sections
+    `advantages` in the batch it is a GSPO update of gspo_mcore.megatron.learner.Learner (config sections
     `loss` and `train`: packing, equal microbatch counts over DP ranks, the reference model, the
     exact global normalisation); without, token cross-entropy through the same schedule
-    (gspo_mcore.models.qwen3_moe.forward.run_schedule). Each rank saves to rank{R}.pt the HF-named
+    (gspo_mcore.megatron.qwen3_moe.forward.run_schedule). Each rank saves to rank{R}.pt the HF-named
     weights it holds after the step, the grad norm and the global loss, for comparison with the
     same step taken by the Hugging Face model."""
     batch = torch.load(job["batch_file"])
@@ -119,11 +119,11 @@ def routing_delivery_job(config, out_dir: Path, job: dict) -> None:
     """Rank 0 holds every rollout's routed experts (rows of `lengths` tokens, 4 layers, top-2,
     each entry (rollout, token, layer, k) coded as a uint8 the test recomputes; `lengths` and
     `step` in batch_file); the
-    trainer's delivery (gspo_mcore.routing_delivery) gives each rank what its update reads. Each
+    trainer's delivery (gspo_mcore.megatron.routing_delivery) gives each rank what its update reads. Each
     rank saves what it got, the rollouts its update reads and its MoE layers to rank{R}.pt."""
     import numpy as np
 
-    from gspo_mcore.routing_delivery import deliver_routing, take_routing
+    from gspo_mcore.megatron.routing_delivery import deliver_routing, take_routing
 
     spec = torch.load(job["batch_file"])
     learner = Learner(config)

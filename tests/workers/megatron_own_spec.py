@@ -18,10 +18,10 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from gspo_mcore.config import DistributedConfig, ModelConfig
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.models.qwen3_moe.model import transformer_config
-from gspo_mcore.parallel import init_distributed
-from gspo_mcore.parity import compare, hf_logits, sample_tokens
+from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.megatron.qwen3_moe.model import transformer_config
+from gspo_mcore.megatron.parallel import init_distributed
+from gspo_mcore.megatron.parity import compare, hf_logits, sample_tokens
 
 
 def specs(config, arch):

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from gspo_mcore.config import load_config
-from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config
 
 
 def main(hf_dir: str, save_root: str, overrides: list[str]) -> None:

@@ -10,11 +10,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.safetensors_io import HFCheckpointReader
+from gspo_mcore.common.safetensors_io import HFCheckpointReader
 from gspo_mcore.config import load_config
-from gspo_mcore.models.qwen3_moe.bootstrap import model_from_config
-from gspo_mcore.models.qwen3_moe.parallel_weights import load_hf_weights
-from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.megatron.qwen3_moe.parallel_weights import load_hf_weights
+from gspo_mcore.common.errors import WeightSyncError
 from gspo_mcore.engines.sglang.engine import SGLangEngine
 from gspo_mcore.weight_sync import DistributedWeightSync, TensorWeightSync, check_sync
 

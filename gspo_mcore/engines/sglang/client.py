@@ -10,10 +10,10 @@ import uuid
 
 from gspo_mcore.engines.client import Aborted, EngineClient, RetryableError
 from gspo_mcore.engines.sglang.response import decode_generate_body, parse_generate_response
-from gspo_mcore.errors import RequestRefused
-from gspo_mcore.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, post_json
-from gspo_mcore.http_async import post_bytes
-from gspo_mcore.samples import Rollout
+from gspo_mcore.common.errors import RequestRefused
+from gspo_mcore.common.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, post_json
+from gspo_mcore.common.http_async import post_bytes
+from gspo_mcore.batch.rollout import Rollout
 
 
 class SGLangClient(EngineClient):

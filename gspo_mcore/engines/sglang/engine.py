@@ -18,8 +18,8 @@ from gspo_mcore.engines.capabilities import (DiskLoad, MemoryRelease, ProcessGro
                                              dtype_name)
 from gspo_mcore.engines.sglang.client import SGLangClient
 from gspo_mcore.engines.sglang.server import server_for_config
-from gspo_mcore.errors import WeightSyncError
-from gspo_mcore.netaddr import address_towards, listening_store
+from gspo_mcore.common.errors import WeightSyncError
+from gspo_mcore.common.netaddr import address_towards, listening_store
 
 
 def _status_ok(answer: dict) -> bool:

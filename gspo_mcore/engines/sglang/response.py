@@ -1,4 +1,4 @@
-"""SGLang `/generate` responses -> validated rollouts (training tensors: gspo_mcore.packing).
+"""SGLang `/generate` responses -> validated rollouts (training tensors: gspo_mcore.gspo.packing).
 
 The engine's per-token log-probs are GSPO's pi_old, so a response is accepted only if they
 are complete and sane: one finite log-prob per generated token, token ids inside the
@@ -19,8 +19,8 @@ import json
 import numpy as np
 
 from gspo_mcore.engines.response_checks import check_versions
-from gspo_mcore.errors import RolloutError
-from gspo_mcore.samples import Rollout
+from gspo_mcore.common.errors import RolloutError
+from gspo_mcore.batch.rollout import Rollout
 
 # `null` read as a number by one byte-for-byte translation (n->1, u->e, l->9: 1e99), brackets as
 # blanks: `[[-0.5,5,null],...]` becomes `  -0.5,5,1e99 ,...` for numpy's text parser.

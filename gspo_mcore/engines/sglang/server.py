@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import sys
 
-from gspo_mcore.errors import InputError
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.processes import child_env
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.common.processes import child_env
 from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
 
@@ -37,7 +37,7 @@ def sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", devic
 def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str | None = None) -> tuple[list[str], dict]:
     """The SGLang command and environment a run config describes (section `rollout`, the
     model, the device): one definition for servers a run starts and the launch scripts'.
-    `api_key`: every request must then carry it (gspo_mcore.http)."""
+    `api_key`: every request must then carry it (gspo_mcore.common.http)."""
     r = config.rollout
     device = config.distributed.device
     extra = ("--enable-return-routed-experts",) if r.return_routed_experts else ()

@@ -14,9 +14,9 @@ import aiohttp
 
 from gspo_mcore.engines.client import Aborted, EngineClient, RetryableError
 from gspo_mcore.engines.vllm.response import finish_reason, generated_count, parse_generate_response
-from gspo_mcore.errors import RequestRefused
-from gspo_mcore.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, error_detail, post_json
-from gspo_mcore.samples import Rollout
+from gspo_mcore.common.errors import RequestRefused
+from gspo_mcore.common.http import ConnectionFailure, HTTPRequestError, HTTPStatusError, error_detail, post_json
+from gspo_mcore.batch.rollout import Rollout
 
 GENERATE = "/inference/v1/generate"
 # What vLLM 0.33 answers (HTTP 503) to a request sent while a pause in abort mode holds the server.

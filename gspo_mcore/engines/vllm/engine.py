@@ -30,7 +30,7 @@ from gspo_mcore.engines.capabilities import (DiskLoad, MemoryRelease, ProcessGro
 from gspo_mcore.engines.vllm import ipc, nccl
 from gspo_mcore.engines.vllm.client import VLLMClient
 from gspo_mcore.engines.vllm.server import server_for_config
-from gspo_mcore.errors import WeightSyncError
+from gspo_mcore.common.errors import WeightSyncError
 
 # What vLLM 0.33.0 answers when a control call did what was asked (vllm/entrypoints/rl/online/api_router.py:
 # pause_generation, resume_generation, start_weight_update, update_weights, finish_weight_update,

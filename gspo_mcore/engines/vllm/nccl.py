@@ -60,7 +60,7 @@ def broadcast(group: WeightGroup, flat: torch.Tensor) -> None:
 
 
 def cumem_enable(env) -> str:
-    """NCCL_CUMEM_ENABLE as the trainer runs its NCCL groups (`env`'s, else "0": gspo_mcore/start.py
+    """NCCL_CUMEM_ENABLE as the trainer runs its NCCL groups (`env`'s, else "0": gspo_mcore/run/start.py
     sets 0, as SGLang runs). Every member of one communicator must agree ("invalid argument"
     otherwise), and vLLM 0.33 sets nothing: a server the trainer joins gets the same value."""
     return env.get("NCCL_CUMEM_ENABLE") or "0"

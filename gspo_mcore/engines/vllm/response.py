@@ -16,8 +16,8 @@ import io
 import numpy as np
 
 from gspo_mcore.engines.response_checks import check_logprobs, check_versions
-from gspo_mcore.errors import RolloutError
-from gspo_mcore.samples import Rollout
+from gspo_mcore.common.errors import RolloutError
+from gspo_mcore.batch.rollout import Rollout
 
 
 def _choice(request: str, payload: dict) -> dict:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from gspo_mcore.engines.base import kv_bytes_per_token
 from gspo_mcore.engines.vllm import nccl
-from gspo_mcore.errors import InputError
-from gspo_mcore.models.qwen3_moe.hf_config import load_hf_config
-from gspo_mcore.processes import child_env
+from gspo_mcore.common.errors import InputError
+from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore.common.processes import child_env
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER_EXTENSION = "gspo_mcore.engines.vllm.worker_extension.WeightReload"
@@ -101,7 +101,7 @@ def engine_python(config) -> str:
 
 def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str | None = None) -> tuple[list[str], dict]:
     """The vLLM command and environment a run config describes (section `rollout`, the model, the
-    device). `api_key`: every request must then carry it (gspo_mcore.http)."""
+    device). `api_key`: every request must then carry it (gspo_mcore.common.http)."""
     r = config.rollout
     extra = ("--api-key", api_key) if api_key else ()
     transfer = {"distributed": "nccl", "tensor": "ipc"}.get(config.weight_sync.method)

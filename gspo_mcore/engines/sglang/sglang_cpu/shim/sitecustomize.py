@@ -12,7 +12,7 @@ the routed experts of a tiny model matched a transformers forward, expert order 
 `sglang.srt.managers.load_snapshot.shm_path_for` puts each server start's load-snapshot file in
 /dev/shm, and nothing of SGLang removes it (its writer's `close` only unmaps it): it goes into
 the server's TMPDIR instead, which the process that started the server removes
-(gspo_mcore.processes.ManagedServer).
+(gspo_mcore.common.processes.ManagedServer).
 """
 
 import importlib.abc

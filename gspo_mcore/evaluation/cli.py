@@ -1,0 +1,122 @@
+"""`gspo-eval`: a model on the config's `eval` datasets, through the config's engine.
+
+    gspo-eval --config FILE --model DIR [--urls URL,...] [key=value ...]
+    python -m gspo_mcore.evaluation.cli ...
+
+DIR is a Hugging Face directory (config.json + safetensors), or a run's OUTPUT_DIR: its
+exported hf/, else its latest checkpoint converted (checkpoint_convert mcore-to-hf, with
+model.hf_dir's config.json and tokenizer). Without --urls the command starts `rollout.num_servers` servers for DIR
+itself (logs in a temporary directory) and stops them; with --urls, running servers load DIR's
+weights first (Engine.load_from_disk: a file system both see). The same chat template,
+reward workers and figures as the evaluation during training (gspo_mcore.evaluation.held_out). Prints a
+markdown table, then one JSON line of every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from gspo_mcore.config import ConfigError, load_config
+from gspo_mcore.common.errors import InputError, run_cli
+from gspo_mcore.evaluation.held_out import Evaluator
+from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
+from gspo_mcore import engines
+from gspo_mcore.engines.capabilities import DiskLoad
+from gspo_mcore.common.http import api_key_from_env
+
+
+def model_dir(path: Path, scratch: Path | None = None, hf_config_dir: str | None = None) -> Path:
+    """A Hugging Face directory: `path`, a run's exported `path`/hf, or its latest checkpoint
+    converted into `scratch` (checkpoint_convert mcore-to-hf, with `hf_config_dir`'s config.json
+    and tokenizer)."""
+    if (path / "config.json").is_file():
+        return path
+    if (path / "hf" / "config.json").is_file():
+        return path / "hf"
+    if not (path / "checkpoints").is_dir():
+        raise InputError(f"{path}: neither a Hugging Face model directory (config.json) nor a run's OUTPUT_DIR")
+    if scratch is None or not hf_config_dir:
+        raise InputError(f"{path}: a run without an exported hf/: give model.hf_dir (its config.json and tokenizer)")
+    out = scratch / "hf"
+    print(f"converting the latest checkpoint of {path} for the engine", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "-m", "checkpoint_convert", "mcore-to-hf", "--mcore-dir",
+                           str(path / "checkpoints"), "--hf-config-dir", str(hf_config_dir), "--output-dir", str(out),
+                           "--quiet"], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"mcore-to-hf failed ({done.returncode})"])[-1]
+        raise InputError(last.removeprefix("error: "))  # the converter's own one line
+    return out
+
+
+def table(metrics: dict, names: list[str]) -> str:
+    """One row per dataset: its prompts, samples per prompt (k), mean@k with its standard error
+    over the prompts, pass@1, pass@k, pass@1..k, greedy, response length, time."""
+    lines = ["| dataset | prompts | k | mean@k ± s.e. | pass@1 | pass@k | pass@1..k | greedy | response length | "
+             "time (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        mine = {key.split("/")[-1]: v for key, v in metrics.items() if key.startswith(f"eval/{name}/")}
+        k = max(int(key.split("@")[1]) for key in mine if key.startswith("pass@"))
+        greedy = f"{mine['greedy']:.3f}" if "greedy" in mine else "-"
+        every = " / ".join(f"{mine[f'pass@{j}']:.3f}" for j in range(1, k + 1))
+        lines.append(f"| {name} | {mine['prompts']} | {k} | {mine[f'mean@{k}']:.3f} ± {mine[f'mean_se@{k}']:.3f} | "
+                     f"{mine['pass@1']:.3f} | {mine[f'pass@{k}']:.3f} | {every} | {greedy} | "
+                     f"{mine['response_length']:.1f} | {mine['time_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def default_log_dir(model: Path) -> Path:
+    """Where the servers gspo-eval starts keep their logs: a run's OUTPUT_DIR/logs/gspo-eval, else
+    ./gspo-eval-logs."""
+    return model / "logs" / "gspo-eval" if (model / "checkpoints").is_dir() or (model / "metrics.jsonl").is_file() \
+        else Path("gspo-eval-logs")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gspo-eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--model", required=True, type=Path, help="a Hugging Face directory or a run's OUTPUT_DIR")
+    parser.add_argument("--urls", default="", help="running engine servers, comma-separated (default: start them)")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="the started servers' logs (default: a run's OUTPUT_DIR/logs/gspo-eval, else ./gspo-eval-logs)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+    with ExitStack() as stack:
+        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-")))
+        base = load_config(args.config, args.overrides)
+        if args.urls:  # running servers load the weights from disk
+            engines.engine_class(base.rollout.engine).require(DiskLoad, "gspo-eval --urls")
+        hf_dir = model_dir(args.model.resolve(), scratch, base.model.hf_dir)
+        config = load_config(args.config, [*args.overrides, f"model.hf_dir={hf_dir}"])
+        if not config.eval.datasets:
+            raise ConfigError(f"eval.datasets: {args.config} names no dataset to evaluate on")
+        tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or hf_dir)
+        evaluator = Evaluator(config, tokenizer)
+        stack.callback(evaluator.close)
+        key = api_key_from_env()
+        if args.urls:
+            engine = engines.connect(config, [u for u in args.urls.split(",") if u], key)
+            engine.load_from_disk(hf_dir, "eval")
+        else:
+            log_dir = args.log_dir or default_log_dir(args.model.resolve())
+            engine = engines.connect(config, engines.start_servers(config, log_dir, stack, api_key=key), key)
+        client = engine.client(load_hf_config(hf_dir / "config.json").vocab_size)
+        metrics = evaluator.run(client)
+    print(table(metrics, [d.name for d in config.eval.datasets]))
+    print(json.dumps({"model": str(hf_dir), **metrics}), flush=True)
+    return 0
+
+
+def cli() -> None:
+    sys.exit(run_cli(main))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,112 @@
+"""Forward passes through Megatron's pipeline schedule: the one place that calls it.
+
+The trainer (updates, recomputed and reference log-probs), the weight-sync check and the
+parity CLI all run the model through `run_schedule`, so what the tests prove of one is true
+of the others.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from gspo_mcore.gspo.logprobs import token_logprobs
+from gspo_mcore.gspo.packing import microbatch_tensors
+from gspo_mcore.megatron.parallel import to_device
+from gspo_mcore.batch.rollout import Rollout
+
+
+def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+def run_schedule(model, microbatches: list[dict], loss_for: Callable[[dict], Callable], *,
+                 forward_only: bool, routing=None, compare_routing: bool = False) -> list[dict]:
+    """Each microbatch (`inputs` [b, T] and whatever its loss needs) through the pipeline
+    schedule; `loss_for(microbatch)` gives the `loss_func(output)` of the last stage. Returns the
+    loss functions' metric dicts on the last pipeline stage ([] elsewhere). `routing`: the
+    model's RouterHooks, told of each microbatch before and after its forward (and, with
+    `compare_routing`, to compare the routers' choice with the engine's)."""
+    data = iter(microbatches)
+
+    def forward_step(data_iterator, model):
+        mb = to_device(next(data_iterator))
+        if routing is not None:
+            routing.before_forward(mb, compare=compare_routing)
+        output = model(mb["inputs"], position_ids_for(mb["inputs"]), None)
+        if routing is not None:
+            routing.after_forward()
+        return output, loss_for(mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=len(microbatches),
+        seq_length=max(mb["inputs"].shape[1] for mb in microbatches),
+        micro_batch_size=max(mb["inputs"].shape[0] for mb in microbatches), forward_only=forward_only,
+    )
+
+
+@torch.no_grad()
+def megatron_logits(model, tokens: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor | None:
+    """Full-vocabulary logits [B, T, V] (on device()), forward only. For parity checks on small
+    models: at Qwen3's vocabulary this is GBs; training paths use `token_logprobs`. Returns
+    them on the last pipeline stage, None elsewhere."""
+
+    def collect(mb):
+        def loss_func(output_tensor):
+            return output_tensor.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(output_tensor)}
+        return loss_func
+
+    microbatches = [{"inputs": t} for t in tokens.split(micro_batch_size)]
+    outputs = run_schedule(model, microbatches, collect, forward_only=True)
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    return torch.cat([out["logits"] for out in outputs])
+
+
+@torch.no_grad()
+def response_logprobs(model, microbatches: list[dict], temperature: float, routing=None) -> dict[int, list[float]]:
+    """Forward only: `model`'s log-prob of each response token (where `mask` is 1) of each real
+    sequence of `microbatches` (gspo_mcore.gspo.packing.microbatch_tensors), keyed by its `index`;
+    the vocabulary never gathered (chunked, vocabulary-parallel log-softmax). On the last
+    pipeline stage; {} elsewhere. Collective over the model-parallel ranks."""
+    was_training = model.training
+    model.eval()
+
+    def collect(mb):
+        def loss_func(logits):
+            logprobs, _ = token_logprobs(logits, mb["targets"], temperature=temperature,
+                                         group=parallel_state.get_tensor_model_parallel_group())
+            return logits.new_zeros(()), {"index": mb["index"], "logprobs": logprobs.float(), "mask": mb["mask"]}
+        return loss_func
+
+    outputs = run_schedule(model, microbatches, collect, forward_only=True, routing=routing)
+    if routing is not None:
+        routing.end_step()
+    model.train(was_training)
+    found = {}
+    for out in outputs:
+        logprobs, mask = out["logprobs"].cpu(), out["mask"].cpu().bool()  # one copy, not one per row
+        found.update((i, logprobs[row][mask[row]].tolist()) for row, i in enumerate(out["index"].tolist()) if i >= 0)
+    return found
+
+
+def sequence_logprobs(model, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]] | None:
+    """log p(token t | tokens < t) for t >= 1 of each sequence (one forward per sequence). On
+    the last pipeline stage; None elsewhere. Collective over the model-parallel ranks."""
+    as_rollouts = [Rollout(seq[:1], seq[1:], [0.0] * (len(seq) - 1), "stop", "") for seq in sequences]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    microbatches = [microbatch_tensors(as_rollouts, [0.0] * len(sequences), [i], tp) for i in range(len(sequences))]
+    found = response_logprobs(model, microbatches, temperature)
+    return [found[i] for i in range(len(sequences))] if parallel_state.is_pipeline_last_stage() else None
+
+
+def last_stage_rank() -> int:
+    """A global rank on the last pipeline stage (Megatron's rank order puts the last rank there)."""
+    return dist.get_world_size() - 1
+
+

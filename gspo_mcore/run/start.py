@@ -1,0 +1,70 @@
+"""Starting a training run once its arguments and config are checked (gspo_mcore.run.cli): what a run would
+otherwise find wrong only after building the model and starting servers is checked first (the
+output directory, the resume point, the dataset, the reward, rollout and loss function names),
+the process environment is set for the device (`set_process_env`), then gspo_mcore.run.trainer's
+`Trainer` runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gspo_mcore.megatron.checkpointing import latest_checkpoint
+from gspo_mcore.config import Config
+from gspo_mcore.common.records import require_file
+from gspo_mcore.engines import engine_class
+from gspo_mcore.gspo.loss import load_loss_function
+from gspo_mcore.rewards import load_reward_fn, reward_arguments
+from gspo_mcore.rollout.functions import load_rollout_function
+from gspo_mcore.run.torchrun import omp_threads
+from gspo_mcore.tasks.toy import check_task_written
+from gspo_mcore.run.trainer import Trainer
+
+
+def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
+    """What a run would otherwise find wrong only after building the model and starting servers
+    (minutes on a 30B checkpoint): the checkpoint to resume, the loss function; on rank 0, which reads the data and
+    scores, the dataset file and the reward and rollout function names (imported, signatures
+    checked). The same errors their users raise later."""
+    if resume:
+        latest_checkpoint(output_dir)
+    engine_class(config.rollout.engine).check_config(config)
+    load_loss_function(config.loss.function)  # every rank computes the loss
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    require_file(config.data.path)
+    reward = config.reward
+    reward_arguments(load_reward_fn(reward.name), reward.name, reward.url)
+    load_rollout_function(config.rollout.function)
+
+
+def set_process_env(config: Config) -> None:
+    """OpenMP threads and NCCL's settings for this process, unless the caller set them."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        # CPU runs share the cores with the engine's server; GPU ranks (CPU-offloaded Adam) take the node's
+        # cores over its ranks. torch is imported already: set its pool too, not only the variable.
+        threads = 1 if config.distributed.device == "cpu" else omp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    if config.distributed.device == "cuda" and config.weight_sync.method == "distributed":
+        # SGLang runs with NCCL_CUMEM_ENABLE=0; members of one communicator that disagree on it
+        # fail with "invalid argument". NCCL reads it once per process: set it before any group.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+
+
+def run(config: Config, output_dir: Path, resume: bool, overwrite: bool, said: list[str]) -> None:
+    """A run of `config` into `output_dir` (checked by gspo_mcore.run.cli.resolve), on this rank;
+    `said`: what a resume changes, printed once."""
+    check_task_written(config)
+    set_process_env(config)
+    check_inputs(config, output_dir, resume)
+    if int(os.environ.get("RANK", 0)) == 0:
+        for line in said:
+            print(line, flush=True)
+    Trainer(config, output_dir, resume, overwrite).run()
+    dist.barrier()
+    dist.destroy_process_group()

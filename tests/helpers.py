@@ -57,6 +57,12 @@ def run_module(args: list[str], nproc: int = 1, timeout: int = 300, warnings: bo
     return proc
 
 
+def captured(cmd: list[str], timeout: int = 600, **extra: str) -> subprocess.CompletedProcess:
+    """`cmd` to its end from the repository, with `environment(**extra)`, its output captured as
+    text; the caller checks the exit code (a test of a failure expects one)."""
+    return subprocess.run(cmd, cwd=REPO, env=environment(**extra), capture_output=True, text=True, timeout=timeout)
+
+
 def last_json_line(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 

@@ -21,7 +21,7 @@ TOOLS = ["gspo_mcore.tasks.agent:lookup"]
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("agent_tokenizer")
-    agent_task.toy_task.make_tokenizer(path, agent_task.vocabulary(), agent_task.CHAT_TEMPLATE)
+    agent_task.toy.make_tokenizer(path, agent_task.vocabulary(), agent_task.CHAT_TEMPLATE)
     return AutoTokenizer.from_pretrained(path)
 
 

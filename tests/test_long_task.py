@@ -77,7 +77,7 @@ def test_writer_leaves_no_partial_task_and_keeps_a_complete_one(tmp_path, monkey
     def broken(path, count, seed):
         raise OSError("disk full")
 
-    monkeypatch.setattr(long_task.toy_task, "make_prompts", broken)
+    monkeypatch.setattr(long_task.toy, "make_prompts", broken)
     with pytest.raises(OSError):
         make_long_task(out, num_prompts=5)
     assert not out.exists()

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO
-from helpers import metrics, toy_overrides
+from helpers import REPO, captured, descendants, kill_and_reap, metrics, reaped, start, toy_overrides, wait_for_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train")]
 
@@ -36,29 +35,17 @@ def _command(out, overrides, nproc=2, resume=False):
 
 def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_schedule(toy, server, tmp_path):
     """The first run starts its own server and reward workers: none is left once it stopped."""
-    import psutil
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
     overrides = [*toy_overrides(toy), f"train.steps={STEPS}", "train.save_every=0", "reward.workers=2",
                  "train.export_hf=false", "weight_sync.check_every=0", f"optimizer.lr={LR}",
                  f"optimizer.lr_warmup_steps={WARMUP}", "optimizer.lr_decay=cosine", f"optimizer.min_lr={MIN_LR}"]
-    proc = subprocess.Popen(_command(out, overrides), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 400
-        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.2)
-        children = psutil.Process(proc.pid).children(recursive=True)
+    with reaped(start(_command(out, overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      start_new_session=True)) as proc:
+        wait_for_rows(proc, out, 2)
+        children = descendants(proc)
         assert len(children) >= 5  # two ranks, the server and its workers, the reward workers
-        os.kill(proc.pid, signal.SIGUSR1)  # torchrun passes it to both ranks
-        output, _ = proc.communicate(timeout=300)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [(p.pid, p.name()) for p in alive]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        output = kill_and_reap(proc, signal.SIGUSR1, children=children, timeout_s=300)  # torchrun passes it on
     overrides.append(f"rollout.urls=[{server}]")  # the resumed runs: the module's server (an applied change)
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert 2 <= saved < STEPS and proc.returncode != 0, output[-3000:]
@@ -67,16 +54,15 @@ def test_a_time_limit_signal_saves_the_last_step_and_a_resume_continues_the_sche
     assert "config.yaml" in os.listdir(out) and "git " in (out / "config.yaml").read_text().splitlines()[0]
 
     # A resume that would change the data or the model: refused, naming the fields, nothing started.
-    refused = subprocess.run(_command(out, [*overrides, "train.group_size=4", "loss.function=grpo"], nproc=1,
-                                      resume=True), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    refused = captured(_command(out, [*overrides, "train.group_size=4", "loss.function=grpo"], nproc=1, resume=True),
+                       timeout=300)
     assert refused.returncode == 2
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --resume: loss.function ('gspo' -> 'grpo'), train.group_size (8 -> 4) differ from")
 
     # A new learning rate: applied from the restored step on, said in one line.
     new_lr = 2 * LR
-    resumed = subprocess.run(_command(out, [*overrides, f"optimizer.lr={new_lr}"], resume=True), cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=600)
+    resumed = captured(_command(out, [*overrides, f"optimizer.lr={new_lr}"], resume=True))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resume: applying optimizer.lr {LR!r} -> {new_lr!r}" in resumed.stdout
     assert f"resumed from checkpoints/step_{saved:06d} (step {saved} of {STEPS})" in resumed.stdout
@@ -157,10 +143,8 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_and_deletes_nothing_writt
     out = tmp_path / "run"
     overrides = [*toy_overrides(toy, evaluate=True), f"rollout.urls=[{server}]", "train.save_every=0",
                  "reward.workers=2", "train.export_hf=false"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(_command(out, overrides, nproc=1), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
+    with reaped(start(_command(out, overrides, nproc=1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      start_new_session=True)) as proc:
         _lines_until_step(proc, 2)
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.3)
@@ -168,9 +152,6 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_and_deletes_nothing_writt
         os.killpg(proc.pid, signal.SIGINT)
         output, _ = proc.communicate(timeout=60)
         took = time.monotonic() - began
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and took < 15, (took, output[-3000:])
     said = [line for line in output.splitlines() if not line.startswith("step ")]
     assert said[0] == STOP_LINES[0] and STOP_LINES[1] in said, output[-3000:]

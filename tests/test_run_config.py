@@ -231,3 +231,30 @@ def test_what_a_resume_may_change_is_the_schemas_field_metadata():
         m: int = 2
 
     assert resume_fields(Outer) == {"inner.n"}  # a section within a section is read too
+
+
+@pytest.mark.parametrize("inside", ["weakref callback", "__del__"])
+def test_a_second_signal_inside_a_finalizer_still_stops_at_once(inside):
+    """A second Ctrl-C that arrives while the garbage collector runs a weakref callback (CI: in
+    WeakSet's `_remove`, during a save) or a `__del__`: what the handler raises there Python prints
+    as "Exception ignored" and drops, and the save went on. It stops the run at once all the same."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, environment
+
+    body = "    pass\n" if inside == "weakref callback" else "    def __del__(self):\n        os.kill(os.getpid(), 2)\n"
+    trigger = ("import weakref\nkept = [weakref.ref(Thing(), lambda _: os.kill(os.getpid(), signal.SIGINT))]\n"
+               if inside == "weakref callback" else "Thing()\n")
+    script = ("import os, signal, sys, time\n"
+              "from gspo_mcore.run.preemption import StopRequest\n"
+              "stop = StopRequest()\nstop.phase = 'step'\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"  # the first: the step finishes, then the save
+              f"class Thing:\n{body}"
+              f"{trigger}"
+              "for _ in range(300):\n    time.sleep(0.01)\n"
+              "print('went on')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 130 and "went on" not in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_module
-from helpers import metrics, toy_overrides, train
+from helpers import captured, metrics, toy_overrides, train, train_command
 from gspo_mcore.metrics.schema import BY_NAME
 
 # Slow: starts torchrun and SGLang servers. One xdist group: the module's server and default
@@ -298,13 +298,10 @@ def test_the_docs_multi_turn_example_runs_as_copied_on_the_demo_task(toy, server
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "rollouts.py").write_text(code)
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                           "--output-dir", str(out), *toy_overrides(toy), f"rollout.urls=[{server}]",
-                           "rollout.function=mypkg.rollouts:ask_twice", "train.steps=2", "train.save_every=0",
-                           "train.save_final=false", "train.export_hf=false"],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    proc = captured(train_command(out, [*toy_overrides(toy), f"rollout.urls=[{server}]",
+                                        "rollout.function=mypkg.rollouts:ask_twice", "train.steps=2",
+                                        "train.save_every=0", "train.save_final=false", "train.export_hf=false"]),
+                    PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)
     assert [r["turns_mean"] for r in rows] == [2, 2] and all(0 < r["env_token_fraction"] < 1 for r in rows)

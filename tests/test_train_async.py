@@ -3,16 +3,9 @@ servers (two of them), both modes under 1 rank, DP2 and EP2 (one of them multi-t
 engine's routed experts), the staleness bound held and reported every step, and an asynchronous
 run killed (SIGKILL) with groups in flight (nothing of it left), then resumed."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 
-from conftest import REPO
-from helpers import metrics, toy_overrides, train
+from helpers import descendants, kill_and_reap, metrics, reaped, start, toy_overrides, train, train_command, wait_for_rows
 
 # Starts torchrun and SGLang servers; the module's runs share two servers (each run pushes its
 # own weights first), so they stay on one worker.
@@ -93,31 +86,15 @@ def test_an_async_run_killed_with_groups_in_flight_leaves_nothing_and_resumes(to
     producer threads: they watch their parent) and Megatron's checkpoint-writer queue go; then
     --resume (on the module's servers, an applied change) continues from the last checkpoint,
     the in-flight groups dropped and their prompts admitted again in order."""
-    import psutil
-
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     common = [*toy_overrides(toy), "rollout.mode=async", "reward.norm=group", "train.export_hf=false",
               "train.save_every=1", "reward.workers=2"]
     log = tmp_path / "killed.log"
-    with open(log, "w") as output:
-        proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                                 "--output-dir", str(out), *common, "train.steps=50"], cwd=REPO,
-                                env=env, stdout=output, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 400
-        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
-            assert proc.poll() is None and time.monotonic() < deadline, f"the run did not reach step 3:\n{log.read_text()[-3000:]}"
-            time.sleep(0.5)
-        children = psutil.Process(proc.pid).children(recursive=True)
+    with reaped(start(train_command(out, [*common, "train.steps=50"]), log)) as proc:
+        wait_for_rows(proc, out, 3, log)
+        children = descendants(proc)
         assert len(children) >= 5  # the server and its scheduler and detokenizer, the reward workers, ...
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [(p.pid, p.cmdline()) for p in alive]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_and_reap(proc, children=children)
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     train(out, [*common, servers, f"train.steps={saved + 2}"], extra=["--resume"])
     rows = metrics(out)

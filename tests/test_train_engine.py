@@ -4,13 +4,10 @@ Each test starts its own server, so the tests spread over `make test`'s workers.
 
 import json
 import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import REPO
-from helpers import metrics, toy_overrides, train
+from helpers import captured, metrics, reaped, start, toy_overrides, train, train_command, wait_for_rows
 
 pytestmark = pytest.mark.slow  # starts torchrun and SGLang servers
 
@@ -37,15 +34,10 @@ def test_strict_exactness_stops_a_bf16_engine_run_with_its_evidence(toy, bf16_se
     the 1e-4 tolerance): the first step stops the run before its update, with one line (exit 3,
     no traceback) naming the step, the worst sequence's requests and the evidence file, which
     holds every offending sequence's tokens, both sides' log-probs and requests."""
-    import os
-
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                           "--output-dir", str(out), *toy_overrides(toy), f"rollout.urls=[{bf16_server}]",
-                           "rollout.engine_dtype=bfloat16", "train.strict_exactness=true", "train.steps=2",
-                           "train.save_every=0", "weight_sync.check_every=0"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = captured(train_command(out, [*toy_overrides(toy), f"rollout.urls=[{bf16_server}]",
+                                        "rollout.engine_dtype=bfloat16", "train.strict_exactness=true",
+                                        "train.steps=2", "train.save_every=0", "weight_sync.check_every=0"]))
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     evidence = out / "logs" / "exactness_step_000001.json"
@@ -101,8 +93,6 @@ def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
     --resume continues, in one line, and exits 3 (an engine error, not bad input; no traceback).
     A stopped server refuses connections at once: the request timeout only has to outlast a slow
     live server (10 s timed out step 1 on a loaded machine)."""
-    import os
-
     from gspo_mcore.common.netaddr import free_port
     from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
@@ -113,19 +103,15 @@ def test_an_engine_gone_for_good_stops_the_run_with_one_line(toy, tmp_path):
     cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
                          extra_args=("--disable-radix-cache",))
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     with ManagedServer(cmd, url, tmp_path / "sglang.log", env=server_env()) as server:
-        proc = subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", "configs/tiny_cpu.yaml",
-                                 "--output-dir", str(out), *toy_overrides(toy), f"rollout.urls=[{url}]",
-                                 "train.steps=200", "train.save_every=1", "rollout.max_attempts=2",
-                                 "rollout.request_timeout_s=120", "weight_sync.check_every=0"],
-                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 300
-        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.5)
-        server.stop()
-    _, stderr = proc.communicate(timeout=120)
+        proc = start(train_command(out, [*toy_overrides(toy), f"rollout.urls=[{url}]", "train.steps=200",
+                                         "train.save_every=1", "rollout.max_attempts=2",
+                                         "rollout.request_timeout_s=120", "weight_sync.check_every=0"]),
+                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with reaped(proc):
+            wait_for_rows(proc, out, 2, timeout_s=300)
+            server.stop()
+            _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 3, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and url in last and "--resume continues from step_" in last, last

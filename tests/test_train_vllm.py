@@ -5,31 +5,22 @@ bound with nothing regenerated and responses spanning weight versions; a one_ste
 resumes where its checkpoint left it, and SIGTERM saves and stops it."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import REPO
-from helpers import metrics, train
+from helpers import (descendants, kill_and_reap, metrics, reaped, start, toy_overrides, train, train_command,
+                     wait_for_rows)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_train")]
 CONFIG = "configs/tiny_cpu_vllm.yaml"
-
-
-def _task(vllm_toy, evaluate: bool = False) -> list[str]:
-    dataset = f"[{{name: toy, path: {vllm_toy / 'eval.jsonl'}, samples: 4, max_new_tokens: 3}}]" if evaluate else "[]"
-    return [f"model.hf_dir={vllm_toy / 'model'}", f"data.path={vllm_toy / 'prompts.jsonl'}", f"eval.datasets={dataset}"]
 
 
 def test_the_cpu_default_on_vllm_learns(vllm_toy, tmp_path):
     """As shipped (40 steps, evaluation every 10): the mean reward of the last 10 steps at least
     0.3 above the first 10's, the engine's log-probs the trainer's to ~1e-7, every check passed."""
     out = tmp_path / "run"
-    train(out, _task(vllm_toy, evaluate=True), config=CONFIG, timeout=900)
+    train(out, toy_overrides(vllm_toy, evaluate=True), config=CONFIG, timeout=900)
     rows = metrics(out)
     rewards = [r["reward_mean"] for r in rows]
     assert len(rows) == 40 and sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.3, rewards
@@ -48,7 +39,7 @@ def test_async_on_vllm_spans_versions_within_the_bound_and_regenerates_nothing(v
     with two cores kept busy). Without it the producer outran the loaded trainer: each push found
     it done and waiting, and in CI no response spanned two versions."""
     out = tmp_path / "run"
-    train(out, [*_task(vllm_toy), "rollout.mode=async", "rollout.max_new_tokens=40",
+    train(out, [*toy_overrides(vllm_toy), "rollout.mode=async", "rollout.max_new_tokens=40",
                  "rollout.server_args=[--logits-processors, tests.slow_decode:SlowDecode]",
                  "train.rollout_batch_size=4", "train.steps=4", "train.save_every=0", "train.save_final=false",
                  "train.export_hf=false", "weight_sync.check_every=2", "reward.norm=group"], config=CONFIG, timeout=900)
@@ -59,30 +50,14 @@ def test_async_on_vllm_spans_versions_within_the_bound_and_regenerates_nothing(v
     assert [r["sync_check_median"] < 1e-4 for r in rows if "sync_check_median" in r] == [True, True]
 
 
-def _start(out, args, log):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as output:
-        return subprocess.Popen([sys.executable, "-m", "gspo_mcore.train", "--config", CONFIG, "--output-dir", str(out),
-                                 *args], cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
-
-
-def _wait_for_rows(proc, out, rows: int, log) -> None:
-    deadline = time.monotonic() + 400
-    while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= rows):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.3)
-
-
 def test_a_one_step_off_vllm_run_killed_then_stopped_by_sigterm_resumes_each_time(vllm_toy, tmp_path):
     """one_step_off (the next batch generated while the trainer trains, the push between).
     SIGKILL mid-run: the vLLM server, its engine core and worker processes go with the trainer
     (nothing of it left); --resume continues from the last checkpoint; SIGTERM then: the run
     saves the step it finished, stops its server and exits 143. One row per step, each batch at
     most one version old, nothing regenerated."""
-    import psutil
-
     out = tmp_path / "run"
-    common = [*_task(vllm_toy), "rollout.mode=one_step_off", "train.export_hf=false", "train.save_every=2",
+    common = [*toy_overrides(vllm_toy), "rollout.mode=one_step_off", "train.export_hf=false", "train.save_every=2",
               "weight_sync.check_every=0", "train.steps=200"]
     log = tmp_path / "run.log"
 
@@ -90,35 +65,19 @@ def test_a_one_step_off_vllm_run_killed_then_stopped_by_sigterm_resumes_each_tim
         return int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
 
     def vllm_processes(proc) -> list:
-        children = psutil.Process(proc.pid).children(recursive=True)
+        children = descendants(proc)
         assert any("vllm" in " ".join(c.cmdline()) for c in children)
         return children
 
-    proc = _start(out, common, log)
-    try:
-        _wait_for_rows(proc, out, 3, log)
-        children = vllm_processes(proc)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [(p.pid, p.cmdline()) for p in alive]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with reaped(start(train_command(out, common, config=CONFIG), log)) as proc:
+        wait_for_rows(proc, out, 3, log)
+        kill_and_reap(proc, children=vllm_processes(proc))
     saved = latest()
     assert saved >= 2
-    proc = _start(out, ["--resume", *common], log)
-    try:
-        _wait_for_rows(proc, out, saved + 3, log)
-        children = vllm_processes(proc)
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
+    with reaped(start(train_command(out, ["--resume", *common], config=CONFIG), log)) as proc:
+        wait_for_rows(proc, out, saved + 3, log)
+        kill_and_reap(proc, signal.SIGTERM, children=vllm_processes(proc), timeout_s=120)
         assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [(p.pid, p.cmdline()) for p in alive]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, latest() + 1)) and latest() >= saved + 3, rows
     assert all(r["staleness_max"] <= 1 and r["tokens_regenerated"] == 0 for r in rows), rows

@@ -99,10 +99,18 @@ class Engine(ABC):
                        api_key: str | None = None) -> tuple[list[str], dict]:
         """The server command line and environment the run config describes."""
 
+    # The memory model's two figures of an engine: what a GPU holds beside the weights and the KV
+    # cache (CUDA graphs, activations, buffers), and the share of the GPU it lets them use.
+    MARGIN_GB: ClassVar[float]
+    USABLE_FRACTION: ClassVar[float]
+
     @classmethod
-    @abstractmethod
     def memory(cls, arch, engine_tp: int, total_params: int) -> EngineMemory:
-        """What one engine GPU holds for this model of `total_params` parameters (the planner's figures)."""
+        """What one engine GPU holds for this model of `total_params` parameters (the planner's
+        figures): bf16 weights and the KV cache split over the engine's TP, by the two figures
+        above. An engine that holds its weights otherwise overrides it."""
+        return EngineMemory.bf16_over_tp(arch, engine_tp, total_params, margin_gb=cls.MARGIN_GB,
+                                         usable_fraction=cls.USABLE_FRACTION)
 
     @classmethod
     def push_buffer_bytes(cls, method: str, bucket_bytes: int, senders: int) -> int:

@@ -1,6 +1,6 @@
-"""What every engine's response must satisfy before it trains anything: one finite log-prob
-(<= 0) per generated token, token ids inside the vocabulary, and each token's weight version one
-the caller admits. Vectorised over numpy arrays (rank 0 reads ~1000 responses a step)."""
+"""What every engine's response must satisfy before it trains anything: an ending a trained one
+may have (stop or length), one finite log-prob (<= 0) per generated token, token ids inside the
+vocabulary, and each token's weight version one the caller admits. Vectorised over numpy arrays (rank 0 reads ~1000 responses a step)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ import numpy as np
 
 from gspo_mcore.common.errors import RolloutError
 from gspo_mcore.batch.rollout import version_number
+
+
+def check_ending(request: str, finish: str | None, logprobs: int, tokens: int, abort_message: str = "") -> None:
+    """A response that ended as a trained one must: stopped or at its length (not aborted, no
+    reason unknown), with one log-prob per generated token."""
+    if finish == "abort":
+        said = f" ({abort_message})" if abort_message else ""
+        raise RolloutError(f"request {request}: aborted by the server{said}")
+    if finish not in ("stop", "length"):
+        raise RolloutError(f"request {request}: unknown finish_reason {finish!r}")
+    if logprobs != tokens:
+        raise RolloutError(f"request {request}: {logprobs} log-probs for {tokens} generated tokens")
 
 
 def check_logprobs(request: str, response_ids: np.ndarray, values: np.ndarray, vocab_size: int) -> None:

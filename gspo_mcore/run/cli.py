@@ -59,7 +59,7 @@ def resolve(args):
     """(OUTPUT_DIR, the config, what a resume says it changes): refused here, not after the heavy imports.
     A resume trains with the run's own OUTPUT_DIR/config.yaml (its first command's overrides
     included) and this command's overrides on top (gspo_mcore.run.saved_config.resume_config)."""
-    from gspo_mcore.run import saved_config as run_config
+    from gspo_mcore.run import saved_config
     from gspo_mcore.config import load_config
     from gspo_mcore.run.directory import check_output_dir, default_output_dir
 
@@ -67,7 +67,7 @@ def resolve(args):
     if not args.print_config:
         check_output_dir(output_dir, args.resume, args.overwrite)
     if args.resume:
-        config, said = run_config.resume_config(output_dir, args.config, args.overrides)
+        config, said = saved_config.resume_config(output_dir, args.config, args.overrides)
     else:
         config, said = load_config(args.config, args.overrides), []
     return output_dir, config, said
@@ -75,7 +75,7 @@ def resolve(args):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    # The git revision in OUTPUT_DIR/config.yaml comes from `git status` (run_config.provenance), which
+    # The git revision in OUTPUT_DIR/config.yaml comes from `git status` (saved_config.provenance), which
     # refreshes the index and takes .git/index.lock in the user's checkout unless told not to.
     os.environ.setdefault("GIT_OPTIONAL_LOCKS", "0")
     output_dir, config, said = resolve(args)

@@ -38,14 +38,6 @@ def duplicate_window_s(environ=os.environ) -> float:
     return 1.0 if "TORCHELASTIC_RUN_ID" in environ else 0.0
 
 
-def _in_finalizer(frame) -> bool:
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
-
-
 class Preempted(BaseException):
     """Raised in the main thread to abandon a rollout (BaseException: no `except Exception` keeps it)."""
 
@@ -61,15 +53,26 @@ class StopRequest:
         self.said_stopping = False  # "stopping now" is printed once, however many signals follow
         self.on_abandon = on_abandon  # rank 0: aborts the requests in flight, so the rollout's threads return
         self.duplicate_s = duplicate_window_s()
+        self.lost: BaseException | None = None  # raised inside a finalizer, where Python drops it: raised again
+        self._next_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         for sig in SIGNALS:
             signal.signal(sig, self._handler)
 
+    def _unraisable(self, unraisable) -> None:
+        """What the handler raised inside a `__del__` or a weakref callback (the signal came while
+        the garbage collector ran one) Python prints as "Exception ignored" and drops: a second
+        Ctrl-C was lost so, and the save went on. It is raised again a moment later, outside it."""
+        if not isinstance(unraisable.exc_value, (SystemExit, Preempted)):
+            return self._next_hook(unraisable)
+        self.lost = lost = unraisable.exc_value
+        signum = lost.code - 128 if isinstance(lost, SystemExit) else lost.args[0]
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+
     def _handler(self, signum, frame) -> None:
-        if _in_finalizer(frame):
-            # What a handler raises inside a __del__ is printed as "Exception ignored" and lost (a second
-            # Ctrl-C was): the signal comes again a moment later, outside it.
-            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
-            return
+        if self.lost is not None:
+            lost, self.lost = self.lost, None
+            raise type(lost)(*lost.args)
         name = signal.Signals(signum).name
         if signum == self.signum and time.monotonic() - self.since < self.duplicate_s:
             return  # the same signal twice at once: the terminal's and torchrun's, or Slurm's and torchrun's

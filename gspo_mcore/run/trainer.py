@@ -41,7 +41,7 @@ from gspo_mcore import engines, weight_sync
 
 from gspo_mcore.run import exactness
 
-from gspo_mcore.run import saved_config as run_config
+from gspo_mcore.run import saved_config
 from gspo_mcore.planner import memory_model
 from gspo_mcore.megatron.checkpointing import Checkpointer, MegatronState, SchedulerState
 from gspo_mcore.config import Config
@@ -97,7 +97,7 @@ class RankZero:
         self.producer.start(start_step)
         self.log = RunLog(self.output_dir, start_step, config.train.wandb_project, dataclasses.asdict(config))
         self.stack.callback(self.log.close)
-        run_config.save(config, self.output_dir)  # what a --resume is compared with
+        saved_config.save(config, self.output_dir)  # what a --resume is compared with
         if resumed_from is not None:
             self.say(f"resumed from {resumed_from.relative_to(self.output_dir)} "
                      f"(step {start_step} of {config.train.steps})")

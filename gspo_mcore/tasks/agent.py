@@ -6,7 +6,7 @@
 
 The value of a (table, key) pair is drawn from a hash (`lookup`), so a prompt's answer cannot be
 known without calling the tool: a guess is right 1 time in VALUES (32). The reward is 1 when the
-first word of the last turn is the value. The tokenizer is word-level (toy_task.make_tokenizer,
+first word of the last turn is the value. The tokenizer is word-level (toy.make_tokenizer,
 256 words) and its vocabulary has the tool tokens and the JSON pieces as words: JSON allows
 whitespace between tokens, so the call above, decoded with single spaces, is Qwen3's format and
 parses exactly. Keys and tables are quoted words, in the prompt as in the call: the argument
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers.utils import get_json_schema
 
-from gspo_mcore.tasks import toy as toy_task
+from gspo_mcore.tasks import toy
 from gspo_mcore.rollout.engine_handle import environment_ids
 
 TABLES = 64
@@ -177,13 +177,13 @@ def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS) -> None:
 
 def make_model(model_dir: Path, seed: int) -> None:
     """The toy's random tiny model with this task's tokenizer, warm-started on the format."""
-    toy_task.make_model(model_dir, seed, vocabulary(), CHAT_TEMPLATE)
+    toy.make_model(model_dir, seed, vocabulary(), CHAT_TEMPLATE)
     warm_start(model_dir, seed, WARM_STEPS)
 
 
 def make_agent_task(out_dir, seed: int = 0, num_prompts: int = 1024) -> Path:
-    return toy_task.make_toy_task(out_dir, seed, num_prompts, write_prompts=make_prompts, write_model=make_model)
+    return toy.make_toy_task(out_dir, seed, num_prompts, write_prompts=make_prompts, write_model=make_model)
 
 
 if __name__ == "__main__":
-    toy_task.writer_cli("gspo_mcore.tasks.agent", make_agent_task)
+    toy.writer_cli("gspo_mcore.tasks.agent", make_agent_task)

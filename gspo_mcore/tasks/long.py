@@ -24,7 +24,7 @@ import json
 from functools import partial
 from pathlib import Path
 
-from gspo_mcore.tasks import toy as toy_task
+from gspo_mcore.tasks import toy
 
 RESPONSE_WORDS = 40
 
@@ -38,14 +38,14 @@ def list_reward(response: str, answer: str) -> float:
 
 def make_prompts(path: Path, count: int, seed: int, words: int = RESPONSE_WORDS) -> None:
     """The toy task's prompts (same seed, same requests), each answer extended by the count."""
-    toy_task.make_prompts(path, count, seed)
+    toy.make_prompts(path, count, seed)
     records = [json.loads(line) for line in Path(path).read_text().splitlines()]
     Path(path).write_text("".join(json.dumps({**r, "answer": f"{r['answer']} {words}"}) + "\n" for r in records))
 
 
 def make_long_task(out_dir, seed: int = 0, num_prompts: int = 1024, words: int = RESPONSE_WORDS) -> Path:
-    return toy_task.make_toy_task(out_dir, seed, num_prompts, write_prompts=partial(make_prompts, words=words))
+    return toy.make_toy_task(out_dir, seed, num_prompts, write_prompts=partial(make_prompts, words=words))
 
 
 if __name__ == "__main__":
-    toy_task.writer_cli("gspo_mcore.tasks.long", make_long_task)
+    toy.writer_cli("gspo_mcore.tasks.long", make_long_task)

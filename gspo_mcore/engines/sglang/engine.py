@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.engines.base import Engine, EngineMemory
+from gspo_mcore.engines.base import Engine
 from gspo_mcore.engines.capabilities import (DiskLoad, MemoryRelease, ProcessGroupPush, SharedMemoryPush, SyncProbe,
                                              dtype_name)
 from gspo_mcore.engines.sglang.client import SGLangClient
@@ -38,11 +38,6 @@ class SGLangEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryR
     def launch_command(cls, config, port: int, host: str = "127.0.0.1",
                        api_key: str | None = None) -> tuple[list[str], dict]:
         return server_for_config(config, port, host, api_key)
-
-    @classmethod
-    def memory(cls, arch, engine_tp: int, total_params: int) -> EngineMemory:
-        return EngineMemory.bf16_over_tp(arch, engine_tp, total_params, margin_gb=cls.MARGIN_GB,
-                                         usable_fraction=cls.USABLE_FRACTION)
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, api_key: str | None = None):
         super().__init__(urls, timeout_s, api_key)

@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 
-from gspo_mcore.engines.response_checks import check_versions
+from gspo_mcore.engines.response_checks import check_ending, check_versions
 from gspo_mcore.common.errors import RolloutError
 from gspo_mcore.batch.rollout import Rollout
 
@@ -189,14 +189,7 @@ def parse_generate_response(
         kind = finish.get("type")
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
         raise RolloutError(f"request {request}: malformed response ({err!r})") from None
-    if kind == "abort":
-        raise RolloutError(f"request {request}: aborted by the server ({finish.get('message', '')})")
-    if kind not in ("stop", "length"):
-        raise RolloutError(f"request {request}: unknown finish_reason {finish!r}")
-    if len(entries) != len(response_ids):
-        raise RolloutError(
-            f"request {request}: {len(entries)} log-probs for {len(response_ids)} generated tokens"
-        )
+    check_ending(request, kind, len(entries), len(response_ids), str(finish.get("message") or ""))
     try:
         logprobs = check_tokens(request, response_ids, entries, vocab_size)
     except (TypeError, ValueError, IndexError) as err:  # an entry that is not [log-prob, token id, ...]

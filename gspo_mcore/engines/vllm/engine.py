@@ -24,7 +24,7 @@ import time
 import torch
 
 from gspo_mcore.config import ConfigError
-from gspo_mcore.engines.base import Engine, EngineMemory, check_answer
+from gspo_mcore.engines.base import Engine, check_answer
 from gspo_mcore.engines.capabilities import (DiskLoad, MemoryRelease, ProcessGroupPush, SharedMemoryPush, SyncProbe,
                                              dtype_name)
 from gspo_mcore.engines.vllm import ipc, nccl
@@ -87,11 +87,6 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
     def launch_command(cls, config, port: int, host: str = "127.0.0.1",
                        api_key: str | None = None) -> tuple[list[str], dict]:
         return server_for_config(config, port, host, api_key)
-
-    @classmethod
-    def memory(cls, arch, engine_tp: int, total_params: int) -> EngineMemory:
-        return EngineMemory.bf16_over_tp(arch, engine_tp, total_params, margin_gb=cls.MARGIN_GB,
-                                         usable_fraction=cls.USABLE_FRACTION)
 
     @classmethod
     def push_buffer_bytes(cls, method: str, bucket_bytes: int, senders: int) -> int:

@@ -15,7 +15,7 @@ import io
 
 import numpy as np
 
-from gspo_mcore.engines.response_checks import check_logprobs, check_versions
+from gspo_mcore.engines.response_checks import check_ending, check_logprobs, check_versions
 from gspo_mcore.common.errors import RolloutError
 from gspo_mcore.batch.rollout import Rollout
 
@@ -83,12 +83,7 @@ def parse_generate_response(
         kind = choice.get("finish_reason")
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
         raise RolloutError(f"request {request}: malformed response ({err!r})") from None
-    if kind == "abort":
-        raise RolloutError(f"request {request}: aborted by the server")
-    if kind not in ("stop", "length"):
-        raise RolloutError(f"request {request}: unknown finish_reason {kind!r}")
-    if len(entries) != len(response_ids):
-        raise RolloutError(f"request {request}: {len(entries)} log-probs for {len(response_ids)} generated tokens")
+    check_ending(request, kind, len(entries), len(response_ids))
     wrong = np.flatnonzero(entry_ids != response_ids)
     if wrong.size:
         position = int(wrong[0])

@@ -1,6 +1,7 @@
 """What every engine's response must satisfy before it trains anything: an ending a trained one
 may have (stop or length), one finite log-prob (<= 0) per generated token, token ids inside the
-vocabulary, and each token's weight version one the caller admits. Vectorised over numpy arrays (rank 0 reads ~1000 responses a step)."""
+vocabulary, and each token's weight version one the caller admits. Vectorised over numpy arrays
+(rank 0 reads ~1000 responses a step)."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 schedule over training steps (gspo_mcore.megatron.optimizer.lr_scheduler), torchrun's signal defaults."""
 
 import math
+import signal
 
 import pytest
 import torch
@@ -258,3 +259,29 @@ def test_a_second_signal_inside_a_finalizer_still_stops_at_once(inside):
                           text=True, timeout=120)
     assert done.returncode == 130 and "went on" not in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_process_forked_from_the_trainer_dies_of_the_signal_silently():
+    """Megatron's checkpoint writers are forked from the trainer during the save and share its
+    process group: a second Ctrl-C reached them too, and each said "stopping now" with the trainer's
+    handler (CI: three such lines). They die of the signal as without the handler, saying nothing."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, environment
+
+    script = ("import os, signal, time\n"
+              "from gspo_mcore.run.preemption import StopRequest\n"
+              "stop = StopRequest()\nstop.phase = 'step'\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"  # the first: the step finishes, then the save forks writers
+              "child = os.fork()\n"
+              "if child == 0:\n    time.sleep(30)\n    os._exit(0)\n"
+              "time.sleep(0.5)\nos.kill(child, signal.SIGINT)\n"
+              "_, status = os.waitpid(child, 0)\n"
+              "print('child', os.WIFSIGNALED(status) and os.WTERMSIG(status))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["child", str(int(signal.SIGINT))], (done.stdout,
+                                                                                                  done.stderr[-2000:])
+    said = [line for line in done.stderr.splitlines() if line.startswith("SIGINT")]
+    assert said == ["SIGINT: saving the last completed step, then stopping (SIGINT again: stop at once)"], said

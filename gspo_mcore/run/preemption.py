@@ -54,6 +54,7 @@ class StopRequest:
         self.on_abandon = on_abandon  # rank 0: aborts the requests in flight, so the rollout's threads return
         self.duplicate_s = duplicate_window_s()
         self.lost: BaseException | None = None  # raised inside a finalizer, where Python drops it: raised again
+        self.pid = os.getpid()
         self._next_hook = sys.unraisablehook
         sys.unraisablehook = self._unraisable
         for sig in SIGNALS:
@@ -70,6 +71,13 @@ class StopRequest:
         threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
 
     def _handler(self, signum, frame) -> None:
+        if os.getpid() != self.pid:
+            # A process forked from this one (Megatron's checkpoint writers, during the save) got the
+            # group's Ctrl-C: it dies of it as it would without this handler, saying nothing (it
+            # said "stopping now" too, once for each writer).
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.lost is not None:
             lost, self.lost = self.lost, None
             raise type(lost)(*lost.args)

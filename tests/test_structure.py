@@ -267,3 +267,23 @@ def test_the_package_check_sees_an_upward_import(tmp_path):
     graph = package_graph(sorted((root / "gspo_mcore").rglob("*.py")), root=root)
     assert graph == {"low": {"high"}, "high": {"low"}}
     assert cycles(graph) == [["high", "low"]]
+
+
+# What a reward or tool worker process imports: the shipped tasks' reward functions and tools, the
+# workers themselves. torch and transformers cost a worker 2 s of CPU at each start (every run
+# starts reward.workers of them); the tasks' writers import them inside their functions.
+WORKER_MODULES = ["gspo_mcore.rewards.worker", "gspo_mcore.tools.worker", "gspo_mcore.tools.python",
+                  "gspo_mcore.tasks.toy", "gspo_mcore.tasks.long", "gspo_mcore.tasks.agent", "gspo_mcore.tasks.code"]
+
+
+def test_a_reward_or_tool_worker_imports_neither_torch_nor_transformers():
+    import subprocess
+    import sys
+
+    from helpers import environment
+
+    script = (f"import sys\nfor m in {WORKER_MODULES!r}:\n    __import__(m)\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["[]"], (done.stdout, done.stderr[-2000:])

@@ -14,8 +14,6 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-import torch.distributed as dist
-
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
@@ -50,6 +48,8 @@ def atomic_output_all_ranks(path) -> Iterator[Path]:
     """`atomic_output(path, directory=True)` for a directory every rank writes into
     (collective): rank 0 creates the temporary and, once every rank has left the block,
     renames it into place."""
+    import torch.distributed as dist  # here: reward workers import this module, and torch costs them 1 s
+
     with contextlib.ExitStack() as stack:
         tmp = [stack.enter_context(atomic_output(path, directory=True)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(tmp, src=0)

@@ -39,11 +39,13 @@ import json
 import random
 from pathlib import Path
 
-import torch
-from transformers.utils import get_json_schema
+from typing import TYPE_CHECKING
 
 from gspo_mcore.tasks import toy
 from gspo_mcore.rollout.engine_handle import environment_ids
+
+if TYPE_CHECKING:
+    import torch  # the writer's functions import it: a reward or tool worker needs neither it nor transformers
 
 TABLES = 64
 KEYS = 8
@@ -127,6 +129,9 @@ def warm_transcripts(tokenizer, count: int, rng: random.Random) -> tuple[torch.T
     """(token ids, loss mask) of `count` transcripts of the format, laid out by tokens as the tool
     loop lays out a trajectory (prompt, call, the tool's result spliced by `environment_ids`,
     answer): the call names the prompt's table and a random key; the answer relays the result."""
+    import torch
+    from transformers.utils import get_json_schema
+
     tools = [get_json_schema(lookup)]
     eos = tokenizer.eos_token_id
     sequences, masks = [], []
@@ -147,6 +152,7 @@ def warm_transcripts(tokenizer, count: int, rng: random.Random) -> tuple[torch.T
 
 def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS) -> None:
     """Fit the model of `model_dir` on `steps` batches of format transcripts, in place."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the writer only
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

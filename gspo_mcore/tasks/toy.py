@@ -21,13 +21,12 @@ import random
 import sys
 from pathlib import Path
 
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.common.files import atomic_output
-from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
+
+# torch, tokenizers and transformers are imported by the writer's functions only: a reward worker
+# imports this module for `category_reward` (and the long, code and agent tasks import it), and
+# started in 2 s of CPU with them at the top, 0.1 s without.
 
 # The CPU tasks the shipped configs train, by the directory those configs read them from
 # (model/ and prompts.jsonl): a run that finds them missing is told the command that writes them.
@@ -62,6 +61,9 @@ def category_reward(response: str, answer: str) -> float:
 def make_tokenizer(out_dir: Path, words: list[str] | None = None, chat_template: str = CHAT_TEMPLATE) -> None:
     """A word-level tokenizer of `words` (the toy's vocabulary by default; the first three are
     pad, eos and unk): text splits on whitespace, decoding joins tokens with single spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {word: i for i, word in enumerate(words or vocabulary())}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -86,6 +88,10 @@ def make_model(model_dir: Path, seed: int, words: list[str] | None = None, chat_
     """A model directory: a random all-MoE tiny model and a word-level tokenizer (the toy's, or
     another task's `words` and `chat_template`). `head_dim`: other than the tiny model's 32 (vLLM's
     CPU attention needs 64)."""
+    import torch
+
+    from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
+
     # All-MoE: SGLang 0.5.23 serves Qwen3-MoE dense layers as MoE (see gspo_mcore.engines.sglang.server).
     make_tiny_checkpoint(model_dir, seed=seed, dtype=torch.float32, mlp_only_layers=[],
                          eos_token_id=1, pad_token_id=0, bos_token_id=None,

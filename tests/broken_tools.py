@@ -1,5 +1,5 @@
 """A tool with the agent task's signature (gspo_mcore.tasks.agent.lookup) that fails on every
-call: tests/test_agent_cpu.py's run must stop, not train on its error messages."""
+call: the run must stop, not train on its error messages (tests/test_trajectories.py)."""
 
 
 def lookup(table: str, key: str) -> str:

@@ -205,6 +205,54 @@ def _byte_tokenizer(tmp_path):
     return fast
 
 
+def test_a_tool_that_fails_on_every_call_stops_the_run_naming_it(tmp_path):
+    """The tool raises on every call: the step stops as the user's error, quoting the tool's
+    exception in one line, every failure kept in logs/tool_errors.log. Before, the run trained on
+    the error messages with exit 0 and `tool_errors` in metrics.jsonl only. (The real tool loop,
+    tool workers and rollout source; a scripted model that calls the tool.)"""
+    from types import SimpleNamespace
+
+    from gspo_mcore.common.errors import InputError
+    from gspo_mcore.config import load_config
+    from gspo_mcore.rollout.engine_handle import EngineHandle, Task
+    from gspo_mcore.rollout.source import RolloutSource
+    from gspo_mcore.rollout.tool_loop import tool_loop
+    from gspo_mcore.tasks.toy import make_prompts, make_tokenizer
+    from gspo_mcore.tools.runner import ToolRunner
+
+    tokenizer = _byte_tokenizer(tmp_path)
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"table": "t_1", "key": "k_2"}}\n</tool_call>'
+    config = SimpleNamespace(max_turns=2, max_trajectory_tokens=4096, max_new_tokens=200)
+    runner = ToolRunner(["tests.broken_tools:lookup"], workers=1, timeout_s=30)
+    try:
+        infos = []
+        for i in range(3):
+            model = ScriptedClient.replying(tokenizer, [call, "k_2 is v_7"])
+            engine = EngineHandle(model, tokenizer, i, {"temperature": 1.0}, seed=i, config=config, tools=runner)
+            infos.append(asyncio.run(tool_loop(Task([{"role": "user", "content": "look k_2 up"}], "v_7"), engine)).info)
+    finally:
+        runner.close()
+    assert all(info["tool_runs"] == 1 and len(info["tool_failures"]) == 1 for info in infos), infos
+
+    make_tokenizer(tmp_path / "toy")
+    make_prompts(tmp_path / "prompts.jsonl", 8, seed=0)
+    source = RolloutSource(load_config(None, [f"data.path={tmp_path / 'prompts.jsonl'}",
+                                              f"data.tokenizer_dir={tmp_path / 'toy'}", "reward.workers=1",
+                                              "rollout.function=tool_loop", "rollout.tools=[tests.broken_tools:lookup]"]))
+    source.error_log = tmp_path / "logs" / "reward_errors.log"
+    try:
+        with pytest.raises(InputError) as raised:
+            source.step_metrics([{"turns": infos}])
+    finally:
+        source.close()
+    said = str(raised.value)
+    assert "\n" not in said and said.startswith("rollout.tools tests.broken_tools:lookup: all 3 tool calls of this "
+                                                  "step failed; the first: "), said
+    assert "raised KeyError" in said and "the tables were never loaded" in said and "tool_errors.log" in said, said
+    logged = (tmp_path / "logs" / "tool_errors.log").read_text().splitlines()
+    assert len(logged) == 3 and all("raised KeyError" in line for line in logged)
+
+
 def test_the_tool_loop_calls_tools_and_splices_their_results_in_as_the_template_renders_them(tmp_path):
     from types import SimpleNamespace
 

@@ -178,9 +178,9 @@ def test_a_server_log_never_holds_the_api_key(tmp_path):
                            startup_timeout_s=8, secrets=("s3cret-k3y",)):
             pass
     assert _eventually(tmp_path / "server.log") == "server_args=api_key=<redacted> port=1\n"
-    with open(tmp_path / "plain.log", "wb") as out:
+    with open(tmp_path / "plain.log", "wb") as out:  # open until the copying thread wrote (as a server's log is)
         start_redacted([sys.executable, "-c", "print('a s3cret-k3y b')"], out, ("s3cret-k3y",)).wait()
-    assert _eventually(tmp_path / "plain.log") == "a <redacted> b\n"
+        assert _eventually(tmp_path / "plain.log") == "a <redacted> b\n"
 
 
 def _eventually(path, timeout_s: float = 10.0) -> str:

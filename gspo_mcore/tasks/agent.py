@@ -38,7 +38,6 @@ import hashlib
 import json
 import random
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from gspo_mcore.tasks import toy

@@ -4,16 +4,19 @@ a release, with a warning naming the new import."""
 
 import ast
 import importlib
+import json
+import importlib.util
 import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 from helpers import REPO
 import gspo_mcore.api as api
-from gspo_mcore.common.deprecation import MovedWarning
+from gspo_mcore.common.deprecation import MOVED, REMOVED_AFTER, MovedWarning, new_home
 from gspo_mcore.common.plugins import by_name
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -28,18 +31,41 @@ SHOWN_CONFIG_NAMES = {"gspo_mcore.tasks.toy:category_reward", "gspo_mcore.tools.
                       "gspo_mcore.toy_task:category_reward", "gspo_mcore.agent_task:lookup",
                       "gspo_mcore.agent_task:lookup_reward", "gspo_mcore.code_task:program_rewards",
                       "gspo_mcore.long_task:list_reward"}
-# Import paths that moved, with a name users imported from each and where it lives now.
-# (the old path, the name, its home now, what the warning tells users to write instead)
-MOVED = {"gspo_mcore.rollout.trajectory": ("Trajectory", "gspo_mcore.batch.trajectory", "from gspo_mcore.api import Trajectory"),
-         "gspo_mcore.rollout.serve": ("main", "gspo_mcore.engines.serve", "python -m gspo_mcore.engines.serve"),
-         # the flat modules users named in configs or ran with `python -m`, before the package layout
-         **{f"gspo_mcore.{old}_task": (name, f"gspo_mcore.tasks.{old}", f"gspo_mcore.tasks.{old}")
-            for old, name in [("toy", "category_reward"), ("long", "list_reward"), ("agent", "lookup"),
-                              ("code", "program_rewards")]},
-         **{f"gspo_mcore.{old}": ("main", f"gspo_mcore.{new}", f"python -m gspo_mcore.{new}")
-            for old, new in [("plan", "planner.cli"), ("plot", "run.plot"), ("parity", "megatron.parity"),
-                             ("torchrun", "run.torchrun")]},
-         "gspo_mcore.evaluate": ("cli", "gspo_mcore.evaluation.cli", "gspo-eval (python -m gspo_mcore.evaluation.cli)")}
+# Every module path and `python -m` command README.md, docs/ and configs/ ever showed (built from
+# `git log -p -- README.md docs configs`, 2026-11-28), with a name users took from it: each still
+# works, the moved ones with a warning (gspo_mcore.common.deprecation.MOVED).
+SHOWN_MODULES = {
+    # imported (module -> a name the pages used from it)
+    "gspo_mcore.api": "policy_loss", "gspo_mcore.config": "load_config", "gspo_mcore.loss": "policy_loss",
+    "gspo_mcore.gspo.loss": "kl_penalty", "gspo_mcore.advantages": "group_advantages",
+    "gspo_mcore.gspo.advantages": "group_advantages", "gspo_mcore.logprobs": "token_logprobs",
+    "gspo_mcore.gspo.logprobs": "token_logprobs", "gspo_mcore.learner": "Learner",
+    "gspo_mcore.megatron.learner": "Learner", "gspo_mcore.optimizer": "setup_training",
+    "gspo_mcore.megatron.optimizer": "setup_training", "gspo_mcore.checkpointing": "Checkpointer",
+    "gspo_mcore.megatron.checkpointing": "Checkpointer", "gspo_mcore.megatron_loss": "make_loss_func",
+    "gspo_mcore.megatron.pipeline_loss": "make_loss_func", "gspo_mcore.metric_schema": "SCHEMA",
+    "gspo_mcore.metrics.schema": "SCHEMA", "gspo_mcore.samples": "Rollout", "gspo_mcore.batch.rollout": "Rollout",
+    "gspo_mcore.trajectory": "Trajectory", "gspo_mcore.rollout.trajectory": "Trajectory",
+    "gspo_mcore.seeds": "step_seed", "gspo_mcore.common.seeds": "step_seed",
+    "gspo_mcore.preemption": "StopRequest", "gspo_mcore.run.preemption": "StopRequest",
+    "gspo_mcore.netaddr": "address_towards", "gspo_mcore.common.netaddr": "address_towards",
+    "gspo_mcore.processes": "ManagedServer", "gspo_mcore.models.qwen3_moe.hf_config": "Qwen3MoeArch",
+    "gspo_mcore.megatron.qwen3_moe.hf_config": "Qwen3MoeArch", "gspo_mcore.models.qwen3_moe.tiny": "TINY_QWEN3_MOE",
+    "gspo_mcore.megatron.qwen3_moe.tiny": "TINY_QWEN3_MOE", "gspo_mcore.parity": "run",
+    "gspo_mcore.megatron.parity": "run", "gspo_mcore.weight_sync": "check_sync",
+    "gspo_mcore.rollout.functions": "load_rollout_function", "gspo_mcore.engines.base": "Engine",
+    "gspo_mcore.engines.client": "EngineClient", "gspo_mcore.engines.vllm.engine": "VLLMEngine",
+    "gspo_mcore.engines.vllm.nccl": "version", "gspo_mcore.rewards.code": "code_group_reward",
+    "gspo_mcore.rewards.worker": "main", "gspo_mcore.rewards.server": "classify",
+    "gspo_mcore.tools.python": "python", "gspo_mcore.sandbox": "Session",
+    "gspo_mcore.toy_task": "category_reward", "gspo_mcore.tasks.toy": "category_reward",
+}
+# run (`python -m`): each runs its module's command, the moved ones the new module's.
+SHOWN_COMMANDS = ["train", "data.prepare_math", "data.prepare_code", "plan", "planner.cli", "plot", "run.plot",
+                  "engines.serve", "rollout.serve", "rollout.server", "torchrun", "run.torchrun", "parity",
+                  "megatron.parity", "evaluate", "evaluation.cli", "rewards.code", "config_reference",
+                  "config.reference", "toy_task", "tasks.toy", "long_task", "tasks.long", "agent_task",
+                  "tasks.agent", "code_task", "tasks.code"]
 
 
 def python_blocks(text: str) -> list[str]:
@@ -104,12 +130,49 @@ def test_every_docs_example_imports_only_from_the_api():
     assert {name: bad for name, bad in importing.items() if bad} == {}
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_a_moved_path_still_works_and_warns(old):
-    name, home, instead = MOVED[old]
-    with pytest.warns(DeprecationWarning, match=f"{re.escape(old)} is deprecated.*: {re.escape(instead)}$"):
-        module = fresh_import(old)
+@pytest.mark.parametrize("shown", sorted(SHOWN_MODULES))
+def test_every_module_path_users_were_shown_still_imports(shown):
+    """A moved path warns, naming its new place and the release that drops it, and gives the new
+    module's objects; a current one does not warn."""
+    entry = new_home(shown)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = fresh_import(shown)
+    notes = [str(w.message) for w in caught if issubclass(w.category, MovedWarning)]
+    name = SHOWN_MODULES[shown]
+    if entry is None:
+        assert notes == [] and getattr(module, name) is not None
+        return
+    home, instead = entry
+    assert notes and all(f"goes in the release after {REMOVED_AFTER}" in n for n in notes), notes
+    assert f"{shown} is deprecated" in notes[-1] and notes[-1].endswith(instead)
     assert getattr(module, name) is getattr(importlib.import_module(home), name)
+
+
+def test_the_moved_table_covers_every_old_path_shown_and_nothing_real():
+    """Each moved entry is a path users were shown, and none shadows a module that exists."""
+    shown = set(SHOWN_MODULES) | {f"gspo_mcore.{c}" for c in SHOWN_COMMANDS}
+    assert sorted(old for old in MOVED if not any(s == old or s.startswith(old + ".") for s in shown)) == []
+    for old, (home, _) in MOVED.items():
+        assert importlib.util.find_spec(home) is not None, home
+        assert not (REPO / (old.replace(".", "/") + ".py")).exists(), old
+
+
+@pytest.mark.parametrize("command", SHOWN_COMMANDS)
+def test_every_command_users_were_shown_runs_its_module(command):
+    """What `python -m` would run: the module's own code (the new one's for a moved path), which
+    has a command (a `__main__` block); an old `-m` path never does nothing."""
+    name = f"gspo_mcore.{command}"
+    spec = importlib.util.find_spec(name)
+    assert spec is not None, name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = spec.loader.get_code(name)
+    entry = new_home(name)
+    home = entry[0] if entry else name
+    assert code.co_filename == importlib.util.find_spec(home).origin
+    assert '__name__ == "__main__"' in Path(code.co_filename).read_text(), home
+    assert bool([w for w in caught if issubclass(w.category, MovedWarning)]) == (entry is not None)
 
 
 def test_a_config_name_through_a_moved_path_warns_once_at_the_users_line(tmp_path, monkeypatch):
@@ -141,7 +204,7 @@ def test_every_config_name_users_were_shown_resolves():
         assert callable(by_name(name, {}, "reward.name")), name
 
 
-@pytest.mark.parametrize("old", ["plan", "plot", "parity", "torchrun", "evaluate", "train"])
+@pytest.mark.parametrize("old", ["plan", "plot", "parity", "torchrun", "evaluate", "toy_task", "train"])
 def test_a_moved_command_still_runs(old):
     """`python -m gspo_mcore.<old> --help` as users ran it: the command answers, and only the
     moved ones say where it went (gspo_mcore.train is the `-m` form of gspo-train, not moved)."""
@@ -149,3 +212,15 @@ def test_a_moved_command_still_runs(old):
                           text=True, timeout=120)
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
     assert (f"gspo_mcore.{old} is deprecated" in done.stderr) == (old != "train"), done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_old_toy_task_command_writes_the_task(tmp_path):
+    """The README's task step until round 4: it wrote nothing (exit 0) and the training after it
+    failed on a missing model."""
+    done = subprocess.run([sys.executable, "-m", "gspo_mcore.toy_task", "--head-dim", "64", str(tmp_path / "task")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "python -m gspo_mcore.toy_task is deprecated" in done.stderr
+    config = json.loads((tmp_path / "task" / "model" / "config.json").read_text())
+    assert config["head_dim"] == 64 and (tmp_path / "task" / "prompts.jsonl").is_file()

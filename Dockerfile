@@ -20,6 +20,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS} \
     MAX_JOBS=16
 
+# bubblewrap + libseccomp2: the code sandbox (gspo_mcore/sandbox). Started by root in this image,
+# bwrap needs `docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined --security-opt
+# apparmor=unconfined` (gspo_mcore/sandbox/preflight.py DOCKER_FLAGS says why; a run that needs it
+# and lacks one stops at start-up naming it).
 RUN apt-get update && apt-get install -y --no-install-recommends curl git shellcheck bubblewrap libseccomp2 \
     && rm -rf /var/lib/apt/lists/*
 

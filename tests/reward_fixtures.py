@@ -63,3 +63,17 @@ def category_from_prompt(response: str, answer: str, prompt: str) -> float:
 
 def zero_reward(response: str, answer: str) -> float:
     return 0.0
+
+
+def category_group_reward(responses: list, answers: list) -> list:
+    """The toy task's reward, batched (reward.batched: true): a group's lists in one call."""
+    from gspo_mcore.tasks.toy import category_reward
+
+    return [category_reward(r, a) for r, a in zip(responses, answers)]
+
+
+def category_or_raise(response: str, answer: str) -> float:
+    """1.0 for a right toy answer; a wrong one makes it raise (a reward that fails on some responses)."""
+    if not response.split()[0].startswith(f"{answer}_"):
+        raise RuntimeError(f"cannot score {response!r}")
+    return 1.0

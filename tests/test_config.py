@@ -132,7 +132,8 @@ def test_group_of_one_and_bad_mask_settings_are_refused():
 
 
 def test_a_config_typo_answers_before_megatron_is_imported_with_the_field_it_meant(tmp_path):
-    """It took 7 s (17 s under load): megatron.core was imported before the config was read."""
+    """It took 7 s (17 s under load): megatron.core was imported before the config was read; then
+    2.6-3 s: torch, through the schema's loss choices and the output-directory check (now 0.5 s)."""
     import subprocess
     import sys
 
@@ -140,7 +141,7 @@ def test_a_config_typo_answers_before_megatron_is_imported_with_the_field_it_mea
 
     script = ("import sys\nfrom gspo_mcore.run.cli import main\nfrom gspo_mcore.common.errors import run_cli\n"
               "code = run_cli(lambda: main(sys.argv[1:]))\n"
-              "print(code, [m for m in ('megatron', 'transformers') if m in sys.modules])\n")
+              "print(code, [m for m in ('megatron', 'transformers', 'torch') if m in sys.modules])\n")
     for typo, said in (("train.stesp=3", "train.stesp: unknown config field (did you mean train.steps?)"),
                        ("trian.steps=3", "trian: unknown config section (did you mean train?)")):
         proc = subprocess.run([sys.executable, "-c", script, "--config", "configs/tiny_cpu.yaml", "--output-dir",
@@ -254,6 +255,43 @@ def test_the_precision_aware_optimizer_and_cpu_offload_are_one_or_the_other():
                                           r"optimizer.cpu_offload fp32 ones on the host: set one$"):
         load_config(None, [*gpu, "optimizer.precision_aware=true", "optimizer.cpu_offload=true"])
     assert load_config(None, [*gpu, "optimizer.precision_aware=true"]).optimizer.precision_aware
+
+
+PRECISION_AWARE_GPU = ["distributed.device=cuda", "model.dtype=bfloat16", "optimizer.precision_aware=true"]
+
+
+def test_the_precision_aware_optimizer_without_transformer_engine_is_refused_before_anything_is_built(monkeypatch):
+    """check_installed (Learner's first statement): refused in one line naming the field, found by
+    module lookup alone; Megatron's own refusal came after the model and DDP, ~10 GB that stayed on
+    the GPU. Loading the config still works: the planner plans it where TE is not installed."""
+    import sys
+    import types
+
+    from gspo_mcore.config.validate import check_installed
+
+    config = load_config(None, PRECISION_AWARE_GPU)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # not importable
+    with pytest.raises(ConfigError, match=r"^optimizer.precision_aware: needs Transformer Engine's FusedAdam "
+                                          r"\(transformer_engine\), not installed here; set it false$"):
+        check_installed(config)
+    check_installed(load_config(None, ["distributed.device=cuda", "model.dtype=bfloat16"]))  # not asked for: no lookup
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))  # a stand-in
+    check_installed(config)
+
+
+def test_the_installed_check_imports_nothing_heavy():
+    """A config check at load time: no torch, no Transformer Engine import."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, environment
+
+    code = ("import sys; from gspo_mcore.config import load_config; from gspo_mcore.config.validate import "
+            "check_installed\ntry: check_installed(load_config(None, %r))\nexcept Exception: pass\n"
+            "print(sorted(m for m in ('torch', 'transformer_engine') if m in sys.modules))" % PRECISION_AWARE_GPU)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=environment())
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
 
 
 def test_help_config_lists_every_key_with_its_default_and_meaning(capsys):

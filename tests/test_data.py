@@ -163,3 +163,77 @@ def test_the_data_pages_verl_row_loads_from_parquet_as_it_says(tmp_path):
     pq.write_table(pa.Table.from_pylist([row]), tmp_path / "verl.parquet")
     sample = PromptDataset.load(tmp_path / "verl.parquet")[0]
     assert sample.messages == row["prompt"] and sample.answer == "72" and len(sample.metadata) == 4
+
+
+# ---- prepare_code: what it writes, LiveCodeBench's date window
+
+LCB_SAMPLE = REPO / "gspo_mcore" / "data" / "samples" / "lcb_window_sample.jsonl"
+
+
+def test_prepare_code_cuts_a_livecodebench_window_on_contest_date(tmp_path):
+    """--since / --until, both days included at 00:00 as LiveCodeBench's own --start_date /
+    --end_date; a row without a readable date, or a window with nothing in it, is one line."""
+    from datetime import datetime
+
+    from gspo_mcore.data.prepare_code import prepare
+
+    out = tmp_path / "window.jsonl"
+    assert prepare(LCB_SAMPLE, out, since=datetime(2024, 10, 1), until=datetime(2025, 2, 28)) == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["contest_date"][:10] for r in rows] == ["2024-11-16", "2025-01-11", "2025-02-22"]
+    assert prepare(LCB_SAMPLE, out, since=datetime(2025, 2, 22)) == 3  # the day itself is in
+    assert prepare(LCB_SAMPLE, out, until=datetime(2024, 8, 3)) == 1
+    assert prepare(LCB_SAMPLE, out) == 6  # no window: every problem
+    undated = tmp_path / "undated.jsonl"
+    undated.write_text(LCB_SAMPLE.read_text().splitlines()[0] + "\n" + json.dumps({"contest_date": "soon"}) + "\n")
+    with pytest.raises(InputError, match=r"^\S+undated.jsonl:2: field 'contest_date': not an ISO date \('soon'\)$"):
+        prepare(undated, out, since=datetime(2024, 1, 1))
+    with pytest.raises(InputError, match=r"no problems with a contest_date in \[2030-01-01 00:00:00, -\] \(6 rows read\)"):
+        prepare(LCB_SAMPLE, tmp_path / "none.jsonl", since=datetime(2030, 1, 1))
+    assert not (tmp_path / "none.jsonl").exists()
+
+
+def test_prepare_code_says_what_it_writes_and_takes_the_window_on_its_command_line(tmp_path, capsys):
+    from gspo_mcore.data.prepare_code import main
+
+    with pytest.raises(SystemExit) as shown:
+        main(["--help"])
+    said = capsys.readouterr().out
+    assert shown.value.code == 0 and said.startswith("usage: python -m gspo_mcore.data.prepare_code")
+    assert "answer    what the reward needs" in said and "not its\n            tests, its question or its solutions" in said
+    assert "--since YYYY-MM-DD" in said
+    assert main(["--input", str(LCB_SAMPLE), "--output", str(tmp_path / "o.jsonl"), "--until", "2024-12-31"]) == 0
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(SystemExit) as refused:
+        main(["--input", str(LCB_SAMPLE), "--output", str(tmp_path / "o.jsonl"), "--since", "2025/01/01"])
+    assert refused.value.code == 2 and "argument --since: '2025/01/01': expected a date YYYY-MM-DD" in capsys.readouterr().err
+
+
+def test_prepare_code_rows_carry_the_tests_not_the_solutions(tmp_path):
+    """A CodeContests row holds hundreds of solutions (and incorrect ones): they were copied into
+    every prompt row. The reward reads `answer` only."""
+    from gspo_mcore.data.prepare_code import prepare
+
+    contests = {"name": "1A", "description": "Add.", "difficulty": 7,
+                "public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
+                "solutions": {"language": [3, 2], "solution": ["print(3)", "int main(){}"]},
+                "incorrect_solutions": {"language": [3], "solution": ["print(4)"]}}
+    prime = {"prompt": "Add.", "gold_standard_solution": "```python\nprint(3)\n```", "problem_id": "p1",
+             "verification_info": {"test_cases": [{"type": "stdin_stdout", "input": "1 2\n", "output": "3\n"}]}}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(contests) + "\n" + json.dumps(prime) + "\n")
+    assert prepare(tmp_path / "rows.jsonl", tmp_path / "out.jsonl") == 2
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(rows[0]) == ["answer", "difficulty", "messages", "name"]
+    assert sorted(rows[1]) == ["answer", "messages", "problem_id"]
+    assert json.loads(rows[0]["answer"])["tests"] == [["1 2\n", "3\n"]]
+
+
+def test_an_object_answer_reaches_the_reward_as_json(tmp_path):
+    """verl's ground truth as a Parquet struct was turned into Python's repr (single quotes),
+    which no reward parses."""
+    truth = {"inputs": ["1 2\n"], "outputs": ["3\n"]}
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "Add."}],
+                                          "reward_model": {"style": "rule", "ground_truth": truth}}]),
+                   tmp_path / "verl.parquet")
+    sample = PromptDataset.load(tmp_path / "verl.parquet")[0]
+    assert json.loads(sample.answer) == truth and sample.where == f"{tmp_path / 'verl.parquet'} row 0"

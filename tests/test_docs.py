@@ -97,9 +97,12 @@ def python_modules(piece: str) -> list[str]:
 
 
 def is_repo_module(module: str) -> bool:
+    """A module of this repository, or an old path kept for a release (common.deprecation.MOVED)."""
+    from gspo_mcore.common.deprecation import new_home
+
     path = REPO.joinpath(*module.split("."))
     return (path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
-            or (path / "__init__.py").is_file())
+            or (path / "__init__.py").is_file() or (module.startswith("gspo_mcore.") and new_home(module) is not None))
 
 
 def cli_invocations(piece: str) -> list[tuple[str, str, set[str]]]:

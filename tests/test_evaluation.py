@@ -63,16 +63,23 @@ def test_gspo_eval_takes_a_model_or_a_run_and_prints_a_table(tmp_path):
     # The prompts counted, k named per row, mean@k with its standard error over the prompts
     # (means 0.5 and 1.0: sd 0.354 / sqrt 2), every pass@j.
     assert table(figures, ["toy"]).splitlines()[-1] == ("| toy | 2 | 2 | 0.750 ± 0.250 | 0.750 | 1.000 | 0.750 / 1.000 | "
-                                                       "- | 3.0 | 1.0 |")
+                                                       "- | 3.0 | 1.0 | 0 |")
 
 
-def test_gspo_eval_keeps_its_servers_logs():
-    """They went to a temporary directory deleted afterwards."""
+def test_gspo_eval_keeps_its_servers_logs_out_of_the_current_directory(tmp_path, monkeypatch):
+    """They went to a temporary directory deleted afterwards, then to ./gspo-eval-logs (left in
+    the repository's root): now a kept directory under the system's temporary directory."""
+    import tempfile
     from pathlib import Path
 
     from gspo_mcore.evaluation.cli import default_log_dir
 
-    assert default_log_dir(Path("/nowhere/model")) == Path("gspo-eval-logs")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    logs = default_log_dir(Path("/nowhere/model"))
+    assert logs.is_dir() and logs.parent == tmp_path / "tmp" and logs.name.startswith("gspo-eval-logs-")
+    assert not (tmp_path / "gspo-eval-logs").exists()
 
 
 def _scripted_engine(tokenizer) -> ScriptedClient:
@@ -142,3 +149,167 @@ def test_a_runs_evaluation_logs_go_into_the_run(tmp_path):
 
     (tmp_path / "checkpoints").mkdir()
     assert default_log_dir(tmp_path) == tmp_path / "logs" / "gspo-eval"
+
+
+def _toy_evaluation(tmp_path, *overrides):
+    """An Evaluator of 8 held-out toy prompts (4 samples each) on the scripted engine: a color
+    prompt's samples 0 and 2 answer right, every other answer is wrong."""
+    from transformers import AutoTokenizer
+
+    from gspo_mcore.evaluation.held_out import Evaluator
+    from gspo_mcore.tasks.toy import make_prompts, make_tokenizer
+    from helpers import ScriptedEngine
+
+    make_tokenizer(tmp_path / "tokenizer")
+    make_prompts(tmp_path / "eval.jsonl", 8, seed=0)
+    config = load_config(None, [f"data.tokenizer_dir={tmp_path / 'tokenizer'}", "reward.workers=1", *overrides,
+                                f"eval.datasets=[{{name: toy, path: {tmp_path / 'eval.jsonl'}, samples: 4}}]"])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    colors = sum('"answer": "color"' in line for line in (tmp_path / "eval.jsonl").read_text().splitlines())
+    return Evaluator(config, tokenizer), ScriptedEngine(tokenizer), colors
+
+
+def test_a_batched_reward_scores_the_evaluation_as_training(tmp_path):
+    """reward.batched: the evaluation called it per response with strings: every call failed,
+    silently, and scored 0 (mean@4 0.000 beside a training reward of 0.97)."""
+    evaluator, engine, colors = _toy_evaluation(tmp_path, "reward.name=tests.reward_fixtures:category_group_reward",
+                                                "reward.batched=true")
+    try:
+        metrics = evaluator.run(engine, version="step-0")
+    finally:
+        evaluator.close()
+    assert colors >= 1 and metrics["eval/toy/mean@4"] == pytest.approx(colors * 2 / 32)
+    assert metrics["eval/toy/pass@1"] == metrics["eval/toy/mean@4"] and metrics["eval/toy/reward_errors"] == 0
+
+
+def test_an_evaluation_whose_reward_fails_says_so(tmp_path, capsys):
+    """Failures were dropped: a reward that raised scored 0 with nothing said. Now: counted
+    (eval/<name>/reward_errors), said on stderr with the first, and all of them failing stops it."""
+    evaluator, engine, colors = _toy_evaluation(tmp_path, "reward.name=tests.reward_fixtures:category_or_raise")
+    try:
+        metrics = evaluator.run(engine, version="step-0")
+    finally:
+        evaluator.close()
+    wrong = 32 - 2 * colors  # the reward raises on every wrong answer
+    assert metrics["eval/toy/reward_errors"] == wrong and metrics["eval/toy/mean@4"] == pytest.approx(2 * colors / 32)
+    said = capsys.readouterr().err
+    assert (f"eval dataset toy: reward tests.reward_fixtures:category_or_raise: {wrong} of 32 responses not scored "
+            "(each scored 0); the first: response ") in said and "RuntimeError: cannot score" in said
+    from gspo_mcore.metrics.schema import unknown
+
+    assert unknown(metrics) == []  # a figure of the schema's eval family
+
+    evaluator, engine, _ = _toy_evaluation(tmp_path, "reward.name=tests.reward_fixtures:always_raises")
+    try:
+        with pytest.raises(InputError, match=r"^eval dataset toy: reward tests.reward_fixtures:always_raises: 32 of 32 "
+                                             r"responses not scored \(all of them.*RuntimeError: this reward never works$"):
+            evaluator.run(engine, version="step-0")
+    finally:
+        evaluator.close()
+
+
+# ---- code: pass@1 on a LiveCodeBench window through gspo-eval
+
+LCB_SAMPLE = "gspo_mcore/data/samples/lcb_window_sample.jsonl"
+# Per problem of the window 2024-10-01..2025-02-28 (the shipped sample's three inside it): a
+# right and a wrong program, and how many of the 4 samples are right.
+PROGRAMS = {
+    "countVowels": ("class Solution:\n    def countVowels(self, s):\n        return sum(c in 'aeiou' for c in s)\n",
+                    "class Solution:\n    def countVowels(self, s):\n        return len(s)\n", 4),
+    "largest of them": ("input()\nprint(max(map(int, input().split())))\n", "input()\nprint(0)\n", 2),
+    "twoSmallest": ("class Solution:\n    def twoSmallest(self, nums):\n        return sorted(nums)[:2]\n",
+                    "class Solution:\n    def twoSmallest(self, nums):\n        return nums[:2]\n", 1),
+}
+
+
+def byte_tokenizer(path):
+    """A byte-level tokenizer (every text round-trips: programs keep their newlines) with a plain
+    chat template, saved for AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+class ProgramEngine:
+    """Answers each problem's first `right` samples (of 4) with its right program, the rest wrong."""
+
+    urls, max_concurrency = ["scripted"], 4
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.loaded = tokenizer, []
+
+    def load_from_disk(self, path, version):
+        self.loaded.append((path, version))
+
+    def client(self, vocab_size):
+        return self
+
+    def generate(self, prompts, params, weight_version=None, seeds=None, oldest_version=None, evaluation=False):
+        from gspo_mcore.batch.rollout import Rollout
+
+        out = []
+        for i, prompt in enumerate(prompts):
+            text = self.tokenizer.decode(prompt)
+            right, wrong, count = next(v for key, v in PROGRAMS.items() if key in text)
+            reply = f"Here it is.\n```python\n{right if i % 4 < count else wrong}```"
+            ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            out.append(Rollout(list(prompt), ids, [-0.5] * len(ids), "stop", weight_version or "eval"))
+        return out
+
+
+def test_gspo_eval_reports_pass_at_1_on_a_livecodebench_window(tmp_path, monkeypatch, capsys):
+    """prepare_code --since/--until cuts the window out of the shipped LiveCodeBench-format sample;
+    gspo-eval scores k = 4 samples per problem with code_all in the sandbox: pass@1 is the mean
+    over the samples (4/4, 2/4, 1/4 right: 7/12), pass@4 the problems solved at all."""
+    import json
+    import types
+
+    from gspo_mcore.data.prepare_code import main as prepare_code
+    from gspo_mcore.evaluation import cli
+    from helpers import REPO
+
+    window = tmp_path / "lcb_2410_2502.jsonl"
+    assert prepare_code(["--input", str(REPO / LCB_SAMPLE), "--output", str(window),
+                         "--since", "2024-10-01", "--until", "2025-02-28"]) == 0
+    assert [json.loads(line)["question_id"] for line in window.read_text().splitlines()] == [
+        "sample02_b", "sample03_a", "sample04_c"]
+    tokenizer = byte_tokenizer(tmp_path / "tokenizer")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "eval.yaml").write_text(
+        f"data: {{tokenizer_dir: {tmp_path / 'tokenizer'}}}\nreward: {{name: code, workers: 1, timeout_s: 60}}\n"
+        f"eval:\n  datasets:\n    - {{name: lcb_2410_2502, path: {window}, reward: code_all, samples: 4, "
+        "max_new_tokens: 512}\n")
+    engine = ProgramEngine(tokenizer)
+    monkeypatch.setattr(cli.engines, "connect", lambda config, urls, key: engine)
+    monkeypatch.setattr(cli, "load_hf_config", lambda path: types.SimpleNamespace(vocab_size=len(tokenizer)))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--config", str(tmp_path / "eval.yaml"), "--model", str(tmp_path / "model"),
+                     "--urls", "http://scripted:1"]) == 0
+    assert engine.loaded == [(tmp_path / "model", "eval")]
+    figures = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert figures["eval/lcb_2410_2502/pass@1"] == pytest.approx(7 / 12)
+    assert figures["eval/lcb_2410_2502/pass@1"] == figures["eval/lcb_2410_2502/mean@4"]
+    assert figures["eval/lcb_2410_2502/pass@4"] == 1.0 and figures["eval/lcb_2410_2502/reward_errors"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.yaml", "lcb_2410_2502.jsonl", "model", "tokenizer"]
+
+
+def test_the_30b_code_recipe_evaluates_pass_at_1_on_a_named_livecodebench_window():
+    """Its eval dataset is the window its header's prepare_code command cuts, scored on every test."""
+    from helpers import REPO
+
+    path = REPO / "configs" / "qwen3_30b_a3b_gspo_code.yaml"
+    (dataset,) = load_config(str(path)).eval.datasets
+    command = next(line for line in path.read_text().splitlines() if "--since" in line)
+    since, until = re.search(r"--since (\S+) --until (\S+)", command).groups()
+    assert f"--output {dataset.path}" in command and dataset.reward == "code_all"
+    assert dataset.name == f"lcb_{since[2:4]}{since[5:7]}_{until[2:4]}{until[5:7]}" and dataset.samples >= 4

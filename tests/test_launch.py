@@ -418,7 +418,7 @@ def test_smoke_configs_plan_on_one_gpu_and_its_verdicts(tmp_path):
     assert fits["margin_gb"] > 60 and tuple(fits["phases_gb"]) == ("training", "weight push", "sync check", "rollout")
     synthetic = parse_hf_config({**QWEN3_30B_A3B, "num_hidden_layers": 2})
     estimate = plan(load_config(config, arrays["memory"]), synthetic, 1, 1, 79.6, 16)
-    assert estimate["trainer_total_gb"] > 20 and estimate["margin_gb"] > 0  # real widths at a 16k budget
+    assert estimate["trainer_total_gb"] > 19 and estimate["margin_gb"] > 0  # real widths at a 16k budget
 
     good = {"max_abs_logit_diff": 1.4, "mean_abs_logit_diff": 0.019, "top1_agreement": 0.965, "logit_std": 1.0,
             "export_bitwise_identical": True}  # this CPU's bf16 figures, local spec

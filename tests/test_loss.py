@@ -174,6 +174,24 @@ def test_nan_in_old_logprobs_names_the_sample():
     policy_loss(logp, old, adv, mask)
 
 
+def test_a_deferred_check_names_the_sample_once_read():
+    """Inside deferred_input_checks (the trainer's step) the loss notes the check on the device
+    and goes on; `raise_if_any` reads every call's note at once, naming the rows' samples."""
+    from gspo_mcore.gspo.loss import deferred_input_checks, naming_samples
+
+    logp, old, adv, mask = make_batch(seed=10)
+    bad = old.clone()
+    bad[3, 2] = float("inf")
+    with deferred_input_checks() as checks:
+        policy_loss(logp, old, adv, mask)
+        with naming_samples(torch.tensor([10, 11, 12, 13, 14, 15])):
+            policy_loss(logp, bad, adv, mask)  # no error yet
+        assert len(checks.pending) == 2
+        with pytest.raises(ValueError, match="old_logprobs: non-finite value in sample 13 at token 2"):
+            checks.raise_if_any()
+        checks.raise_if_any()  # read and cleared
+
+
 def test_mismatched_shapes_are_clear_errors():
     logp, old, adv, mask = make_batch(seed=11)
     with pytest.raises(ValueError, match=r"must be the same \[B, T\]"):
@@ -476,3 +494,10 @@ def test_a_loss_that_cannot_be_used_is_one_line_at_start_up(name, message, tmp_p
     with pytest.raises(InputError, match=message):  # before the data, the reward, the model
         check_inputs(load_config(None, [f"loss.function={name}", f"data.path={tmp_path / 'missing.jsonl'}"]),
                      tmp_path, resume=False)
+
+
+def test_the_torch_free_choices_name_every_built_in_loss():
+    """The config reads gspo.choices (no torch); the tensor functions live in gspo.loss."""
+    from gspo_mcore.gspo import choices, loss as loss_module
+
+    assert tuple(loss_module.LOSSES) == choices.BUILT_IN_LOSSES

@@ -278,3 +278,18 @@ def test_a_reward_or_tool_worker_imports_neither_torch_nor_transformers():
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["[]"], (done.stdout, done.stderr[-2000:])
+
+
+def test_megatron_is_imported_without_wandb_and_wandb_still_imports_after():
+    """megatron.core imports wandb for its inference engine's logging (~0.5 s a trainer process);
+    the project hides it for that import only: the W&B sink imports it afterwards."""
+    import subprocess
+    import sys
+
+    from helpers import environment
+
+    script = ("import sys\nimport gspo_mcore.megatron.learner\nprint('wandb' in sys.modules)\n"
+              "import wandb\nprint(wandb.__name__)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "wandb"], (done.stdout, done.stderr[-2000:])

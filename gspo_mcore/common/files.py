@@ -14,6 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+# In a run's checkpoints/: the file naming its newest complete checkpoint (the checkpointer writes it,
+# the output-directory check reads it without importing Megatron).
+LATEST = "latest"
+
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():

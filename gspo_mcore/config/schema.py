@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_type_hints
 
-from gspo_mcore.gspo.advantages import RewardNorm
-from gspo_mcore.gspo.loss import Aggregation, KLEstimator, MismatchCorrection, foreign_fields
+from gspo_mcore.gspo.choices import Aggregation, KLEstimator, MismatchCorrection, RewardNorm, foreign_fields
 from gspo_mcore.config.validate import ConfigError, validate
 from gspo_mcore.rewards.code_config import CodeRewardConfig
 

@@ -4,10 +4,12 @@ field is kept for rewards that ask for it (docs/05-data-and-rewards.md).
 
 Other frameworks' datasets load as they are: verl's (`prompt` a chat, the answer in
 `reward_model.ground_truth`) and slime's (`--label-key label`). A key may be a dotted path into
-nested objects (`data.answer_key=reward_model.ground_truth`)."""
+nested objects (`data.answer_key=reward_model.ground_truth`). An answer that is an object or a
+list (verl's code ground truth as a Parquet struct) reaches the reward as JSON text."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,7 @@ class PromptSample:
     messages: list[dict]
     answer: str
     metadata: dict = field(default_factory=dict)  # the record's other fields
+    where: str = field(default="", compare=False)  # its file and line (or row), for one-line errors
 
     @property
     def prompt(self) -> str:
@@ -50,7 +53,7 @@ def field_at(record: dict, key: str):
     return value
 
 
-def _is_chat(value) -> bool:
+def is_chat(value) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
 
 
@@ -69,11 +72,11 @@ class PromptDataset:
                 raise InputError(f"{where}: expected an object")
             messages, prompt = field_at(record, messages_key), field_at(record, prompt_key)
             if messages is not _MISSING:
-                if not _is_chat(messages):
+                if not is_chat(messages):
                     raise InputError(f"{where}: field '{messages_key}' must be a list of {{role, content}}")
                 used = messages_key
             elif isinstance(prompt, list):  # verl's and slime's chat prompts
-                if not _is_chat(prompt):
+                if not is_chat(prompt):
                     raise InputError(f"{where}: field '{prompt_key}' must be a string or a list of {{role, content}}")
                 messages, used = prompt, prompt_key
             elif prompt is not _MISSING:
@@ -86,7 +89,10 @@ class PromptDataset:
                         if len(answer_keys) > 1 else "")
                 raise InputError(f"{where}: missing field '{answer_key}'{also}")
             metadata = {k: v for k, v in record.items() if k not in (used, key)}
-            samples.append(PromptSample(messages, str(field_at(record, key)), metadata))
+            answer = field_at(record, key)
+            # An object or list as JSON (str() would give Python's repr, which no reward parses).
+            answer = json.dumps(answer, default=str) if isinstance(answer, (dict, list)) else str(answer)
+            samples.append(PromptSample(messages, answer, metadata, where))
         if not samples:
             raise InputError(f"{path}: no samples")
         return cls(samples)
@@ -107,16 +113,23 @@ def chat_prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | Non
     return list(ids)
 
 
-def prepare_command(prepare, description: str, input_help: str) -> int:
+def prepare_command(prepare, description: str, input_help: str, prog: str | None = None, options=(),
+                    argv: list[str] | None = None) -> int:
     """The `python -m gspo_mcore.data.prepare_*` command line: --input rows, --output prompt
-    records, `prepare(input, output)` -> how many it wrote (data.prepare_math, data.prepare_code)."""
+    records, `prepare(input, output, **options)` -> how many it wrote (data.prepare_math,
+    data.prepare_code). `description`: shown as written (the module's docstring: what it writes);
+    `options`: (flag, argparse keywords) pairs whose values reach `prepare` by their dest."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help=input_help)
     parser.add_argument("--output", required=True, help=".jsonl to write")
-    args = parser.parse_args()
-    if not Path(args.input).is_file():
-        raise InputError(f"{args.input}: input file not found")
-    print(f"wrote {prepare(args.input, args.output)} prompts to {args.output}")
+    for flag, keywords in options:
+        parser.add_argument(flag, **keywords)
+    args = vars(parser.parse_args(argv))
+    source, output = args.pop("input"), args.pop("output")
+    if not Path(source).is_file():
+        raise InputError(f"{source}: input file not found")
+    print(f"wrote {prepare(source, output, **args)} prompts to {output}")
     return 0

@@ -6,10 +6,13 @@
 DIR is a Hugging Face directory (config.json + safetensors), or a run's OUTPUT_DIR: its
 exported hf/, else its latest checkpoint converted (checkpoint_convert mcore-to-hf, with
 model.hf_dir's config.json and tokenizer). Without --urls the command starts `rollout.num_servers` servers for DIR
-itself (logs in a temporary directory) and stops them; with --urls, running servers load DIR's
-weights first (Engine.load_from_disk: a file system both see). The same chat template,
-reward workers and figures as the evaluation during training (gspo_mcore.evaluation.held_out). Prints a
-markdown table, then one JSON line of every figure.
+itself and stops them (their logs: --log-dir, a run's OUTPUT_DIR/logs/gspo-eval, else a new
+directory under the system's temporary directory, named on stderr; never the current directory);
+with --urls, running servers load DIR's weights first (Engine.load_from_disk: a file system both
+see). The same chat template, reward workers and figures as the evaluation during training
+(gspo_mcore.evaluation.held_out): on code, `reward: code_all` and `samples: k` give pass@1 as
+code benchmarks report it (the mean over k samples per problem). Prints a markdown table, then
+one JSON line of every figure.
 """
 
 from __future__ import annotations
@@ -58,9 +61,9 @@ def model_dir(path: Path, scratch: Path | None = None, hf_config_dir: str | None
 
 def table(metrics: dict, names: list[str]) -> str:
     """One row per dataset: its prompts, samples per prompt (k), mean@k with its standard error
-    over the prompts, pass@1, pass@k, pass@1..k, greedy, response length, time."""
+    over the prompts, pass@1, pass@k, pass@1..k, greedy, response length, time, reward errors."""
     lines = ["| dataset | prompts | k | mean@k ± s.e. | pass@1 | pass@k | pass@1..k | greedy | response length | "
-             "time (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "time (s) | reward errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         mine = {key.split("/")[-1]: v for key, v in metrics.items() if key.startswith(f"eval/{name}/")}
         k = max(int(key.split("@")[1]) for key in mine if key.startswith("pass@"))
@@ -68,15 +71,16 @@ def table(metrics: dict, names: list[str]) -> str:
         every = " / ".join(f"{mine[f'pass@{j}']:.3f}" for j in range(1, k + 1))
         lines.append(f"| {name} | {mine['prompts']} | {k} | {mine[f'mean@{k}']:.3f} ± {mine[f'mean_se@{k}']:.3f} | "
                      f"{mine['pass@1']:.3f} | {mine[f'pass@{k}']:.3f} | {every} | {greedy} | "
-                     f"{mine['response_length']:.1f} | {mine['time_s']:.1f} |")
+                     f"{mine['response_length']:.1f} | {mine['time_s']:.1f} | {mine.get('reward_errors', 0)} |")
     return "\n".join(lines)
 
 
 def default_log_dir(model: Path) -> Path:
-    """Where the servers gspo-eval starts keep their logs: a run's OUTPUT_DIR/logs/gspo-eval, else
-    ./gspo-eval-logs."""
-    return model / "logs" / "gspo-eval" if (model / "checkpoints").is_dir() or (model / "metrics.jsonl").is_file() \
-        else Path("gspo-eval-logs")
+    """Where the servers gspo-eval starts keep their logs: a run's OUTPUT_DIR/logs/gspo-eval, else a
+    new directory under the system's temporary directory (kept: a failed start is read there)."""
+    if (model / "checkpoints").is_dir() or (model / "metrics.jsonl").is_file():
+        return model / "logs" / "gspo-eval"
+    return Path(tempfile.mkdtemp(prefix="gspo-eval-logs-"))
 
 
 def main(argv=None) -> int:
@@ -85,7 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True, type=Path, help="a Hugging Face directory or a run's OUTPUT_DIR")
     parser.add_argument("--urls", default="", help="running engine servers, comma-separated (default: start them)")
     parser.add_argument("--log-dir", type=Path, default=None,
-                        help="the started servers' logs (default: a run's OUTPUT_DIR/logs/gspo-eval, else ./gspo-eval-logs)")
+                        help="the started servers' logs (default: a run's OUTPUT_DIR/logs/gspo-eval, else a new "
+                             "directory under the system's temporary directory)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     with ExitStack() as stack:
@@ -106,6 +111,7 @@ def main(argv=None) -> int:
             engine.load_from_disk(hf_dir, "eval")
         else:
             log_dir = args.log_dir or default_log_dir(args.model.resolve())
+            print(f"gspo-eval: the servers' logs are in {log_dir}", file=sys.stderr, flush=True)
             engine = engines.connect(config, engines.start_servers(config, log_dir, stack, api_key=key), key)
         client = engine.client(load_hf_config(hf_dir / "config.json").vocab_size)
         metrics = evaluator.run(client)

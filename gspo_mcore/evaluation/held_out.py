@@ -5,13 +5,21 @@ one call of that function, as in training (its tools, its turns), scored by its 
 text (or the function's own reward). Per dataset `eval/<name>/`: `mean@k` (mean reward over the k samples of every
 prompt) and `mean_se@k` (its standard error over the prompts), `prompts`, `pass@j` for j = 1..k (Chen et al. 2021's unbiased estimator over the prompts: the
 chance that at least one of j samples is correct, a response being correct when its reward is
->= 1), `greedy` (accuracy at temperature 0), `response_length`, `time_s`.
+>= 1; pass@1 is then the mean over the k samples of each prompt, as code benchmarks report it),
+`greedy` (accuracy at temperature 0), `response_length`, `time_s`, `reward_errors`.
+
+Each dataset's reward is built as training builds its own (RewardRunner.from_config): the
+training reward with its `reward.batched` / `reward.url`, another one per response, reward.code's
+settings in every worker, the dataset's answers read by the reward before any server starts. A
+call that fails (raises, times out, cannot score a response) scores 0 and is never silent: counted
+in `reward_errors`, said on stderr with the first failure, and an evaluation where every call
+failed stops with it (its zeros would measure the reward, not the model).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import sys
 import time
 
 from gspo_mcore.config import Config
@@ -31,8 +39,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def dataset_metrics(name: str, rewards: list[list[float]], lengths: list[int], greedy: bool, seconds: float) -> dict:
-    """eval/<name>/... from each prompt's sample rewards."""
+def dataset_metrics(name: str, rewards: list[list[float]], lengths: list[int], greedy: bool, seconds: float,
+                    reward_errors: int = 0) -> dict:
+    """eval/<name>/... from each prompt's sample rewards; `reward_errors`: responses whose reward
+    call failed (scored 0)."""
     k = len(rewards[0])
     flat = [r for prompt in rewards for r in prompt]
     means = [sum(prompt) / k for prompt in rewards]
@@ -41,13 +51,29 @@ def dataset_metrics(name: str, rewards: list[list[float]], lengths: list[int], g
     spread = (sum((m - mean) ** 2 for m in means) / (len(means) - 1)) ** 0.5 if len(means) > 1 else 0.0
     out = {f"eval/{name}/mean@{k}": sum(flat) / len(flat), f"eval/{name}/mean_se@{k}": spread / len(means) ** 0.5,
            f"eval/{name}/prompts": len(rewards),
-           f"eval/{name}/response_length": sum(lengths) / len(lengths), f"eval/{name}/time_s": seconds}
+           f"eval/{name}/response_length": sum(lengths) / len(lengths), f"eval/{name}/time_s": seconds,
+           f"eval/{name}/reward_errors": reward_errors}
     correct = [sum(r >= CORRECT for r in prompt) for prompt in rewards]
     for j in range(1, k + 1):
         out[f"eval/{name}/pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(correct)
     if greedy:
         out[f"eval/{name}/greedy"] = sum(c > 0 for c in correct) / len(correct)
     return out
+
+
+def report_reward_failures(name: str, reward: str, stats, responses: int) -> int:
+    """How many of a dataset's `responses` the reward failed on (raised, timed out, returned None:
+    each scored 0), said on stderr with the first failure; every one failing is an InputError."""
+    failed = stats.errors + stats.timeouts + stats.masked
+    if not failed:
+        return 0
+    said = (f"eval dataset {name}: reward {reward}: {failed} of {responses} responses not scored (each "
+            f"scored 0); the first: {stats.messages[0]}")
+    if failed == responses:
+        raise InputError(said.replace("(each scored 0)", "(all of them: the evaluation would measure the reward, "
+                                      "not the model)"))
+    print(said, file=sys.stderr, flush=True)
+    return failed
 
 
 class Evaluator:
@@ -62,9 +88,8 @@ class Evaluator:
         for d in config.eval.datasets:
             dataset = PromptDataset.load(d.path, data.prompt_key, data.messages_key, data.answer_key)
             samples = [dataset[i] for i in range(min(len(dataset), d.max_prompts or len(dataset)))]
-            # reward.code's limits as training's (masking aside: every evaluation response is scored).
-            runner = RewardRunner(d.reward or reward.name, reward.timeout_s, reward.workers,
-                                  options=dataclasses.asdict(reward.code))
+            # As training builds its own (batched, url, reward.code); a masked response scores 0 here.
+            runner = RewardRunner.from_config(reward, d.reward or None, samples, evaluation=True)
             self.datasets.append((d, samples, runner))
         self.owns_generator = generator is None
         self.generator = generator or Generator(config, tokenizer)
@@ -87,11 +112,13 @@ class Evaluator:
             texts, lengths, preset = generated.texts, generated.lengths, generated.preset
             repeated = [s for s in samples for _ in range(d.samples)]
             groups = [i for i in range(len(samples)) for _ in range(d.samples)]
-            scores, _ = runner.score(texts, [s.answer for s in repeated], [s.reward_context() for s in repeated], groups)
+            scores, stats = runner.score(texts, [s.answer for s in repeated], [s.reward_context() for s in repeated],
+                                         groups)
+            failed = report_reward_failures(d.name, runner.reward_name, stats, len(texts))
             scores = [s if p is None else p for s, p in zip(scores, preset)]  # a function's own reward first
             per_prompt = [scores[i * d.samples:(i + 1) * d.samples] for i in range(len(samples))]
             metrics.update(dataset_metrics(d.name, per_prompt, lengths, d.temperature == 0,
-                                           time.monotonic() - began))
+                                           time.monotonic() - began, failed))
             self.last_samples += [{"eval": d.name, "prompt": repeated[i].prompt, "response": texts[i],
                                    "reward": scores[i], "answer": repeated[i].answer,
                                    **({"transcript": generated.transcripts[i]} if generated.transcripts else {})}

@@ -7,12 +7,10 @@ over the G responses to one prompt (arXiv 2507.18071, eq. 6). Rewards arrive as 
 
 from __future__ import annotations
 
-from typing import Literal, get_args
 
 import torch
 
-RewardNorm = Literal["none", "batch", "group", "running"]  # the config's reward.norm
-REWARD_NORMS = get_args(RewardNorm)
+from gspo_mcore.gspo.choices import REWARD_NORMS, RewardNorm  # noqa: F401 (re-exported)
 
 
 def _group_stats(values: torch.Tensor, group_ids: torch.Tensor):

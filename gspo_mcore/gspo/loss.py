@@ -16,24 +16,23 @@ per-microbatch losses equal the global loss exactly (see gspo_mcore.megatron.pip
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, get_args
+from typing import Any, Callable, Iterator
 
 import torch
 
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.common.plugins import by_name
 
-# The choices, as types the config's fields use (gspo_mcore.config) and as tuples for checks.
-Level = Literal["sequence", "sequence_token", "token"]
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
-MismatchCorrection = Literal["none", "token_tis", "sequence_mis"]
-LEVELS, AGGREGATIONS, KL_ESTIMATORS = get_args(Level), get_args(Aggregation), get_args(KLEstimator)
-MISMATCH_CORRECTIONS = get_args(MismatchCorrection)
+from gspo_mcore.gspo.choices import (AGGREGATIONS, CLIP_FIELDS, KL_ESTIMATORS, LEVELS,  # noqa: F401 (re-exported)
+                                     MISMATCH_CORRECTIONS, OWN_FIELDS, Aggregation, KLEstimator, Level,
+                                     MismatchCorrection, foreign_fields)
+
 # The paper's at every level: eq. 5 / eq. 13 average per sequence, then over sequences.
 DEFAULT_AGGREGATION = "seq-mean-token-mean"
 # A built-in whose paper reduces otherwise: CISPO averages over every token of the batch
@@ -65,10 +64,82 @@ def _check(logprobs, old_logprobs, advantages, mask) -> None:
         )
     if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(f"advantages {list(advantages.shape)} must be [B] or [B, T] for logprobs {list(logprobs.shape)}")
-    bad = ~torch.isfinite(old_logprobs) & mask.bool()
-    if bad.any():
-        sample, token = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"old_logprobs: non-finite value in sample {sample} at token {token}")
+    deferred = _DEFERRED.get()
+    checks = deferred if deferred is not None else InputChecks()
+    checks.add("old_logprobs", old_logprobs, mask)
+    if deferred is None:  # a call on its own (tests, the reference step): checked now
+        checks.raise_if_any()
+
+
+# ---- the inputs' finiteness, checked without a host sync per microbatch
+# Reading a flag of a CUDA tensor on the host (bool(), int(), .nonzero()) waits for every kernel
+# queued before it: once per microbatch, the host would stop queueing the next forward and the
+# GPU would idle through the launch gap. Inside `deferred_input_checks` each call leaves a device
+# tensor instead, and the step reads them all at once.
+
+def _first_nonfinite(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The flat index of the first non-finite value of `values` where `mask` is set, -1 where
+    none is: a 0-d int64 tensor on values' device, computed without reading anything back
+    (torch.argmax returns the first maximal index)."""
+    bad = (~torch.isfinite(values) & mask.bool()).reshape(-1)
+    if bad.numel() == 0:
+        return torch.full((), -1, dtype=torch.int64, device=values.device)
+    return torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)
+
+
+class InputChecks:
+    """Finiteness checks of the losses' inputs, noted per call (`add`) and read together
+    (`raise_if_any`: one host sync for all of them)."""
+
+    def __init__(self):
+        self.pending: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = []
+        self.rows: torch.Tensor | None = None  # `naming_samples`: row r of the inputs is sample rows[r]
+
+    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        self.pending.append((name, _first_nonfinite(values, mask), values.shape[-1], self.rows))
+
+    def raise_if_any(self) -> None:
+        """ValueError naming the first non-finite value noted (the tensor, its sample and token); clears."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        firsts = torch.stack([first for _, first, _, _ in pending]).tolist()
+        for (name, _, width, rows), first in zip(pending, firsts):
+            if first >= 0:
+                row, token = divmod(first, width)
+                sample = int(rows[row]) if rows is not None else row
+                raise ValueError(f"{name}: non-finite value in sample {sample} at token {token}")
+
+
+_DEFERRED: contextvars.ContextVar[InputChecks | None] = contextvars.ContextVar("gspo_loss_checks", default=None)
+
+
+@contextlib.contextmanager
+def deferred_input_checks() -> Iterator[InputChecks]:
+    """Within it the built-in losses note their input checks instead of reading them; the caller
+    reads them once with `raise_if_any` (gspo_mcore.megatron.optimizer.optimizer_step: after the
+    schedule's last microbatch, before the optimizer's step, so a bad input never updates)."""
+    checks = InputChecks()
+    token = _DEFERRED.set(checks)
+    try:
+        yield checks
+    finally:
+        _DEFERRED.reset(token)
+
+
+@contextlib.contextmanager
+def naming_samples(rows: torch.Tensor) -> Iterator[None]:
+    """Within it a deferred check names row r of the loss's inputs as sample `rows[r]` (a
+    microbatch's positions in the step's batch: gspo_mcore.gspo.packing `index`)."""
+    checks = _DEFERRED.get()
+    previous = checks.rows if checks is not None else None
+    if checks is not None:
+        checks.rows = rows
+    try:
+        yield
+    finally:
+        if checks is not None:
+            checks.rows = previous
 
 
 def sequence_log_ratio(logprobs, old_logprobs, mask) -> torch.Tensor:
@@ -485,31 +556,9 @@ def cispo(inputs: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return loss, metrics
 
 
+# The built-ins, by the names gspo_mcore.gspo.choices.BUILT_IN_LOSSES lists (a test holds them equal).
 LOSSES: dict[str, LossFunction] = {"gspo": gspo, "gspo_token": gspo_token, "grpo": grpo, "sapo": sapo,
                                    "gmpo": gmpo, "luspo": luspo, "cispo": cispo}
-# The `loss` fields that only some built-ins read: the config refuses one set away from its default
-# for another built-in (a `module:function` of yours may read any).
-OWN_FIELDS = {"sapo": ("sapo_tau_pos", "sapo_tau_neg"), "gmpo": ("gmpo_log_clip",),
-              "cispo": ("cispo_weight_max", "cispo_weight_min")}
-CLIP_FIELDS = {name: ("clip_low", "clip_high", "dual_clip") for name in ("gspo", "gspo_token", "grpo", "luspo")}
-
-
-def foreign_fields(function: str) -> dict[str, str]:
-    """For a built-in `function`: each `loss` field it does not read -> why, in one line."""
-    if function not in LOSSES:
-        return {}
-    readers: dict[str, list[str]] = {}
-    for table in (OWN_FIELDS, CLIP_FIELDS):
-        for loss_name, fields in table.items():
-            for field in fields:
-                readers.setdefault(field, []).append(loss_name)
-    out = {field: f"applies to loss.function {', '.join(names)}, not {function}"
-           for field, names in readers.items() if function not in names}
-    if function == "luspo":
-        out["aggregation"] = "luspo's length scaling is its aggregation (seq-mean-token-sum): leave it unset"
-    return out
-
-
 @functools.cache
 def load_loss_function(name: str) -> LossFunction:
     """`loss.function`: a built-in (LOSSES) or `module:function`, imported and its signature

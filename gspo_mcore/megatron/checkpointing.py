@@ -19,12 +19,11 @@ from gspo_mcore.common.errors import CheckpointError
 
 # Megatron's modules are imported in the functions that use them: the converter imports this
 # module for its checkpoint names and starts without Megatron (heavy, and it warns at import).
-from gspo_mcore.common.files import atomic_output, atomic_output_all_ranks
+from gspo_mcore.common.files import LATEST, atomic_output, atomic_output_all_ranks
 from gspo_mcore.common.safetensors_io import HFCheckpointWriter, copy_side_files, write_index_file
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
-LATEST = "latest"  # in a run's checkpoints/: the name of its newest complete checkpoint
 
 
 def keep_writer_results_in_process() -> None:

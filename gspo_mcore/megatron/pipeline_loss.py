@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from gspo_mcore.config import LossConfig
 from gspo_mcore.gspo.logprobs import token_logprobs
 from gspo_mcore.megatron.parallel import device
-from gspo_mcore.gspo.loss import Normalizer, objective
+from gspo_mcore.gspo.loss import Normalizer, naming_samples, objective
 
 
 def global_normalizer(microbatches: list[dict], horizon: float) -> Normalizer:
@@ -33,7 +33,8 @@ def global_normalizer(microbatches: list[dict], horizon: float) -> Normalizer:
     group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(local, group=group)
-    return Normalizer(num_sequences=local[0].item(), num_tokens=local[1].item(), horizon=float(horizon))
+    num_sequences, num_tokens = local.tolist()  # one read per optimizer step, before its schedule
+    return Normalizer(num_sequences=num_sequences, num_tokens=num_tokens, horizon=float(horizon))
 
 
 def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, temperature: float,
@@ -42,7 +43,9 @@ def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, te
     `targets` [b, T] under `temperature` (the engine's). `microbatch` also holds what `objective`
     reads (`old_logprobs`, `advantages`, `mask`, and `ref_logprobs` / `engine_logprobs` when
     used). Its metrics are per microbatch, for gspo_mcore.metrics.report.combine; `loss` and `kl` are
-    this microbatch's shares of the global minibatch figures (they sum)."""
+    this microbatch's shares of the global minibatch figures (they sum). Nothing in it reads a
+    device value on the host (tests/test_loss_sync.py): the loss's input checks are deferred to the
+    step (gspo_mcore.gspo.loss.deferred_input_checks), the metrics stay tensors until the step ends."""
     scale = num_microbatches * parallel_state.get_data_parallel_world_size()
     with_entropy = cfg.log_entropy or cfg.entropy_coef > 0
 
@@ -50,8 +53,9 @@ def make_loss_func(microbatch: dict, normalizer: Normalizer, cfg: LossConfig, te
         logprobs, entropy = token_logprobs(logits, microbatch["targets"], temperature=temperature,
                                            group=parallel_state.get_tensor_model_parallel_group(),
                                            with_entropy=with_entropy)
-        loss, metrics = objective(logprobs, microbatch, cfg, normalizer, band=band, on_policy=on_policy,
-                                  entropy=entropy)
+        with naming_samples(microbatch["index"]):  # a deferred input check's error names the rollout
+            loss, metrics = objective(logprobs, microbatch, cfg, normalizer, band=band, on_policy=on_policy,
+                                      entropy=entropy)
         # `loss` is this microbatch's share of the global loss; report it unscaled.
         return loss * scale, {"loss": loss.detach().clone(), **metrics}
 

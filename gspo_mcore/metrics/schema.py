@@ -221,8 +221,9 @@ def combine_kinds() -> dict[str, tuple[str, str]]:
 
 
 # One family of keys per evaluation dataset (gspo_mcore.evaluation.held_out): eval/<dataset>/mean@k,
-# mean_se@k (its standard error over the prompts), prompts, pass@1..k, greedy, response_length, time_s; in the rows of the steps evaluated, absent elsewhere.
-EVAL_KEY = re.compile(r"^eval/[^/]+/(mean@\d+|mean_se@\d+|prompts|pass@\d+|greedy|response_length|time_s)$")
+# mean_se@k (its standard error over the prompts), prompts, pass@1..k, greedy, response_length, time_s,
+# reward_errors (responses whose reward call failed, scored 0); in the rows of the steps evaluated, absent elsewhere.
+EVAL_KEY = re.compile(r"^eval/[^/]+/(mean@\d+|mean_se@\d+|prompts|pass@\d+|greedy|response_length|time_s|reward_errors)$")
 
 
 def unknown(keys) -> list[str]:

@@ -50,9 +50,17 @@ def _code_options(options: dict) -> None:
     code.reward_options(options)
 
 
-# A reward worker's hooks (gspo_mcore.rewards.worker): the counts it reports, reward.code's settings.
+def _code_check_answer(answer: str, where: str) -> None:
+    from gspo_mcore.rewards import code
+
+    code.reward_check_answer(answer, where)
+
+
+# A reward worker's hooks (gspo_mcore.rewards.worker): the counts it reports, reward.code's settings;
+# the runner's at data load: each answer read as the reward will read it.
 code_reward.reward_metrics = code_all_reward.reward_metrics = _code_metrics
 code_reward.reward_options = code_all_reward.reward_options = _code_options
+code_reward.reward_check_answer = code_all_reward.reward_check_answer = _code_check_answer
 
 
 RewardFn = Callable[..., float]

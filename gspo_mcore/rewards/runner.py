@@ -5,10 +5,16 @@ A reward that raises or runs past the limit scores 0 and is counted: math checke
 on adversarial output, and a stuck reward must not stop training (the rollout source stops the
 run when more than reward.max_error_fraction of a round's calls fail). The limit counts the reward
 call only: workers (gspo_mcore/rewards/worker.py) import just the reward function, and are
-started, and waited for, before any response is timed; a stuck one is killed and replaced."""
+started, and waited for, before any response is timed; a stuck one is killed and replaced.
+
+`RewardRunner.from_config` is how training (the rollout source) and evaluation build one: the same
+reward section read the same way, and each dataset's answers read by the reward's own check
+before any server starts."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import select
@@ -20,6 +26,7 @@ from pathlib import Path
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.common.processes import kill_worker, read_json_reply, start_worker
 from gspo_mcore.rewards import call_arguments, load_reward_fn, reward_arguments
+from gspo_mcore.rewards.worker import reward_hook
 
 STARTUP_TIMEOUT_S = 300.0  # importing a heavy reward (a math checker, a tokenizer) on a busy node
 
@@ -81,10 +88,37 @@ class RewardRunner:
     def __init__(self, reward_name: str, timeout_s: float = 10.0, workers: int = 2, batched: bool = False,
                  url: str | None = None, options: dict | None = None, masking: bool = False):
         # Fail fast on a bad name or signature, in this process.
-        self.wanted = reward_arguments(load_reward_fn(reward_name), reward_name, url)
+        self.fn = load_reward_fn(reward_name)
+        self.wanted = reward_arguments(self.fn, reward_name, url)
         self.reward_name, self.timeout_s, self.workers = reward_name, timeout_s, workers
         self.batched, self.url, self.options, self.masking = batched, url, options, masking
         self._pool: list[_Worker] = []
+
+    @classmethod
+    def from_config(cls, reward, name: str | None = None, samples=(), evaluation: bool = False) -> "RewardRunner":
+        """The runner of a run config's `reward` section (gspo_mcore.config.RewardConfig, read here,
+        not imported: rewards sit below config), the one way training and evaluation build it.
+        `name`: an evaluation dataset's own reward; when it is reward.name it is called as in
+        training (reward.batched, reward.url), another reward once per response (reward.url if it
+        takes one). `evaluation`: a response the reward could not score (None) scores 0, as pass@k
+        needs every sample; training masks it when reward.code.infrastructure_errors is `mask`.
+        `samples` (gspo_mcore.data.PromptSample rows): every answer is read by the reward's
+        `reward_check_answer(answer, where)` hook where it has one (the code rewards), so a dataset
+        the reward cannot read stops the run at data load, before any server starts."""
+        name = name or reward.name
+        own = name == reward.name
+        takes_url = "url" in inspect.signature(load_reward_fn(name)).parameters
+        runner = cls(name, reward.timeout_s, reward.workers, batched=reward.batched if own else False,
+                     url=reward.url if own or takes_url else None, options=dataclasses.asdict(reward.code),
+                     masking=not evaluation and reward.code.infrastructure_errors == "mask")
+        runner.check_answers(samples)
+        return runner
+
+    def check_answers(self, samples) -> None:
+        """Each sample's answer through the reward's `reward_check_answer` hook (none: nothing to check)."""
+        check = reward_hook(self.fn, "reward_check_answer")
+        for index, sample in enumerate(samples if check is not None else ()):
+            check(sample.answer, getattr(sample, "where", "") or f"record {index + 1}")
 
     def _start(self, count: int) -> list[_Worker]:
         started = [_Worker(self.reward_name, self.batched, self.options) for _ in range(count)]

@@ -31,7 +31,7 @@ def main() -> int:
     options = json.loads(flags[flags.index("--options") + 1]) if "--options" in flags else None
     try:
         reward_fn = load_reward_fn(name)
-        configure = _hook(reward_fn, "reward_options")
+        configure = reward_hook(reward_fn, "reward_options")
         if options is not None and configure is not None:
             configure(options)
     except Exception as err:  # reported by the runner as the reason the worker did not start
@@ -39,7 +39,7 @@ def main() -> int:
         return 2
     # A reward may count things per call (the code reward's tests, sandbox time, ...): a
     # `reward_metrics() -> {name: number}` hook, the counts since its last call, sent with each reply.
-    counts = _hook(reward_fn, "reward_metrics")
+    counts = reward_hook(reward_fn, "reward_metrics")
     protocol.write('"ready"\n')
     for line in sys.stdin:
         args, kwargs = json.loads(line)
@@ -53,8 +53,9 @@ def main() -> int:
     return 0
 
 
-def _hook(reward_fn, name: str):
-    """An attribute `name` of the reward function, or else of its module; None."""
+def reward_hook(reward_fn, name: str):
+    """An attribute `name` of the reward function, or else of its module; None (the runner's
+    data-load check looks its hook up the same way)."""
     return getattr(reward_fn, name, None) or getattr(
         sys.modules.get(getattr(reward_fn, "__module__", ""), None), name, None)
 

@@ -42,9 +42,8 @@ class RolloutSource:
         self.sampler = PromptSampler(len(self.dataset), seed=config.train.seed)
         self._check_template()
         reward = config.reward
-        self.rewards = RewardRunner(reward.name, reward.timeout_s, reward.workers, reward.batched, reward.url,
-                                    options=dataclasses.asdict(reward.code),
-                                    masking=reward.code.infrastructure_errors == "mask")
+        # The dataset's answers read by the reward here (the code rewards'), before any server starts.
+        self.rewards = RewardRunner.from_config(reward, samples=self.dataset.samples)
         self.group_filter = by_name(config.rollout.group_filter, adv.GROUP_FILTERS, "rollout.group_filter")
         self.running = adv.RunningMoments()
         self.generator = Generator(config, self.tokenizer)  # the evaluation generates through it too

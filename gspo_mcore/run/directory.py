@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from gspo_mcore.megatron.checkpointing import LATEST
 from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.files import LATEST
 
 # What a run writes into OUTPUT_DIR (--overwrite removes them); the first two mark a run.
 RUN_MARKERS = ("checkpoints", "metrics.jsonl")

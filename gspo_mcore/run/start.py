@@ -1,7 +1,7 @@
 """Starting a training run once its arguments and config are checked (gspo_mcore.run.cli): what a run would
 otherwise find wrong only after building the model and starting servers is checked first (the
-output directory, the resume point, the dataset, the reward, rollout and loss function names),
-the process environment is set for the device (`set_process_env`), then gspo_mcore.run.trainer's
+output directory, the resume point, the dataset, the reward, rollout and loss function names, the
+code sandbox), the process environment is set for the device (`set_process_env`), then gspo_mcore.run.trainer's
 `Trainer` runs.
 """
 
@@ -23,13 +23,17 @@ from gspo_mcore.rollout.functions import load_rollout_function
 from gspo_mcore.run.torchrun import omp_threads
 from gspo_mcore.tasks.toy import check_task_written
 from gspo_mcore.run.trainer import Trainer
+from gspo_mcore.sandbox.preflight import preflight
+
+SANDBOXED_TOOLS = ("gspo_mcore.tools.python",)  # the tool modules that run the model's code
 
 
 def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
     """What a run would otherwise find wrong only after building the model and starting servers
     (minutes on a 30B checkpoint): the checkpoint to resume, the loss function; on rank 0, which reads the data and
     scores, the dataset file and the reward and rollout function names (imported, signatures
-    checked). The same errors their users raise later."""
+    checked), and the code sandbox where a reward or tool runs model-written code (one trivial
+    program through it). The same errors their users raise later."""
     if resume:
         latest_checkpoint(output_dir)
     engine_class(config.rollout.engine).check_config(config)
@@ -40,6 +44,26 @@ def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
     reward = config.reward
     reward_arguments(load_reward_fn(reward.name), reward.name, reward.url)
     load_rollout_function(config.rollout.function)
+    users = sandbox_users(config)
+    if users:  # rank 0 runs the reward and tool workers
+        preflight(", ".join(users))
+
+
+def sandbox_users(config: Config) -> list[str]:
+    """What in `config` runs model-written code in the sandbox (gspo_mcore.sandbox), as `field: name`:
+    the code rewards (training's and each eval set's) and the python tool. A reward of yours that
+    runs code in the sandbox says so with an attribute, `fn.runs_model_code = True`."""
+    from gspo_mcore.rewards import code
+
+    sandboxed = {load_reward_fn("code"), load_reward_fn("code_all"), code.code_reward, code.code_all_reward,
+                 code.code_group_reward}
+    rewards = [("reward.name", config.reward.name)] + [(f"eval.datasets[{i}].reward", d.reward)
+                                                      for i, d in enumerate(config.eval.datasets) if d.reward]
+    users = [f"{where}: {name}" for where, name in rewards
+             if (fn := load_reward_fn(name)) in sandboxed or getattr(fn, "runs_model_code", False)]
+    # By module, not imported: importing the python tool starts a sandbox (its own import-time check).
+    users += [f"rollout.tools: {tool}" for tool in config.rollout.tools if tool.partition(":")[0] in SANDBOXED_TOOLS]
+    return users
 
 
 def set_process_env(config: Config) -> None:

@@ -85,6 +85,9 @@ def program_rewards(responses: list[str], answers: list[str]) -> list[float]:
     return code_group_reward(fenced, answers)
 
 
+program_rewards.runs_model_code = True  # the run's start-up checks the sandbox (gspo_mcore.run.start)
+
+
 def make_prompts(path: Path, count: int, seed: int) -> None:
     rng = random.Random(seed)
     with open(path, "w") as f:

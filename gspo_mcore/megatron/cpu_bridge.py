@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from gspo_mcore.megatron.te_compat import bind_missing_transformer_engine
+
 _installed = False
 
 
@@ -128,7 +130,6 @@ def install() -> None:
     # After torch.cuda is bridged: these modules read it at import.
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils
 
     # The causal masks, also where the mode above is not on the stack: activation recompute runs
     # the layer again inside autograd's backward (model.recompute: full).
@@ -136,5 +137,5 @@ def install() -> None:
         setattr(fused_softmax, name, _on_cpu(getattr(fused_softmax, name)))
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    # Without Transformer Engine the name is never bound; None selects the torch.mm path.
-    moe_utils.te_general_gemm = None
+    # Not a CPU matter: what megatron-core leaves unbound without Transformer Engine, bound as on a GPU.
+    bind_missing_transformer_engine()

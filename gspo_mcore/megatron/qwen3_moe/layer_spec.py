@@ -1,4 +1,4 @@
-"""Megatron module specs for Qwen3-MoE decoder layers: `te` (GPU) and `local` (pure torch)."""
+"""Megatron module specs for Qwen3-MoE decoder layers: `te` (GPU) and `local` (pure torch: torch SDPA attention)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -21,6 +20,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from gspo_mcore.common.errors import InputError
+from gspo_mcore.megatron.qwen3_moe.attention import ScaledDotProductAttention
 
 
 class RMSNorm(torch.nn.Module):
@@ -57,7 +57,8 @@ def _local_layer_spec(num_experts: int | None) -> ModuleSpec:
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
-            core_attention=DotProductAttention,
+            # torch's fused SDPA, not Megatron's DotProductAttention (O(s^2) memory: attention.py).
+            core_attention=ScaledDotProductAttention,
             linear_proj=RowParallelLinear,
             q_layernorm=RMSNorm,
             k_layernorm=RMSNorm,

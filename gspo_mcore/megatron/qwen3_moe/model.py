@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from gspo_mcore.config import ConfigError, DistributedConfig, ModelConfig
 from gspo_mcore.megatron.qwen3_moe.hf_config import HFConfigError, Qwen3MoeArch
 from gspo_mcore.megatron.qwen3_moe.layer_spec import decoder_block_spec
+from gspo_mcore.megatron.te_compat import bind_missing_transformer_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -117,6 +118,9 @@ def build_model(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig,
                 routing_replay: bool = False) -> GPTModel:
     """The GPTModel of this pipeline stage; parallel state must already be initialised.
     `routing_replay`: its routers can take given top-k experts (megatron-core's RouterReplay)."""
+    # Every model we build comes through here (learner, reference, parity, the converter's verify): without
+    # Transformer Engine, megatron-core 0.16.1's router would read an unbound name on its first forward.
+    bind_missing_transformer_engine()
     config = transformer_config(arch, model, dist, routing_replay)
     gpt = GPTModel(
         config=config,

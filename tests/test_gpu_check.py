@@ -2,7 +2,8 @@
 transformers and their own dependencies only, the repository, and the wheel folder
 launch/wheelhouse.sh fills (here built from this machine's installed distributions of exactly
 the pinned names and versions, since the suite runs offline); every section that can run on CPU
-at the tiny shape."""
+at the tiny shape. The check's pieces (lines, child processes, sections as functions) have their
+fast tests in test_gpu_check_parts.py."""
 
 import importlib.metadata as metadata
 import json
@@ -20,7 +21,7 @@ from packaging.requirements import Requirement
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "launch"))
-import gpu_check  # noqa: E402
+from gpucheck.wheels import wheel_paths  # noqa: E402
 
 sys.path.remove(str(REPO / "launch"))
 
@@ -85,7 +86,7 @@ def test_a_pure_wheel_imports_from_its_zip_and_a_compiled_one_is_unpacked_once(t
             archive.writestr(f"{name}-1.0.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: {pure}\n")
             for path, data in extra.items():
                 archive.writestr(path, data)
-    paths = gpu_check.wheel_paths(folder, cache)
+    paths = wheel_paths(folder, cache)
     assert paths == [cache / "natpkg-1.0-py3-none-any", folder / "purepkg-1.0-py3-none-any.whl", folder]
     assert (cache / "natpkg-1.0-py3-none-any" / "natpkg" / "_speed.so").read_bytes() == b"\x7fELF"
     out = subprocess.run([sys.executable, "-c", "import sys, natpkg, purepkg; sys.path[:0] = sys.argv[1:]; "
@@ -93,7 +94,7 @@ def test_a_pure_wheel_imports_from_its_zip_and_a_compiled_one_is_unpacked_once(t
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))})
     assert out.returncode == 0 and ".whl" in out.stdout  # imported from inside the zip
     (cache / "natpkg-1.0-py3-none-any" / "natpkg" / "_speed.so").write_bytes(b"kept")
-    gpu_check.wheel_paths(folder, cache)  # unpacked once: a second run reuses it
+    wheel_paths(folder, cache)  # unpacked once: a second run reuses it
     assert (cache / "natpkg-1.0-py3-none-any" / "natpkg" / "_speed.so").read_bytes() == b"kept"
 
 
@@ -107,75 +108,43 @@ def test_the_wheelhouse_pins_what_this_project_runs(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().endswith("runs on Python 3.11 or 3.12")
 
 
-@pytest.mark.slow  # ~60 s: five sections, a resume in a fresh process, a stand-in server
+@pytest.mark.slow  # ~45 s (2 cores): every section's children forked from one server that imported once
 def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     """No site-packages but torch's and transformers' own, the wheel folder on the path by the
-    check itself: sections 1-4 and 7 pass (megatron-core from the unpacked wheel), the CUDA ones
-    skip, and so does section 3's precision-aware arm (Transformer Engine's FusedAdam is CUDA only)."""
+    check itself: sections 1-4, 7 and 8 pass (megatron-core from the unpacked wheel), each learner
+    in a child process; the CUDA ones skip, and so do section 3's CUDA-only arms (before anything
+    is built). --out holds the lines stdout printed."""
     site = bare_site(tmp_path / "site")
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     for name in pinned_wheels():
         wheel_of(name, wheels)
     env = {**os.environ, "PYTHONPATH": str(site), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-S", str(REPO / "launch/gpu_check.py"), "--device", "cpu", "--wheels",
-                           str(wheels), "--work", str(tmp_path / "work")], capture_output=True, text=True, env=env,
+    check = [sys.executable, "-S", str(REPO / "launch/gpu_check.py"), "--device", "cpu", "--wheels", str(wheels),
+             "--work", str(tmp_path / "work")]
+    proc = subprocess.run([*check, "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=600)
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [(line["section"], line["result"]) for line in lines] == [
-        (1, "PASS"), (2, "PASS"), (3, "PASS"), (4, "PASS"), (5, "SKIP"), (6, "SKIP"), (7, "PASS")]
-    first, parity, update, resume = lines[:4]
-    sync = lines[6]
+    assert [(line["section"], line.get("part"), line["result"]) for line in lines] == [
+        (1, None, "PASS"), (2, None, "PASS"), (3, "offload", "SKIP"), (3, "device_adam", "PASS"),
+        (3, "precision_aware", "SKIP"), (3, None, "PASS"), (4, None, "PASS"), (5, None, "SKIP"), (6, None, "SKIP"),
+        (7, None, "PASS"), (8, None, "PASS")]
+    assert (tmp_path / "out/gpu_check.jsonl").read_text().splitlines() == proc.stdout.splitlines()
+    first, parity, _, arm, aware, update, resume = lines[:7]
+    sync, host_adam = lines[9:]
     assert first["megatron_core"] == "0.16.1" and first["megatron_from"].startswith(str(tmp_path / "cache"))
+    assert first["te_compat"]["moe_utils.te_general_gemm"] == "None (torch.mm)"
     assert parity["export_bitwise_identical"] and parity["top1_agreement"] == 1.0
-    assert update["params_moved"] > 0 and update["grad_norm"] > 0
-    assert update["precision_aware"]["result"] == "SKIP"
-    assert update["precision_aware"]["skip"].startswith("optimizer.precision_aware: needs distributed.device 'cuda'")
+    assert arm["params_moved"] > 0 and arm["grad_norm"] > 0 and arm["planned_gb"] > 0
+    assert aware["skip"].startswith("optimizer.precision_aware: needs CUDA")
+    assert update["arms"] == {"offload": "SKIP", "device_adam": "PASS", "precision_aware": "SKIP"}
     # float32 on both sides: the push's log-probs are the trainer's; the stale weights' are not
     assert sync["sync_check_median"] <= 1e-5 < sync["stale_median"] and sync["tolerance"] == 0.01
     assert resume["params_equal"] and resume["optimizer_equal"] and resume["stepped_again"]
     assert {"exp_avg", "exp_avg_sq", "main"} <= set(resume["optimizer_states"])
-    # One section alone.
-    alone = subprocess.run([sys.executable, "-S", str(REPO / "launch/gpu_check.py"), "--device", "cpu", "--wheels",
-                            str(wheels), "--work", str(tmp_path / "work"), "--only", "2"], capture_output=True,
-                           text=True, env=env, cwd=tmp_path, timeout=600)
+    assert set(host_adam["cpu_step_ns_per_param"]) == {"2", "16"} and host_adam["copy_to_host_ns_per_param"] is None
+    # One section alone, in a fresh interpreter of its own (the CUDA default).
+    alone = subprocess.run([*check, "--only", "2", "--children", "spawn"], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=600)
     assert [json.loads(line)["section"] for line in alone.stdout.splitlines()] == [2] and alone.returncode == 0
-
-
-def test_a_section_that_raises_is_one_fail_line_and_the_others_still_run(tmp_path, monkeypatch, capsys):
-    def broken(args, shape):
-        raise RuntimeError("CUDA error: an illegal memory access")
-
-    monkeypatch.setattr(gpu_check, "section_6", broken)
-    code = gpu_check.main(["--device", "cpu", "--wheels", str(tmp_path / "none"), "--work", str(tmp_path),
-                           "--only", "6", "--only", "5"])
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert code == 1 and [(line["section"], line["result"]) for line in lines] == [(6, "FAIL"), (5, "SKIP")]
-    assert lines[0]["error"] == "RuntimeError: CUDA error: an illegal memory access"
-
-
-def test_section_3_puts_the_precision_aware_arm_beside_the_production_one(tmp_path, monkeypatch):
-    """Both arms' step time and peak side by side; a failing precision-aware arm fails the section,
-    one that raises is its own verdict and the production arm (section 4's learner) still runs."""
-    arms = {(): {"update_s": 3.0, "peak_gb": 40.0, "pass": True},
-            gpu_check.PRECISION_AWARE: {"update_s": 1.0, "peak_gb": 50.0, "pass": True}}
-    monkeypatch.setattr(gpu_check, "update_arm", lambda args, shape, extra=(): ("learner", dict(arms[tuple(extra)])))
-    args = type("Args", (), {})()
-    shape = gpu_check.Shape("cpu")
-    figures = gpu_check.section_3(args, shape)
-    assert figures["pass"] and args.learner == "learner"
-    assert figures["update_s_over_precision_aware"] == 3.0 and figures["peak_gb_precision_aware"] == 50.0
-    assert figures["precision_aware"]["result"] == "PASS"
-    arms[gpu_check.PRECISION_AWARE]["pass"] = False
-    assert not gpu_check.section_3(args, shape)["pass"]
-
-    def raises(args, shape, extra=()):
-        if extra:
-            raise RuntimeError("CUDA out of memory")
-        return "learner", dict(arms[()])
-
-    monkeypatch.setattr(gpu_check, "update_arm", raises)
-    figures = gpu_check.section_3(args, shape)
-    assert not figures["pass"] and figures["update_s"] == 3.0 and "update_s_over_precision_aware" not in figures
-    assert figures["precision_aware"] == {"result": "FAIL", "error": "RuntimeError: CUDA out of memory"}

@@ -1,0 +1,36 @@
+"""The check's sections, in the order a full run takes them. A section is a function of the
+Check (gpucheck.context) returning its figures; what builds a model runs in a child process
+(Check.child). Adding one: a module with its function, and a row here with its number and its
+share of the 8-minute budget on one H100 (tests/test_gpu_check_parts.py holds the sum to it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from gpucheck import environment, host_adam, ipc_push, nccl_push, parity, resume, sync_check, updates
+
+BUDGET_S = 480  # the whole check on one H100 with its wheel folder
+
+
+@dataclass(frozen=True)
+class Section:
+    number: int
+    name: str
+    run: Callable  # (Check) -> figures
+    estimate_s: int  # on one H100 (a first run: the synthetic checkpoint written once), child start-ups included
+
+
+SECTIONS = (
+    Section(1, "imports and environment", environment.section_1, 10),
+    Section(2, "Qwen3-30B-A3B layer shapes: logits parity and HF export", parity.section_2, 60),
+    Section(3, "GSPO updates at the 30B settings, one child per optimizer arm: memory against the planner",
+            updates.section_3, 110),
+    Section(4, "torch_dist save and resume, each in a process of its own", resume.section_4, 130),
+    Section(5, "colocated CUDA-IPC push read by vLLM's packed_tensor", ipc_push.section_5, 15),
+    Section(6, "NCCL push calls on a joining thread, closed and opened again", nccl_push.section_6, 15),
+    Section(7, "weight-sync check against a stand-in engine", sync_check.section_7, 80),
+    Section(8, "host Adam: Megatron's HybridDeviceOptimizer per parameter at 2 and 16 threads", host_adam.section_8,
+            30),
+)
+BY_NUMBER = {section.number: section for section in SECTIONS}

@@ -1,0 +1,253 @@
+"""The one-GPU check's pieces, each a function run here on CPU (launch/gpucheck/): its JSON lines
+and --out file, its child processes (a child that dies is a FAIL line and the check goes on),
+section 3's arms, section 8's figures for the planner, and the registry's time budget. The whole
+check on a bare machine is test_gpu_check.py's."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "launch"))
+from gpucheck import children, host_adam, lines, main, registry, updates  # noqa: E402
+from gpucheck.context import Check  # noqa: E402
+
+sys.path.remove(str(REPO / "launch"))
+
+STAND_IN = '''
+import os, signal, time
+
+def fine(check, value):
+    return {"value": value, "device": check.device, "pass": True}
+
+def raises(check):
+    raise RuntimeError("CUDA error: an illegal memory access")
+
+def exits(check):
+    os._exit(3)
+
+def killed(check):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def hangs(check):
+    time.sleep(60)
+'''
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """A module of child functions a child process can import (the parent's sys.path goes with it)."""
+    folder = tmp_path / "mods"
+    folder.mkdir()
+    (folder / "standin_children.py").write_text(textwrap.dedent(STAND_IN))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.syspath_prepend(str(REPO / "launch"))  # as for launch/gpu_check.py: a forked child imports gpucheck
+    return "standin_children"
+
+
+def a_check(tmp_path, **options) -> Check:
+    return Check(device="cpu", work=tmp_path, wheels=tmp_path / "no-wheels", **options)
+
+
+# ------------------------------------------------------------------ lines and --out
+
+def test_a_line_says_pass_fail_or_skip_from_its_figures():
+    assert lines.verdict({"pass": True, "x": 1}) == ("PASS", {"x": 1})
+    assert lines.verdict({"skip": "needs a GPU", "pass": True}) == ("SKIP", {"skip": "needs a GPU"})
+    assert lines.verdict({"x": 1})[0] == "FAIL"  # no verdict is not a pass
+    assert lines.verdict({"pass": 1})[0] == "FAIL"  # a verdict is a bool
+    line = lines.section_line(4, "save", "cpu", 1.234, {"pass": False, "error": "E: x"})
+    assert line == {"section": 4, "name": "save", "result": "FAIL", "device": "cpu", "seconds": 1.23, "error": "E: x"}
+    assert lines.part_line(3, "offload", {"skip": "CUDA only"}) == {"section": 3, "part": "offload", "result": "SKIP",
+                                                                     "skip": "CUDA only"}
+    assert lines.error_figures(ValueError("x" * 400)) == {"pass": False, "error": "ValueError: " + "x" * 300}
+
+
+def test_out_appends_each_line_as_it_is_made_and_stdout_prints_it(tmp_path, capsys):
+    out = tmp_path / "out"
+    first = lines.Lines("run-1", out)
+    first.emit({"section": 1, "result": "PASS"})
+    # on disk at once, before anything else happens
+    assert [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()] == [
+        {"section": 1, "result": "PASS", "run": "run-1"}]
+    lines.Lines("run-2", out).emit({"section": 2, "result": "FAIL", "nan": float("nan")})
+    on_disk = (out / "gpu_check.jsonl").read_text().splitlines()
+    assert [json.loads(line)["run"] for line in on_disk] == ["run-1", "run-2"]  # appended, runs told apart
+    assert capsys.readouterr().out.splitlines() == on_disk
+
+
+def test_a_killed_run_keeps_the_lines_it_made(tmp_path):
+    """The check dies in section 2 (SIGKILL, as the OOM killer does): section 1's line is on disk."""
+    driver = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(REPO / "launch")!r})
+        from gpucheck import main, registry
+        registry.BY_NUMBER[1] = registry.Section(1, "fine", lambda check: {{"pass": True, "figure": 7}}, 1)
+        registry.BY_NUMBER[2] = registry.Section(2, "dies", lambda check: os.kill(os.getpid(), signal.SIGKILL), 1)
+        main.main(["--device", "cpu", "--work", sys.argv[1], "--out", sys.argv[2], "--only", "1", "--only", "2"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", driver, str(tmp_path / "work"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    kept = [json.loads(line) for line in (tmp_path / "out/gpu_check.jsonl").read_text().splitlines()]
+    assert [(line["section"], line["result"], line["figure"]) for line in kept] == [(1, "PASS", 7)]
+
+
+# ------------------------------------------------------------------ child processes
+
+@pytest.mark.parametrize("mode", children.MODES)
+def test_a_child_returns_its_figures_and_a_child_that_raises_is_a_fail(tmp_path, stand_in, mode, monkeypatch):
+    monkeypatch.setattr(children, "PRELOAD", [])  # the stand-ins import nothing heavy
+    check = a_check(tmp_path, children=mode)
+    figures = check.child(f"{stand_in}:fine", value=[1, 2])
+    assert figures["value"] == [1, 2] and figures["device"] == "cpu" and figures["pass"] is True
+    assert check.child(f"{stand_in}:raises")["error"] == "RuntimeError: CUDA error: an illegal memory access"
+    assert list(tmp_path.iterdir()) == [tmp_path / "mods"]  # the result files went with their folders
+
+
+@pytest.mark.parametrize("mode", children.MODES)
+@pytest.mark.parametrize("how, said", [("exits", "exited with status 3"),
+                                       ("killed", "was killed by SIGKILL (the kernel's OOM killer?)"),
+                                       ("hangs", "ran past 2 s and was killed")])
+def test_a_child_that_dies_is_one_line_naming_how(tmp_path, stand_in, mode, how, said, monkeypatch):
+    monkeypatch.setattr(children, "PRELOAD", [])
+    timeout_s = 2 if how == "hangs" else 120  # a loaded machine may take seconds to start a child
+    figures = a_check(tmp_path, children=mode, child_timeout_s=timeout_s).child(f"{stand_in}:{how}")
+    assert figures == {"pass": False, "error": f"{stand_in}:{how}: the child process {said} without a result "
+                                               "(its stderr is above)"}
+
+
+def test_a_section_whose_child_crashes_is_a_fail_line_and_the_next_section_runs(tmp_path, stand_in, monkeypatch,
+                                                                                 capsys):
+    """The check survives a section's child dying (section 6 here), and section 5 still prints."""
+    monkeypatch.setitem(registry.BY_NUMBER, 6, registry.Section(6, "crashes", lambda c: c.child(f"{stand_in}:killed"),
+                                                                 1))
+    code = main.main(["--device", "cpu", "--wheels", str(tmp_path / "none"), "--work", str(tmp_path / "work"),
+                      "--only", "6", "--only", "5", "--children", "spawn"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 1 and [(line["section"], line["result"]) for line in printed] == [(6, "FAIL"), (5, "SKIP")]
+    assert "was killed by SIGKILL" in printed[0]["error"]
+
+
+def test_a_section_that_raises_in_the_parent_is_a_fail_line(tmp_path, monkeypatch, capsys):
+    def broken(check):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setitem(registry.BY_NUMBER, 6, registry.Section(6, "broken", broken, 1))
+    code = main.main(["--device", "cpu", "--wheels", str(tmp_path / "none"), "--work", str(tmp_path), "--only", "6"])
+    line = json.loads(capsys.readouterr().out)
+    assert code == 1 and line["result"] == "FAIL"
+    assert line["error"] == "RuntimeError: CUDA error: an illegal memory access"
+
+
+# ------------------------------------------------------------------ section 3's arms
+
+def test_section_3_runs_each_arm_in_a_child_and_prints_it_as_measured(tmp_path, monkeypatch):
+    """An arm that cannot run is skipped before any child; each arm that runs is a child of its
+    own with its overrides; its line is out before the next arm starts; one failing arm fails the section."""
+    started, out = [], tmp_path / "out"
+    figures = {("optimizer.cpu_offload=false",): {"update_s": 1.0, "peak_minus_baseline_gb": 30.0, "pass": True},
+               (): {"update_s": 3.0, "peak_minus_baseline_gb": 20.0, "pass": True}}
+
+    def child(self, target, **kwargs):
+        assert target == "gpucheck.updates:arm"
+        on_disk = (out / "gpu_check.jsonl").read_text().splitlines() if (out / "gpu_check.jsonl").exists() else []
+        started.append((tuple(kwargs["extra"]), len(on_disk)))
+        return dict(figures[tuple(kwargs["extra"])])
+
+    monkeypatch.setattr(Check, "child", child)
+    monkeypatch.setattr(updates, "transformer_engine_importable", lambda: False)
+    check = Check(device="cuda", work=tmp_path, wheels=tmp_path, lines=lines.Lines("r", out))
+    section = updates.section_3(check)
+    assert started == [((), 0), (("optimizer.cpu_offload=false",), 1)]  # each after the previous arm's line
+    assert section["arms"] == {"offload": "PASS", "device_adam": "PASS", "precision_aware": "SKIP"}
+    assert section["offload_update_s_over_device_adam"] == 3.0 and section["pass"] is True
+    assert section["peak_minus_baseline_gb_by_arm"] == {"offload": 20.0, "device_adam": 30.0}
+    parts = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    assert [(p["part"], p["result"]) for p in parts] == [("offload", "PASS"), ("device_adam", "PASS"),
+                                                         ("precision_aware", "SKIP")]
+    assert parts[2]["skip"].startswith("optimizer.precision_aware: Transformer Engine is not importable")
+    figures[()]["pass"] = False
+    assert updates.section_3(check)["pass"] is False
+
+
+def test_an_arm_is_skipped_up_front_where_it_cannot_run(monkeypatch):
+    assert updates.arm_skip("offload", "cpu").startswith("optimizer.cpu_offload: Megatron's HybridDeviceOptimizer")
+    assert updates.arm_skip("device_adam", "cpu") is None and updates.arm_skip("offload", "cuda") is None
+    assert updates.arm_skip("precision_aware", "cpu").startswith("optimizer.precision_aware: needs CUDA")
+    monkeypatch.setattr(updates, "transformer_engine_importable", lambda: True)
+    assert updates.arm_skip("precision_aware", "cuda") is None
+
+
+def test_an_arm_reports_what_it_took_against_the_planner():
+    """Peak minus the baseline allocated before the learner, over the planner's estimate."""
+    gib = 2**30
+    figures = updates.memory_figures({"trainer_total_gb": 20.0, "trainer_optimizer_gb": 0.0}, 1.5, 2 * gib, 34 * gib)
+    assert figures == {"planned_gb": 20.0, "planned_optimizer_gb": 0.0, "tolerance": 1.5, "baseline_gb": 2.0,
+                       "peak_gb": 34.0, "peak_minus_baseline_gb": 32.0, "peak_over_planned": 1.6, "within": False}
+    assert updates.memory_figures({"trainer_total_gb": 20.0}, 1.5, None, None) == {
+        "planned_gb": 20.0, "planned_optimizer_gb": None, "tolerance": 1.5}  # CPU: no allocator figures
+
+
+# ------------------------------------------------------------------ section 8: host Adam
+
+def test_host_adam_measures_megatrons_host_step_at_each_thread_count(tmp_path):
+    figures = host_adam.measure(a_check(tmp_path), threads=(1, 2))
+    assert figures["pass"] and figures["moved"] and figures["params"] == 4 * 16384
+    assert set(figures["cpu_step_ns_per_param"]) == {"1", "2"}
+    assert all(ns > 0 for ns in figures["cpu_step_ns_per_param"].values())
+    assert figures["copy_to_host_ns_per_param"] is None and figures["copy_back_ns_per_param"] is None  # no GPU
+    assert figures["source"].startswith("launch/gpu_check.py section 8") and "no GPU" in figures["source"]
+
+
+def test_host_adam_writes_what_the_planner_reads_and_its_30b_figure(tmp_path):
+    """The line's four fields, alone in host_adam.json, load as the planner's HostAdamFigures, and
+    the check prints the seconds they make of the 30B config's step on 8 GPUs."""
+    from gspo_mcore.planner.host_adam import load_figures
+
+    measured = {"copy_to_host_ns_per_param": 0.2, "copy_back_ns_per_param": 0.25,
+                "cpu_step_ns_per_param": {"2": 1.5, "16": 0.3}, "source": "a test", "params": 100, "pass": True}
+    path = host_adam.write_figures(tmp_path / "host_adam.json", measured)
+    assert set(json.loads(path.read_text())) == set(host_adam.FIELDS)
+    loaded = load_figures(path)
+    assert loaded.cpu_step_ns_per_param == {2: 1.5, 16: 0.3} and loaded.source == "a test"
+    at_30b = host_adam.at_30b_ep8(measured)
+    params = at_30b["params_per_gpu_b"] * 1e9
+    assert 3.7 < at_30b["params_per_gpu_b"] < 3.9  # the experts' eighth and a dense shard
+    assert at_30b["optimizer_step_s_at_2_threads"] == pytest.approx(params * (0.2 + 1.5 + 0.25) / 1e9)
+    assert at_30b["training_step_s_at_16_threads"] == pytest.approx(
+        at_30b["optimizer_step_s_at_16_threads"] * at_30b["optimizer_steps_per_training_step"])
+
+
+def test_section_8_writes_host_adam_json_only_from_measured_copies(tmp_path, monkeypatch):
+    """On CPU the copies are null (the planner would refuse them): no file."""
+    out = tmp_path / "out"
+    check = Check(device="cpu", work=tmp_path, wheels=tmp_path, lines=lines.Lines("r", out))
+    cpu_line = {"copy_to_host_ns_per_param": None, "copy_back_ns_per_param": None,
+                "cpu_step_ns_per_param": {"2": 1.0}, "source": "s", "pass": True}
+    monkeypatch.setattr(Check, "child", lambda self, target: dict(cpu_line))
+    assert "written" not in host_adam.section_8(check) and not (out / "host_adam.json").exists()
+    monkeypatch.setattr(Check, "child", lambda self, target: {**cpu_line, "copy_to_host_ns_per_param": 0.1,
+                                                              "copy_back_ns_per_param": 0.1})
+    assert host_adam.section_8(check)["written"] == str(out / "host_adam.json")
+
+
+# ------------------------------------------------------------------ the registry
+
+def test_the_sections_fit_the_budget_and_the_parent_imports_nothing_heavy():
+    """Numbered 1..N in order, their estimates within the 8 minutes on one H100; importing the
+    check (what the parent of a CPU run does) imports neither torch nor megatron-core."""
+    numbers = [section.number for section in registry.SECTIONS]
+    assert numbers == list(range(1, len(numbers) + 1))
+    assert sum(section.estimate_s for section in registry.SECTIONS) <= registry.BUDGET_S == 480
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import gpucheck.main; "
+             "print(sorted(m for m in ('torch', 'megatron.core', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe, str(REPO / "launch")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ""}, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

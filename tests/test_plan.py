@@ -1,6 +1,7 @@
 """The layout planner on the shipped GPU configs, and its errors for impossible layouts."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -12,7 +13,8 @@ from gspo_mcore.common.errors import InputError
 from gspo_mcore.gspo.logprobs import DEFAULT_CHUNK_ELEMENTS
 from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.planner.cli import main, plan
-from gspo_mcore.planner.memory_model import H100_GB, PHASES, TRAINER_CONTEXT_GB, MemoryRefused, param_counts
+from gspo_mcore.planner.memory_model import (H100_GB, KV_ROOM_MARGIN_GB, PHASES, TRAINER_CONTEXT_GB, MemoryRefused,
+                                             param_counts)
 
 HF_30B = REPO / "configs/hf/qwen3-30b-a3b.config.json"
 HF_235B = REPO / "configs/hf/qwen3-235b-a22b.config.json"
@@ -30,8 +32,9 @@ GPU_CONFIGS = {
     "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
 }
 # What the shipped configs keep free on an H100 in their tightest phase: the estimates are
-# arithmetic on the shapes (activations within ~1.5x), so ~10% of the GPU stays spare.
-MIN_MARGIN_GB = 8.0
+# arithmetic on the shapes (activations within ~1.5x), so ~10% of the GPU stays spare (the KV room
+# the colocated configs take is the planner's, which keeps just that).
+MIN_MARGIN_GB = KV_ROOM_MARGIN_GB
 
 
 def _plan(config="qwen3_30b_a3b_gspo.yaml", overrides=(), nodes=1, hf=HF_30B, gpu_gb=H100_GB):
@@ -58,17 +61,19 @@ def test_shipped_gpu_configs_fit_every_phase_with_a_margin(config):
     assert tuple(result["phases_gb"]) == PHASES  # all four (every config runs the sync check)
     assert result["margin_gb"] == pytest.approx(result["usable_gb"] - max(result["phases_gb"].values()))
     assert result["margin_gb"] >= MIN_MARGIN_GB, result["phases_gb"]
-    parts = sum(result[f"trainer_{k}_gb"] for k in ("weights", "gradients", "optimizer", "activations", "logits"))
-    assert result["trainer_total_gb"] == pytest.approx(parts)
+    static = sum(result[f"trainer_{k}_gb"] for k in ("weights", "gradients", "optimizer"))
+    # the logits and a layer's backward peak apart: the larger counts
+    peak = max(result["trainer_activations_gb"], result["trainer_stored_activations_gb"] + result["trainer_logits_gb"])
+    assert result["trainer_total_gb"] == pytest.approx(static + peak)
     assert result["train_tflops"] > result["rollout_tflops"] > 0
 
 
 def test_offload_keeps_the_30b_configs_fitting():
     """Without the offload one node does not fit while training, and two nodes (expert Adam
-    states sharded over 2) fit while training but not at the sync check beside SGLang."""
-    with pytest.raises(ConfigError, match=r"during the training phase .* need an estimated 9\d\.\d GiB per GPU > 77\.6"):
+    states sharded over 2) fit while training but not beside SGLang's KV room."""
+    with pytest.raises(ConfigError, match=r"during the training phase .* need an estimated 8\d\.\d GiB per GPU > 77\.6"):
         _plan(overrides=["optimizer.cpu_offload=false"])
-    with pytest.raises(MemoryRefused, match=r"during the sync check phase .* need an estimated 80\.\d GiB") as refused:
+    with pytest.raises(MemoryRefused, match=r"during the weight push phase .* need an estimated 8\d\.\d GiB") as refused:
         _plan("qwen3_30b_a3b_gspo_2node.yaml", ["optimizer.cpu_offload=false"], nodes=2)
     assert refused.value.result["phases_gb"]["training"] < refused.value.result["usable_gb"]
     one = _plan()
@@ -120,9 +125,12 @@ def test_logits_count_two_copies_and_the_recomputed_layer_twice():
     # [s,b,v] then its contiguous [b,s,v] copy; in backward that copy and its gradient
     assert result["trainer_logits_gb"] == pytest.approx((arch.vocab_size * tokens * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4) / GIB)
     q, kv, k, f = 32 * 128, 4 * 128, 8, 768
-    layer = tokens * (2 * (4 * h + q + 2 * kv + q) + 2 * k * (2 * h + 3 * f))
+    # EP 8: each of the k copies once at the sender, and at the busiest expert rank (2x the mean)
+    # the received token and 3 FFN tensors
+    layer = tokens * (2 * (4 * h + q + 2 * kv + q) + 2 * k * (h + 2 * (h + 3 * f)))
     # full recompute: each layer's input, + one layer recomputed and its gradients
     assert result["trainer_activations_gb"] == pytest.approx((48 * tokens * 2 * h + 2 * layer) / GIB)
+    assert result["trainer_stored_activations_gb"] == pytest.approx(48 * tokens * 2 * h / GIB)
     counts = param_counts(arch)
     # distributed optimizer: dense over DP 8, experts over EP 8 x expert-DP 1; 12 B Adam + fp32
     # master weights, + 4 B pinned gradient copy
@@ -202,7 +210,7 @@ def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses(caps
     assert "per GPU by phase (GiB of 77.6 usable: 79.6 less 2 for the trainer's CUDA context" in proc.stdout
     for phase in PHASES:
         assert f" {phase} " in proc.stdout.split("per GPU by phase")[1].splitlines()[0]
-    assert "margin: 18.4 GiB per GPU at the sync check phase" in proc.stdout
+    assert "margin: 8.0 GiB per GPU at the sync check phase" in proc.stdout
     assert "disk warning: each checkpoint ~427 GB (weights + fp32 master weights + 2 Adam moments)" in proc.stdout
     assert json.loads(proc.stdout.strip().splitlines()[-1])["gpus"] == 8
     code, out, err = _plan_cli([*args, "optimizer.cpu_offload=false"], capsys)
@@ -281,14 +289,14 @@ def test_an_engine_that_cannot_do_what_the_config_asks_is_refused_by_the_planner
     """The planner asks the config's engine (Engine.check_config) before anything else."""
     from gspo_mcore.engines.vllm.engine import VLLMEngine
 
-    _plan(overrides=["rollout.engine=vllm"])  # colocated, CUDA IPC: vLLM's ipc transfer engine
+    _plan("qwen3_30b_a3b_gspo_vllm.yaml")  # colocated, CUDA IPC: vLLM's ipc transfer engine
 
     def refuse(config):
         raise ConfigError(f"weight_sync.method: {config.weight_sync.method!r}: not on this engine")
 
     monkeypatch.setattr(VLLMEngine, "check_config", classmethod(lambda cls, config: refuse(config)))
     with pytest.raises(ConfigError, match="weight_sync.method: 'tensor': not on this engine"):
-        _plan(overrides=["rollout.engine=vllm"])
+        _plan("qwen3_30b_a3b_gspo_vllm.yaml")
     _plan()  # SGLang's
 
 
@@ -296,8 +304,8 @@ def test_vllms_push_receive_buffers_are_counted_on_its_gpus():
     """vLLM receives each bucket into a fresh buffer that its layerwise reload keeps until the
     layer is complete; with 4 expert shards sending interleaved, up to 2 x 4 buckets live at once
     on an engine GPU. Split: they come out of the KV cache's room (the async 1-node vLLM config's
-    2.2M tokens fit at 256 MB buckets, not at 1 GiB); colocated: in the weight-push phase. A load
-    from disk and SGLang hold none in this count."""
+    KV room is the planner's at 256 MB buckets, over it at 1 GiB); colocated: in the weight-push
+    phase. A load from disk and SGLang hold none in this count."""
     vllm = "qwen3_30b_a3b_gspo_async_1node_vllm.yaml"
     small = _plan(vllm, ["weight_sync.bucket_mb=256"])
     assert small["engine_push_buffers_gb"] == 2 * 4 * 0.25
@@ -305,7 +313,7 @@ def test_vllms_push_receive_buffers_are_counted_on_its_gpus():
     assert disk["engine_push_buffers_gb"] == 0
     kv_per_token = disk["engine_kv_bytes_per_token"]
     assert disk["engine_kv_cache_tokens"] - small["engine_kv_cache_tokens"] == pytest.approx(2 * GIB / kv_per_token, abs=2)
-    with pytest.raises(ConfigError, match=r"rollout.max_total_tokens 2,200,000: more KV cache than an engine GPU holds"):
+    with pytest.raises(ConfigError, match=r"rollout.max_total_tokens 2,246,656: more KV cache than an engine GPU holds"):
         _plan(vllm, ["weight_sync.bucket_mb=1024"])
     colocated = _plan("qwen3_30b_a3b_gspo_vllm.yaml")
     as_sglang = _plan("qwen3_30b_a3b_gspo_vllm.yaml", ["weight_sync.method=disk"])
@@ -339,24 +347,29 @@ def test_the_precision_aware_optimizer_holds_6_bytes_a_parameter_on_the_gpu():
 
 
 def test_an_offloading_plan_names_the_precision_aware_optimizer_where_it_fits(capsys):
-    """Two nodes: the optimizer fits on the GPUs in bf16 (the line, with the margin of that plan
-    itself); one node: it does not (no line, a negative margin in the JSON)."""
+    """Two nodes: the optimizer fits on the GPUs in bf16 at a smaller KV room (the line, with the
+    plan at that room itself); one node: no room is left for the KV cache (no line)."""
     two = _plan("qwen3_30b_a3b_gspo_2node.yaml", nodes=2)
-    direct = _plan("qwen3_30b_a3b_gspo_2node.yaml", PRECISION_AWARE, nodes=2)
-    assert two["precision_aware_margin_gb"] == pytest.approx(direct["margin_gb"]) and direct["margin_gb"] > 0
+    room = two["precision_aware_kv_room_tokens"]
+    direct = _plan("qwen3_30b_a3b_gspo_2node.yaml", [*PRECISION_AWARE, f"rollout.max_total_tokens={room}"], nodes=2)
+    assert 0 < room < two["kv_room_tokens"] and direct["kv_room_tokens"] == room
+    assert two["precision_aware_fits"] and two["precision_aware_margin_gb"] == pytest.approx(direct["margin_gb"])
+    assert direct["margin_gb"] >= KV_ROOM_MARGIN_GB
     assert two["precision_aware_optimizer_gb"] == pytest.approx(direct["trainer_optimizer_gb"])
     assert two["precision_aware_tightest_phase"] == direct["tightest_phase"]
     docs = (REPO / "docs/08-gpu.md").read_text()
-    assert f"fits it (a\n{direct['margin_gb']:.1f} GiB margin at the sync check)" in docs
-    assert _plan()["precision_aware_margin_gb"] < 0
+    assert f"fits it at a KV room of\n{room:,} tokens" in docs
+    one = _plan()
+    assert not one["precision_aware_fits"] and one["precision_aware_kv_room_tokens"] == 0
     assert "precision_aware_margin_gb" not in direct  # offered to offloading configs only
     line = "faster where it fits: optimizer.precision_aware: true, optimizer.cpu_offload: false fits"
     code, out, _ = _plan_cli(["--config", "configs/qwen3_30b_a3b_gspo_2node.yaml", "--nodes", "2", "--hf-config",
                               str(HF_30B)], capsys)
     assert code == 0
     assert f"{line} (bf16 Adam moments on the GPU, {direct['trainer_optimizer_gb']:.1f} GiB per GPU; margin " \
-           f"{direct['margin_gb']:.1f} GiB at the {direct['tightest_phase']} phase): Megatron-Bridge measures CPU " \
-           "offload at 1.9-4.2x the step time on Qwen3-30B-A3B" in out.splitlines()
+           f"{direct['margin_gb']:.1f} GiB at the {direct['tightest_phase']} phase with rollout.max_total_tokens " \
+           f"{room:,}, its KV room): Megatron-Bridge measures CPU offload at 1.9-4.2x the step time on " \
+           "Qwen3-30B-A3B" in out.splitlines()
     code, out, _ = _plan_cli(["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(HF_30B)], capsys)
     assert code == 0 and line not in out
 
@@ -435,3 +448,216 @@ def test_the_plan_says_which_forwards_its_flops_count(capsys):
     code, out, _ = _plan_cli(["--config", f"configs/{ASYNC}", "--nodes", "2", "--hf-config", str(HF_30B),
                               "loss.kl_loss_coef=0.01"], capsys)
     assert code == 0 and "TFLOP (the update; forwards of the batch: proximal, reference)" in out
+
+
+# ------------------------------------------------------------------ #45: the estimate, honest
+def _memory(config="qwen3_30b_a3b_gspo.yaml", overrides=(), hf=HF_30B) -> dict:
+    """memory_estimate for a config on one GPU (no layout refusal in the way)."""
+    from gspo_mcore.planner.memory_model import check_layout, memory_estimate
+
+    cfg, arch = load_config(REPO / "configs" / config, list(overrides)), load_hf_config(hf)
+    return memory_estimate(cfg, arch, check_layout(cfg, arch, 1, 8), 512)
+
+
+def test_float32_activations_and_logits_are_twice_bfloat16s():
+    """#45: the byte counts assumed 2 bytes a value whatever model.dtype said."""
+    bf16, fp32 = _memory(), _memory(overrides=["model.dtype=float32"])
+    chunk = DEFAULT_CHUNK_ELEMENTS * 4 / GIB  # gspo.logprobs' float32 chunk: float32 either way
+    assert fp32["trainer_activations_gb"] == pytest.approx(2 * bf16["trainer_activations_gb"])
+    assert fp32["trainer_stored_activations_gb"] == pytest.approx(2 * bf16["trainer_stored_activations_gb"])
+    assert fp32["trainer_logits_gb"] - chunk == pytest.approx(2 * (bf16["trainer_logits_gb"] - chunk))
+    probe = 512 + 8192
+    assert bf16["trainer_check_forward_gb"] == pytest.approx((probe * 2048 * 2 + probe * 151936 * 2 * 2) / GIB + chunk)
+
+
+@pytest.mark.parametrize("config, nodes, hf, peak_at", [("qwen3_30b_a3b_gspo.yaml", 1, HF_30B, "logits"),
+                                                        ("qwen3_235b_a22b_gspo.yaml", 16, HF_235B, "layer backward")])
+def test_the_logits_and_a_layers_backward_count_the_larger_not_their_sum(config, nodes, hf, peak_at):
+    """The logits are freed once the output layer's backward is done, before any layer's: the
+    training peak is the static state, the stored activations and the larger of the two (the 30B's
+    logits over a 151,936 vocabulary; the 235B's split over TP 4 while its layers are wider)."""
+    got = _plan(config, nodes=nodes, hf=hf)
+    static = got["trainer_weights_gb"] + got["trainer_gradients_gb"] + got["trainer_optimizer_gb"]
+    stored, logits = got["trainer_stored_activations_gb"], got["trainer_logits_gb"]
+    layer = got["trainer_activations_gb"] - stored
+    assert got["trainer_peak_at"] == peak_at
+    assert got["trainer_total_gb"] == pytest.approx(static + stored + max(layer, logits))
+    assert got["trainer_total_gb"] < static + stored + layer + logits - 1  # the old sum, GiBs over
+    # the sync check's forward: the hidden states and the larger of a layer and the logits
+    from gspo_mcore.planner.memory_model import _layer_bytes_per_token, logits_bytes
+
+    cfg, arch = load_config(REPO / "configs" / config), load_hf_config(hf)
+    probe, tp = 512 + cfg.rollout.max_new_tokens, cfg.distributed.tensor_parallel
+    want = probe * 2 * arch.hidden_size + max(probe * _layer_bytes_per_token(cfg, arch), logits_bytes(arch, probe, tp))
+    assert got["trainer_check_forward_gb"] == pytest.approx(want / GIB)
+
+
+def test_the_busiest_expert_rank_takes_the_imbalance_factor(monkeypatch):
+    """EP 8: the received copies and their FFN tensors at EXPERT_IMBALANCE x the mean; EP 1: one
+    rank receives every copy, so no more than the mean; a factor of 1 is the balanced count."""
+    from gspo_mcore.planner import memory_model
+    from gspo_mcore.planner.memory_model import EXPERT_IMBALANCE, _layer_bytes_per_token, expert_imbalance
+
+    arch = load_hf_config(HF_30B)
+    ep8, ep1 = (load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", [f"distributed.expert_parallel={ep}"])
+                for ep in (8, 1))
+    assert EXPERT_IMBALANCE == 2.0 and expert_imbalance(ep8, arch) == 2.0 and expert_imbalance(ep1, arch) == 1.0
+    h, k, f = 2048, 8, 768
+    attention = 2 * (4 * h + 32 * 128 + 2 * 4 * 128 + 32 * 128)
+    assert _layer_bytes_per_token(ep8, arch) == pytest.approx(attention + 2 * k * (h + 2 * (h + 3 * f)))
+    assert _layer_bytes_per_token(ep1, arch) == pytest.approx(attention + 2 * k * (2 * h + 3 * f))
+    monkeypatch.setattr(memory_model, "EXPERT_IMBALANCE", 1.0)
+    assert _layer_bytes_per_token(ep8, arch) == _layer_bytes_per_token(ep1, arch)
+
+
+def test_the_gpu_checks_arms_are_planned_at_the_logits_peak():
+    """launch/gpu_check.py section 3's shape (30B widths, 2 layers, 4 x 4,096 tokens, bf16, EP 1, full
+    recompute): weights 3.5 + fp32 gradients 7.0 GiB, then the two bf16 logits copies (9.3 GiB) over
+    the recomputed layer and its gradients (4.2): 19.9 GiB offloaded, 40.8 with Adam on the GPU
+    (was 24.1 and 45.0, the sum of the two)."""
+    from checkpoint_convert.synthetic import QWEN3_30B_A3B
+    from gspo_mcore.megatron.qwen3_moe.hf_config import parse_hf_config
+    from gspo_mcore.planner.memory_model import check_layout, memory_estimate
+
+    arch = parse_hf_config({**QWEN3_30B_A3B, "num_hidden_layers": 2})
+    check = ["model.mcore_dir=null", "model.spec=local", "distributed.expert_parallel=1", "train.num_minibatches=1",
+             "train.rollout_batch_size=1", "train.group_size=4", "train.max_tokens_per_microbatch=16384",
+             "rollout.max_new_tokens=4000", "weight_sync.method=disk", "rollout.num_servers=1", "rollout.engine_tp=1"]
+    planned = {}
+    for arm, extra in (("offload", []), ("gpu_adam", ["optimizer.cpu_offload=false"])):
+        cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", [*check, *extra])
+        planned[arm] = memory_estimate(cfg, arch, check_layout(cfg, arch, 1, 1), 96)
+    assert planned["offload"]["trainer_peak_at"] == "logits"
+    assert (round(planned["offload"]["trainer_total_gb"], 1), round(planned["gpu_adam"]["trainer_total_gb"], 1)) \
+        == (19.9, 40.8)
+
+
+# ------------------------------------------------------------------ #45 item 7: KV room, save time
+@pytest.mark.parametrize("config", sorted(GPU_CONFIGS))
+def test_the_shipped_configs_kv_room_is_the_planners(config):
+    """rollout.max_total_tokens is memory_model.kv_room_tokens' figure for the config (the 30B
+    config's 262,144 held 58 requests in flight where ~170 fit): a change to the planner's model
+    that moves it shows here, with the value to write."""
+    from gspo_mcore.planner.memory_model import check_layout, kv_room_tokens
+
+    nodes, hf = GPU_CONFIGS[config]
+    cfg, arch = load_config(REPO / "configs" / config), load_hf_config(hf)
+    room = kv_room_tokens(cfg, arch, check_layout(cfg, arch, nodes, 8), H100_GB, 512)
+    assert cfg.rollout.max_total_tokens == room, f"configs/{config}: set rollout.max_total_tokens: {room}"
+
+
+def test_the_kv_room_leaves_the_stated_margin_colocated_and_the_engines_share_split():
+    """Colocated: one granule more than the room takes the margin under KV_ROOM_MARGIN_GB; split:
+    the room is what check_kv_budget allows, rounded down."""
+    from gspo_mcore.planner.memory_model import KV_ROOM_GRANULE_TOKENS
+
+    base = _plan()
+    room = base["kv_room_tokens"]
+    over = _plan(overrides=[f"rollout.max_total_tokens={room + KV_ROOM_GRANULE_TOKENS}"])
+    assert base["margin_gb"] >= KV_ROOM_MARGIN_GB > over["margin_gb"]
+    assert base["requests_in_flight"] > 150  # 2 servers x ~87 full-length requests, one kept each
+    split = _plan(ASYNC, nodes=2)
+    assert split["engine_kv_cache_tokens"] - KV_ROOM_GRANULE_TOKENS < split["kv_room_tokens"] \
+        <= split["engine_kv_cache_tokens"]
+
+
+def test_the_preemption_window_is_torchruns_wait_inside_slurms_warning():
+    from gspo_mcore.planner.costs import PREEMPTION_WINDOW_S
+    from gspo_mcore.run.torchrun import with_signal_defaults
+
+    args = with_signal_defaults([], {})
+    assert int(args[args.index("--shutdown-timeout") + 1]) == PREEMPTION_WINDOW_S == 540
+    for script in (REPO / "launch/slurm").glob("*.sbatch"):
+        assert "#SBATCH --signal=B:USR1@600" in script.read_text(), script  # the lead covers the wait
+
+
+def test_a_checkpoint_save_longer_than_the_preemption_window_is_warned(capsys):
+    """Save time = the checkpoint over the trainer's nodes at the stated write rate (427 GB on one
+    node at 1 GB/s: 427 s of 540, no warning; at 0.5 GB/s 855 s: warned)."""
+    from gspo_mcore.planner.costs import CHECKPOINT_WRITE_GB_S
+
+    one, two = _plan(), _plan("qwen3_30b_a3b_gspo_2node.yaml", nodes=2)
+    assert CHECKPOINT_WRITE_GB_S == 1.0
+    assert one["checkpoint_save_s"] == pytest.approx(one["checkpoint_gb"] / 1.0) and 420 < one["checkpoint_save_s"] < 540
+    assert two["checkpoint_save_s"] == pytest.approx(two["checkpoint_gb"] / 2 / 1.0)  # two trainer nodes
+    big = _plan("qwen3_235b_a22b_gspo.yaml", nodes=16, hf=HF_235B)  # 12 trainer nodes of 16
+    assert big["checkpoint_node_gb"] == pytest.approx(big["checkpoint_gb"] / 12)
+    args = ["--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "--hf-config", str(HF_30B)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "a checkpoint's save: ~427 s (~427 GB a trainer node at 1 GB/s" in out and "preemption warning" not in out
+    assert main([*args, "--checkpoint-write-gb-s", "0.5"]) == 0
+    assert "preemption warning: a checkpoint's save: ~855 s" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"^--checkpoint-write-gb-s 0: must be > 0$"):
+        main([*args, "--checkpoint-write-gb-s", "0"])
+
+
+# ------------------------------------------------------------------ #45 item 5: the offloaded Adam's host time
+def test_host_adam_seconds_are_params_times_the_three_parts():
+    from gspo_mcore.planner.host_adam import HostAdamFigures
+
+    figures = HostAdamFigures(copy_to_host_ns_per_param=0.2, copy_back_ns_per_param=0.3,
+                              cpu_step_ns_per_param={2: 4.0, 16: 1.0}, source="hand")
+    assert figures.step_seconds(3e9, 2) == pytest.approx(3e9 * (0.2 + 4.0 + 0.3) / 1e9)
+    assert figures.cpu_step_ns(16) == 1.0
+    assert figures.cpu_step_ns(4) == pytest.approx(4.0 * (4 / 2) ** (math.log(1 / 4) / math.log(8)))  # log-log
+    assert figures.cpu_step_ns(1) == 8.0  # fewer threads than measured: slower in proportion
+    assert figures.cpu_step_ns(64) == 1.0  # more: no faster (memory-bound)
+
+
+def test_the_plan_prints_the_offloads_host_time_and_warns_past_the_stated_fraction(tmp_path, capsys):
+    """The offloaded shard per GPU x ns/param, per optimizer step and per training step
+    (minibatches x epochs), at --host-cores-per-gpu; a measured line from --host-adam replaces the
+    built-in figures; past OFFLOAD_WARN_FRACTION of the update's time, a warning."""
+    from gspo_mcore.planner.host_adam import BUILT_IN, OFFLOAD_WARN_FRACTION
+    from gspo_mcore.planner.memory_model import check_layout, optimizer_params_per_gpu
+
+    cfg, arch = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), load_hf_config(HF_30B)
+    params = optimizer_params_per_gpu(cfg, arch, check_layout(cfg, arch, 1, 8))
+    assert params / 1e9 == pytest.approx(3.82, abs=0.01)  # 30B at EP 8: the G5 note's figure
+    built_in = plan(cfg, arch, 1, 8, H100_GB, 512, host_cores_per_gpu=2)
+    step = params * (BUILT_IN.copy_to_host_ns_per_param + BUILT_IN.cpu_step_ns(2) + BUILT_IN.copy_back_ns_per_param) / 1e9
+    assert built_in["host_adam_optimizer_step_s"] == pytest.approx(step)
+    assert built_in["host_adam_training_step_s"] == pytest.approx(4 * step)  # 4 minibatches, 1 epoch
+    epochs = plan(load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", ["train.ppo_epochs=2"]), arch, 1, 8, H100_GB,
+                  512, host_cores_per_gpu=2)
+    assert epochs["host_adam_training_step_s"] == pytest.approx(8 * step)
+    measured = tmp_path / "gpu_check.jsonl"  # the check's --out file: other lines, then the host-Adam one
+    measured.write_text("not json\n" + json.dumps({"section": 2, "result": "PASS"}) + "\n" + json.dumps(
+        {"section": "host_adam", "copy_to_host_ns_per_param": 0.2, "copy_back_ns_per_param": 0.2,
+         "cpu_step_ns_per_param": {"2": 5.0, "16": 0.5}, "source": "H100 node, measured"}) + "\n")
+    args = ["--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "--hf-config", str(HF_30B)]
+    assert main([*args, "--host-adam", str(measured), "--host-cores-per-gpu", "2"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["host_adam_optimizer_step_s"] == pytest.approx(params * 5.4 / 1e9)
+    assert result["host_adam_source"] == "H100 node, measured" and "[H100 node, measured]" in out
+    assert result["host_adam_fraction"] > OFFLOAD_WARN_FRACTION and "offload warning: the host's Adam adds" in out
+    assert main([*args, "--host-adam", str(measured), "--host-cores-per-gpu", "16"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["host_adam_optimizer_step_s"] == pytest.approx(params * 0.9 / 1e9)
+    assert "offload warning" not in out
+    assert "host_adam_optimizer_step_s" not in _plan(overrides=["optimizer.cpu_offload=false",
+                                                                "optimizer.precision_aware=true"], nodes=1,
+                                                     gpu_gb=200.0)  # no offload, no host time
+
+
+@pytest.mark.parametrize("line, error", [
+    ({"copy_to_host_ns_per_param": 0.5, "cpu_step_ns_per_param": {"2": 1.0}}, "its line lacks copy_back_ns_per_param"),
+    ({"copy_to_host_ns_per_param": 0.5, "copy_back_ns_per_param": -1, "cpu_step_ns_per_param": {"2": 1.0}},
+     "copy_back_ns_per_param -1 is not a positive number"),
+    ({"copy_to_host_ns_per_param": 0.5, "copy_back_ns_per_param": 0.5, "cpu_step_ns_per_param": {"two": 1.0}},
+     r"cpu_step_ns_per_param\['two'\] = 1.0: threads must be a positive integer"),
+    ({"copy_to_host_ns_per_param": 0.5, "copy_back_ns_per_param": 0.5, "cpu_step_ns_per_param": {}},
+     "cpu_step_ns_per_param must map threads to ns"),
+    ({"section": 2}, "no JSON line with copy_to_host_ns_per_param"),
+])
+def test_a_bad_host_adam_line_is_one_error_naming_the_file_and_field(tmp_path, line, error):
+    from gspo_mcore.planner.host_adam import load_figures
+
+    path = tmp_path / "host_adam.json"
+    path.write_text(json.dumps(line) + "\n")
+    with pytest.raises(ConfigError, match=rf"^--host-adam {path}: {error}"):
+        load_figures(path)
+    with pytest.raises(ConfigError, match=rf"^--host-adam {tmp_path / 'none.json'}: "):
+        load_figures(tmp_path / "none.json")

@@ -8,6 +8,15 @@ from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
 from gspo_mcore.planner.memory_model import GB, Layout, param_counts, requests_in_flight_estimate, response_tokens
 
 DISK_GB = 1000**3  # disk in GB, as df -H and drive sizes count it
+# What a save on preemption has: Slurm's time-limit warning comes 600 s before the end
+# (--signal=B:USR1@600, launch/slurm/*.sbatch) and torchrun waits GSPO_SAVE_TIMEOUT_S (default 540 s,
+# gspo_mcore.run.torchrun) for the trainer to finish its update and save before it kills it.
+PREEMPTION_WINDOW_S = 540
+# A node's checkpoint write rate, all its ranks together (GB/s), stated: the first H100 contact's
+# save (launch/gpu_check.py section 4) wrote 26 GB (1.87B parameters x 14 bytes) from one process
+# in 27.4 s, ~0.95 GB/s to that machine's disk. A parallel file system may give a node more, NFS
+# less: measure yours and pass --checkpoint-write-gb-s.
+CHECKPOINT_WRITE_GB_S = 1.0
 
 
 def disk_estimate(config: Config, arch: Qwen3MoeArch) -> dict[str, float]:
@@ -29,6 +38,17 @@ def disk_estimate(config: Config, arch: Qwen3MoeArch) -> dict[str, float]:
     return {"checkpoint_gb": params * (weight_bytes + state_bytes) / DISK_GB, "checkpoints_on_disk": at_once,
             "hf_export_gb": params * weight_bytes / DISK_GB if t.export_hf else 0.0,
             "weight_sync_disk_gb": params * engine_bytes / DISK_GB if config.weight_sync.method == "disk" else 0.0}
+
+
+def checkpoint_save_estimate(checkpoint_gb: float, trainer_gpus: int, gpus_per_node: int,
+                             write_gb_s: float = CHECKPOINT_WRITE_GB_S) -> dict[str, float]:
+    """A checkpoint's save time: each trainer rank writes its share (its model and optimizer
+    state; Megatron's dist_checkpointing writes a replicated tensor from one replica, ~1% of a
+    30B checkpoint in dense weights, counted here as spread), so a trainer node writes the
+    checkpoint over the trainer's nodes, at `write_gb_s` a node."""
+    node_gb = checkpoint_gb / -(-trainer_gpus // gpus_per_node)
+    return {"checkpoint_node_gb": node_gb, "checkpoint_write_gb_s": write_gb_s,
+            "checkpoint_save_s": node_gb / write_gb_s, "preemption_window_s": PREEMPTION_WINDOW_S}
 
 
 def routing_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int) -> dict[str, float]:

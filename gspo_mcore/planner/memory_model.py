@@ -1,8 +1,16 @@
 """The planner's memory model: a run's GPU layout checked, and the memory per trainer GPU in each
 phase of a step and per engine GPU, estimated from the config and the model's shapes (arithmetic,
-not measurement: activations after Korthikanti et al. 2022, sequence parallel and flash attention,
+not measurement: activations after Korthikanti et al. 2022, sequence parallel and fused attention,
 adapted to top-k experts; expected within ESTIMATE_TOLERANCE of a measured peak). The Trainer
-reports its measured peak beside `memory_estimate`; `python -m gspo_mcore.planner.cli` prints it all."""
+reports its measured peak beside `memory_estimate`; `python -m gspo_mcore.planner.cli` prints it all.
+
+What the training estimate holds (`training_bytes`): activations and logits in model.dtype (2 bytes
+a value in bfloat16, 4 in float32); the logits and a layer's backward peak at different moments
+(the logits are freed once the output layer's backward is done, before any layer's), so the
+larger of the two counts, not their sum; the busiest expert rank's routed tokens at
+EXPERT_IMBALANCE times the mean. Attention is fused (flash / cuDNN / memory-efficient: O(s) memory
+per layer): the `te` spec's, and `spec: local`'s torch SDPA on CUDA; an unfused O(s^2) attention
+([b x heads, s, s] scores and their softmax) has no term here."""
 
 from __future__ import annotations
 
@@ -22,6 +30,18 @@ H100_GB = 79.6
 # Held by the trainer process beyond what torch allocates: its CUDA context and NCCL's
 # communicator buffers. A stated allowance, not a measurement.
 TRAINER_CONTEXT_GB = 2.0
+# An H100 SXM's dense bf16 peak (TFLOP/s), for times estimated from FLOPs.
+H100_BF16_TFLOPS = 989.0
+# The busiest expert rank's routed tokens over the mean. Megatron's router here is dropless (no
+# capacity factor) and GSPO adds no load-balancing loss (model.moe_aux_loss_coeff 0): a rank
+# receives what the pretrained router sends it, up to ~2x the mean on a microbatch (issue #45's
+# reading). A stated bound, not a measurement; `expert_imbalance` caps it by what a rank can receive.
+EXPERT_IMBALANCE = 2.0
+# What a colocated config keeps free at its tightest phase when its KV room is the planner's
+# (`kv_room_tokens`): ~10% of an H100, for the estimate's own error and the caching allocator's
+# fragmentation (torch reserves more than it allocates). Split engines keep theirs in USABLE_FRACTION.
+KV_ROOM_MARGIN_GB = 8.0
+KV_ROOM_GRANULE_TOKENS = 1024  # the KV room rounded down to this: a figure a config can carry
 PHASES = ("training", "weight push", "sync check", "rollout")
 # What lowers each phase's memory, for the refusal message.
 PHASE_ADVICE = {
@@ -94,36 +114,67 @@ def check_layout(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: 
     return Layout(total, trainer, rollout_gpus, dp, expert_dp)
 
 
+def value_bytes(config: Config) -> int:
+    """Bytes of one activation or logit: model.dtype's (Megatron computes in params_dtype)."""
+    return 2 if config.model.dtype == "bfloat16" else 4
+
+
+def expert_imbalance(config: Config, arch: Qwen3MoeArch) -> float:
+    """The busiest expert rank's routed copies over the mean (EXPERT_IMBALANCE), capped by what one
+    rank can receive: a token sends it at most min(k, experts on the rank) of its k copies, so
+    the cap is that over the mean k / EP (EP 1: every copy, so 1)."""
+    ep, k = config.distributed.expert_parallel, arch.num_experts_per_tok
+    return min(EXPERT_IMBALANCE, min(k, arch.num_experts // ep) * ep / k)
+
+
 def _layer_bytes_per_token(config: Config, arch: Qwen3MoeArch) -> float:
-    """Bytes (bf16) one layer's forward keeps per token: attention (norm in, qkv, flash output,
-    o-proj in) split by TP under sequence parallel; experts: k copies of the token (dispatch)
-    and 3 FFN tensors."""
+    """Bytes one layer's forward keeps per token of the microbatch, in model.dtype: attention (norm
+    in, qkv, fused attention's output, o-proj in) split by TP under sequence parallel; experts: for
+    each of the k routed copies, one at the sending rank (dispatch) and, at the expert rank, the
+    received token and 3 FFN tensors, at the busiest expert rank's share (`expert_imbalance`)."""
     d, h = config.distributed, arch.hidden_size
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
-    return 2 * (4 * h + q + 2 * kv + q) / d.tensor_parallel + 2 * k * (2 * h + 3 * f / d.expert_tensor_parallel)
+    attention = (4 * h + q + 2 * kv + q) / d.tensor_parallel
+    experts = k * (h + expert_imbalance(config, arch) * (h + 3 * f / d.expert_tensor_parallel))
+    return value_bytes(config) * (attention + experts)
 
 
-def activation_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> float:
+def activation_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict[str, float]:
+    """Activations of the busiest GPU: `stored`, kept through the pass (model.recompute full: each
+    layer's input; none: every layer's activations), for each microbatch in flight; `layer`, what
+    the layer in backward adds: its activations' gradients beside them (and the expert all-to-all
+    its send and receive copies), with full recompute its recomputed activations too."""
     d, t = config.distributed, config.train
     tokens = t.max_tokens_per_microbatch
     layer = tokens * _layer_bytes_per_token(config, arch)
     layers_here = arch.num_layers // d.pipeline_parallel
     in_flight = min(d.pipeline_parallel, max(1, t.rollout_batch_size * t.group_size // (t.num_minibatches * layout.dp)))
-    if config.model.recompute == "full":  # each layer's input, + the one layer recomputed
-        stored = layers_here * tokens * 2 * arch.hidden_size / d.tensor_parallel * in_flight + layer
-    else:
-        stored = layers_here * layer * in_flight
-    # The layer in backward holds its activations' gradients beside them (and the expert
-    # all-to-all its send and receive copies): its working set counts twice.
-    return stored + layer
+    if config.model.recompute == "full":
+        layer_input = tokens * value_bytes(config) * arch.hidden_size / d.tensor_parallel
+        return {"stored": layers_here * layer_input * in_flight, "layer": 2 * layer}
+    return {"stored": layers_here * layer * in_flight, "layer": layer}
 
 
-def logits_bytes(arch: Qwen3MoeArch, tokens: int, tp: int) -> float:
-    """bf16 logits: two [tokens, vocab / TP] copies at a time (GPTModel's [s, b, v] output and
-    its contiguous [b, s, v] copy, the first freed once copied: the output layer saves its input,
-    not its output; in backward, that copy and its gradient), + gspo_mcore.gspo.logprobs' float32 chunk."""
-    return arch.vocab_size / tp * tokens * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4
+def logits_bytes(arch: Qwen3MoeArch, tokens: int, tp: int, value_bytes: int = 2) -> float:
+    """Logits in model.dtype: two [tokens, vocab / TP] copies at a time (GPTModel's [s, b, v]
+    output and its contiguous [b, s, v] copy, the first freed once copied: the output layer saves
+    its input, not its output; in backward, that copy and its gradient), + gspo_mcore.gspo.logprobs'
+    float32 chunk."""
+    return arch.vocab_size / tp * tokens * value_bytes * 2 + DEFAULT_CHUNK_ELEMENTS * 4
+
+
+def training_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict:
+    """The training pass beyond the static state, at its two peaks: the logits' (the stored
+    activations and the logits, after the last layer's forward) and a layer's backward (the stored
+    activations and that layer's working set; the logits and their gradient are freed once the
+    output layer's backward is done). `peak` is the larger, not the sum."""
+    activations = activation_bytes(config, arch, layout)
+    logits = logits_bytes(arch, config.train.max_tokens_per_microbatch, config.distributed.tensor_parallel,
+                          value_bytes(config))
+    at_logits, at_layer = activations["stored"] + logits, activations["stored"] + activations["layer"]
+    return {"activations": at_layer, "stored_activations": activations["stored"], "logits": logits,
+            "peak": max(at_logits, at_layer), "peak_at": "logits" if at_logits >= at_layer else "layer backward"}
 
 
 def response_tokens(config: Config) -> int:
@@ -135,29 +186,47 @@ def response_tokens(config: Config) -> int:
 
 def check_forward_bytes(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> float:
     """The sync check's trainer forward (weight_sync.check_sync): one probe at a time, of up to
-    prompt + max_new_tokens tokens, forward only (one layer's working set at a time) + its logits."""
+    prompt + max_new_tokens tokens, forward only: its hidden states and the larger of one layer's
+    working set and its logits (the layers' are freed before the logits are made)."""
     probe = prompt_tokens + response_tokens(config)
-    return probe * _layer_bytes_per_token(config, arch) + logits_bytes(arch, probe, config.distributed.tensor_parallel)
+    layer = probe * _layer_bytes_per_token(config, arch)
+    logits = logits_bytes(arch, probe, config.distributed.tensor_parallel, value_bytes(config))
+    return probe * arch.hidden_size * value_bytes(config) + max(layer, logits)
 
 
 def trainer_state_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict[str, float]:
     """Weights, fp32 gradient buffers and optimizer states on the busiest trainer GPU (the first
     pipeline stage), and the host memory of an offloaded optimizer."""
-    d = config.distributed
-    counts = param_counts(arch)
-    dense_local = counts["dense"] / (d.tensor_parallel * d.pipeline_parallel)
-    expert_local = counts["experts"] / (d.expert_parallel * d.expert_tensor_parallel * d.pipeline_parallel)
+    local, sharded = local_params(config, arch), optimizer_params_per_gpu(config, arch, layout)
     weight_bytes = 2 if config.model.dtype == "bfloat16" else 4
-    sharded = dense_local + expert_local
-    if config.optimizer.distributed_optimizer:
-        sharded = dense_local / layout.dp + expert_local / layout.expert_dp
     optimizer = sharded * optimizer_bytes_per_param(config)
-    out = {"weights": (dense_local + expert_local) * weight_bytes, "gradients": (dense_local + expert_local) * 4,
-           "optimizer": optimizer}
+    out = {"weights": local * weight_bytes, "gradients": local * 4, "optimizer": optimizer}
     if config.optimizer.cpu_offload:  # in host memory, not on the GPU
         # + the pinned fp32 copies of this rank's gradient shard that the offloaded step reads
         out["host_optimizer"], out["optimizer"] = optimizer + sharded * 4, 0.0
     return out
+
+
+def _local_params(config: Config, arch: Qwen3MoeArch) -> tuple[float, float]:
+    """(dense, expert) parameters on the busiest trainer GPU (the first pipeline stage)."""
+    d, counts = config.distributed, param_counts(arch)
+    return (counts["dense"] / (d.tensor_parallel * d.pipeline_parallel),
+            counts["experts"] / (d.expert_parallel * d.expert_tensor_parallel * d.pipeline_parallel))
+
+
+def local_params(config: Config, arch: Qwen3MoeArch) -> float:
+    """Parameters a trainer GPU holds (weights and gradients)."""
+    return sum(_local_params(config, arch))
+
+
+def optimizer_params_per_gpu(config: Config, arch: Qwen3MoeArch, layout: Layout) -> float:
+    """Parameters a trainer GPU's optimizer steps: its own, or with the distributed optimizer its
+    data-parallel shard of them (dense over DP, experts over expert-DP). An offloaded optimizer
+    steps these on the host (gspo_mcore.planner.host_adam)."""
+    dense, experts = _local_params(config, arch)
+    if config.optimizer.distributed_optimizer:
+        return dense / layout.dp + experts / layout.expert_dp
+    return dense + experts
 
 
 def optimizer_bytes_per_param(config: Config) -> int:
@@ -193,6 +262,13 @@ def engine_memory(config: Config, arch: Qwen3MoeArch) -> EngineMemory:
     return engine_class(config.rollout.engine).memory(arch, config.rollout.engine_tp, param_counts(arch)["total"])
 
 
+def engine_kv_room_gb(config: Config, arch: Qwen3MoeArch, gpu_memory_gb: float, push_buffers_gb: float) -> float:
+    """What an engine GPU gives its KV cache when it has the GPU: its usable share, less its weights
+    and the push's receive buffers (the room the KV cache would take)."""
+    engine = engine_memory(config, arch)
+    return gpu_memory_gb * engine.usable_fraction - engine.weights_gb - push_buffers_gb
+
+
 def push_buffers_gb(config: Config, layout: Layout) -> float:
     """What an engine GPU holds transiently while it takes a push (Engine.push_buffer_bytes): the
     trainer ranks owning distinct pieces of a layer (pipeline stages x expert shards) send
@@ -203,15 +279,17 @@ def push_buffers_gb(config: Config, layout: Layout) -> float:
                                                                   config.weight_sync.bucket_mb << 20, senders) / GB
 
 
-def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int = 512) -> dict[str, float]:
-    """GiB per trainer GPU (the busiest: first pipeline stage) and per engine GPU."""
+def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_tokens: int = 512) -> dict:
+    """GiB per trainer GPU (the busiest: first pipeline stage) and per engine GPU; `trainer_peak_at`
+    names the training peak's moment."""
     state = trainer_state_bytes(config, arch, layout)
     host = state.pop("host_optimizer", None)
-    tokens, tp = config.train.max_tokens_per_microbatch, config.distributed.tensor_parallel
-    trainer = {**state, "activations": activation_bytes(config, arch, layout),
-               "logits": logits_bytes(arch, tokens, tp)}
-    out = {f"trainer_{k}_gb": v / GB for k, v in trainer.items()}
-    out["trainer_total_gb"] = sum(trainer.values()) / GB
+    training = training_bytes(config, arch, layout)
+    out = {f"trainer_{k}_gb": v / GB for k, v in state.items()}
+    for key in ("activations", "stored_activations", "logits"):
+        out[f"trainer_{key}_gb"] = training[key] / GB
+    out["trainer_total_gb"] = (sum(state.values()) + training["peak"]) / GB
+    out["trainer_peak_at"] = training["peak_at"]
     out["trainer_static_gb"] = sum(state.values()) / GB
     out["trainer_check_forward_gb"] = check_forward_bytes(config, arch, prompt_tokens) / GB
     if host is not None:
@@ -253,18 +331,45 @@ def check_fits(config: Config, result: dict) -> None:
                 f"CUDA context): {PHASE_ADVICE[phase]}", result)
 
 
-def precision_aware_alternative(config: Config, arch: Qwen3MoeArch, layout: Layout, usable: float,
+def precision_aware_alternative(config: Config, arch: Qwen3MoeArch, layout: Layout, gpu_memory_gb: float,
                                 prompt_tokens: int) -> dict:
-    """An offloading config's plan with the precision-aware optimizer on the GPU instead: its
-    optimizer GiB per GPU and the margin at its tightest phase (negative: does not fit); {} when
-    the config cannot take it (optimizer.precision_aware's own conditions)."""
+    """An offloading config's plan with the precision-aware optimizer on the GPU instead, its KV
+    cache at that plan's own KV room (`kv_room_tokens`: colocated, the optimizer's GPU memory comes
+    out of it): its optimizer GiB per GPU, that KV room, the margin at its tightest phase, and
+    whether it fits (no phase over the GPU, room for a full-length request a server); {} when the
+    config cannot take it (optimizer.precision_aware's own conditions)."""
     optimizer = dataclasses.replace(config.optimizer, cpu_offload=False, precision_aware=True)
     try:
         alternative = dataclasses.replace(config, optimizer=optimizer).validate()
     except ConfigError:
         return {}
+    room = kv_room_tokens(alternative, arch, layout, gpu_memory_gb, prompt_tokens)
+    if config.weight_sync.colocate:
+        alternative = dataclasses.replace(alternative, rollout=dataclasses.replace(alternative.rollout,
+                                                                                   max_total_tokens=room))
     memory = memory_estimate(alternative, arch, layout, prompt_tokens)
     phases = phase_totals(alternative, memory)
     tightest = max(phases, key=phases.get)
-    return {"precision_aware_optimizer_gb": memory["trainer_optimizer_gb"],
-            "precision_aware_tightest_phase": tightest, "precision_aware_margin_gb": usable - phases[tightest]}
+    margin = gpu_memory_gb - TRAINER_CONTEXT_GB - phases[tightest]
+    request = prompt_tokens + response_tokens(config)
+    return {"precision_aware_optimizer_gb": memory["trainer_optimizer_gb"], "precision_aware_kv_room_tokens": room,
+            "precision_aware_tightest_phase": tightest, "precision_aware_margin_gb": margin,
+            "precision_aware_fits": margin >= 0 and room >= request}
+
+
+def kv_room_tokens(config: Config, arch: Qwen3MoeArch, layout: Layout, gpu_memory_gb: float = H100_GB,
+                   prompt_tokens: int = 512) -> int:
+    """The largest rollout.max_total_tokens (the KV cache per engine server: SGLang's
+    --max-total-tokens, vLLM's --kv-cache-memory-bytes) the planner keeps room for, rounded down to
+    KV_ROOM_GRANULE_TOKENS: what an engine GPU gives its KV cache (`engine_kv_room_gb`) and,
+    colocated, what leaves KV_ROOM_MARGIN_GB free in every phase the KV cache is resident (all but
+    training, when the engine has released it). The shipped configs carry this figure
+    (tests/test_plan.py holds them to it)."""
+    room_gb = engine_kv_room_gb(config, arch, gpu_memory_gb, push_buffers_gb(config, layout))
+    without = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, max_total_tokens=0))
+    memory = memory_estimate(without, arch, layout, prompt_tokens)
+    if config.weight_sync.colocate:
+        resident = {phase: total for phase, total in phase_totals(without, memory).items() if phase != "training"}
+        room_gb = min(room_gb, gpu_memory_gb - TRAINER_CONTEXT_GB - KV_ROOM_MARGIN_GB - max(resident.values()))
+    tokens = int(max(0.0, room_gb) * GB / memory["engine_kv_bytes_per_token"])
+    return tokens // KV_ROOM_GRANULE_TOKENS * KV_ROOM_GRANULE_TOKENS

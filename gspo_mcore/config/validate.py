@@ -7,6 +7,8 @@ a gspo_mcore.config.Config as `config`."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
 
 from gspo_mcore.common.errors import InputError
 
@@ -24,6 +26,24 @@ def validate(config):
     for check in (_model_and_device, _optimizer, _rollout_mode, _evaluation, _weight_sync):
         check(config)
     return config
+
+
+def check_installed(config) -> None:
+    """What `config` needs installed on this machine, refused before anything is built
+    (gspo_mcore.megatron.learner.Learner's first statement: a refusal from Megatron's
+    OptimizerConfig came after the model and its DDP buffers, ~10 GB on a GPU, and they stayed).
+    Not part of `validate`: the planner plans GPU configs on machines where none of it is
+    installed. Modules are looked up, not imported (no torch at config time)."""
+    if config.optimizer.precision_aware and not _installed("transformer_engine"):
+        raise ConfigError("optimizer.precision_aware: needs Transformer Engine's FusedAdam (transformer_engine), "
+                          "not installed here; set it false")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported without a spec (a stand-in module): there
+        return sys.modules.get(module) is not None
 
 
 def _model_and_device(config) -> None:

@@ -11,9 +11,12 @@ arm that recomputes pi_old (`train.recompute_old_logprobs`).
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 
 from gspo_mcore.config import Config
 from gspo_mcore.megatron.pipeline_loss import global_normalizer, make_loss_func
@@ -21,13 +24,26 @@ from gspo_mcore.metrics.report import combine, to_floats, update_report
 from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config, reference_model
 from gspo_mcore.megatron.qwen3_moe.forward import last_stage_rank, response_logprobs
 from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
-from gspo_mcore.megatron.qwen3_moe.routing import RouterHooks
-from gspo_mcore.megatron.optimizer import lr_scheduler, optimizer_step, setup_training
+from gspo_mcore.megatron.qwen3_moe.routing import RouterHooks, forget_router_replay
+from gspo_mcore.megatron.optimizer import lr_scheduler, optimizer_step, release_training, setup_training
 from gspo_mcore.gspo.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches, spread_over_response)
-from gspo_mcore.megatron.parallel import device
+from gspo_mcore.megatron.parallel import device, end_model_parallel, model_parallel_groups
+from gspo_mcore.config.validate import check_installed
 from gspo_mcore.batch.rollout import Batch, Rollout
 from gspo_mcore.common.seeds import step_seed
+
+
+def _clear_module_caches(model) -> None:
+    """The lru_caches on `model`'s module classes' forward (megatron-core 0.16.1
+    models/common/embeddings/rotary_pos_embedding.py, RotaryEmbedding.forward: `@lru_cache(maxsize=32)`
+    on the method, so the module and its cached embeddings are keys and values of a class-wide
+    cache). Clearing is class-wide: another live model computes its embeddings again, once."""
+    for cls in {type(module) for module in model.modules()}:
+        cache_clear = getattr(cls.forward, "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
 
 def _gather_dp(values: list) -> list:
     out = [None] * parallel_state.get_data_parallel_world_size()
@@ -36,25 +52,83 @@ def _gather_dp(values: list) -> list:
 
 
 class Learner:
-    """Built collectively on every rank; `update` and `token_logprobs_of` are collective too."""
+    """Built collectively on every rank; `update` and `token_logprobs_of` are collective too.
+    `close` (or leaving a `with Learner(...)` block) gives back what it holds."""
 
     def __init__(self, config: Config, arch: Qwen3MoeArch | None = None):
         """`arch`: the process groups are joined (bootstrap.join_process_groups, the trainer builder's
-        first statement); without it, building the model joins them."""
-        self.config = config
+        first statement) and stay the caller's; without it, building the model joins them and
+        `close` ends them."""
+        check_installed(config)  # before any memory is taken
+        self.config, self.closed = config, False
+        self.ddp = self.optimizer = self.scheduler = self.routers = self.reference = None
         torch.manual_seed(config.train.seed)
         self.arch, self.model = model_from_config(config, arch=arch)
-        self.ddp, self.optimizer = setup_training(self.model, config.optimizer)
-        self.scheduler = lr_scheduler(self.optimizer, config.optimizer, config.train.steps)
-        # Expert load, and the engine's routed experts in the policy's forward (compared or replayed).
-        self.routers = RouterHooks(self.model, self.arch.num_experts,
-                                   engine_routing=config.rollout.return_routed_experts,
-                                   replay=config.train.routing_replay)
-        self.reference = reference_model(config, self.arch) if config.loss.kl_loss_coef > 0 else None
+        self._own_groups = model_parallel_groups() if arch is None else None
+        try:
+            self.ddp, self.optimizer = setup_training(self.model, config.optimizer)
+            self.scheduler = lr_scheduler(self.optimizer, config.optimizer, config.train.steps)
+            # Expert load, and the engine's routed experts in the policy's forward (compared or replayed).
+            self.routers = RouterHooks(self.model, self.arch.num_experts,
+                                       engine_routing=config.rollout.return_routed_experts,
+                                       replay=config.train.routing_replay)
+            self.reference = reference_model(config, self.arch) if config.loss.kl_loss_coef > 0 else None
+        except BaseException:
+            # A refusal after the model was built leaves no memory behind; the process groups stay
+            # (ending them is collective, and this rank may be the only one that failed).
+            self._release()
+            raise
         # The latest train-inference mismatch measured (loss.band_from_mismatch): an asynchronous
         # step whose first minibatch has no token of the current weights measures none and keeps
         # this one. Not checkpointed: a run's first step (a resume's too) generates with its own weights.
         self.last_mismatch: float | None = None
+
+    # ------------------------------------------------------------ the end
+
+    def close(self) -> None:
+        """Give back what this learner holds, on every rank (collective where it ends the process
+        groups it joined). Idempotent; a closed learner cannot update. Its model lives on only in
+        the caller's own references (a weight sync's, a checkpointer's), its weights intact.
+
+        A dropped learner kept its GPU memory (GPU round 5, G4: 21.7 GB after one, 30.3 after two):
+        DDP's hooks on the parameters' C++ gradient accumulators held the DDP and its model in a
+        cycle Python's collector cannot see (optimizer.release_training). The process-wide caches
+        it filled go too: megatron-core's global memory buffer (the local spec's attention scores),
+        RotaryEmbedding.forward's lru_cache (keyed on the module, its embeddings on the device),
+        the routers' RouterReplay instances, the MoE loss-logging tracker and the aux-loss scale."""
+        if self.closed:
+            return
+        self._release()
+        if self._own_groups is not None:
+            end_model_parallel(self._own_groups)
+            self._own_groups = None
+        gc.collect()  # what referred to itself (modules and their hooks) before the allocator's cache is emptied
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _release(self) -> None:
+        """close's work on this rank alone (no collective), for whatever was built."""
+        self.closed = True
+        models = [m for m in (self.model, self.reference) if m is not None]
+        if self.routers is not None:
+            self.routers.remove()
+        if self.ddp is not None:
+            release_training(self.ddp, self.optimizer)
+        for model in models:
+            forget_router_replay(model)
+            _clear_module_caches(model)
+        get_moe_layer_wise_logging_tracker().clear()  # per-layer loss sums and the groups reducing them
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None  # the schedule sets it again (set_loss_scale)
+        memory_buffer = parallel_state._GLOBAL_MEMORY_BUFFER  # None once destroy_model_parallel ran
+        if memory_buffer is not None:  # GlobalMemoryBuffer (megatron/core/utils.py): made again on next use
+            memory_buffer.buffer.clear()
+        self.model = self.ddp = self.optimizer = self.scheduler = self.reference = self.routers = None
+
+    def __enter__(self) -> "Learner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------ microbatches
 

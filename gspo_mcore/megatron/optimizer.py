@@ -8,6 +8,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 
 from gspo_mcore.config import ConfigError, OptimizerConfig
+from gspo_mcore.gspo.loss import deferred_input_checks
 from gspo_mcore.megatron.qwen3_moe.forward import run_schedule
 
 
@@ -27,8 +28,69 @@ def setup_training(model, cfg: OptimizerConfig):
     # The schedule calls this after the last backward: DP all-reduce (or reduce-scatter),
     # TP all-reduce of sequence-parallel / QK-norm grads, PP embedding sync.
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(MegatronOptimizerConfig(**megatron_optimizer_settings(cfg, config)), [ddp])
+    try:
+        optimizer = get_megatron_optimizer(MegatronOptimizerConfig(**megatron_optimizer_settings(cfg, config)), [ddp])
+    except BaseException:
+        release_training(ddp, None)  # a refused optimizer leaves no DDP behind, hooked to the model
+        raise
     return ddp, optimizer
+
+
+def release_training(ddp, optimizer) -> None:
+    """Give back what setup_training built beside the model (Learner.close), on this rank only:
+    DDP's gradient hooks (which kept the model and its buffers alive after the learner was
+    dropped), its gradient buffers, the optimizer's states. The weights stay (the model is the
+    caller's); neither can step again."""
+    _remove_grad_hooks(ddp)
+    # megatron-core 0.16.1 DistributedDataParallel.offload_grad_buffers: the fp32 gradient
+    # buffers' storage resized to 0, param.main_grad and the buckets' views left empty.
+    ddp.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=False)
+    if optimizer is not None:
+        release_optimizer(optimizer)
+
+
+def release_optimizer(optimizer) -> None:
+    """A Megatron optimizer's states and copies of the weights dropped: Adam's moments, the fp32
+    main weights, a HybridDeviceOptimizer's pinned host copies. It cannot step again."""
+    for megatron in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for name in _MAIN_PARAMS:  # the fp32 main weights of bf16 parameters
+            if isinstance(getattr(megatron, name, None), list):
+                getattr(megatron, name).clear()
+        inner = getattr(megatron, "optimizer", None)  # None on a rank with no parameters of its kind
+        for torch_optimizer in [inner, *getattr(inner, "sub_optimizers", [])] if inner is not None else []:
+            torch_optimizer.state.clear()  # Adam's moments
+            torch_optimizer.param_groups.clear()  # a distributed optimizer's fp32 shards, a host one's copies
+            for name in _HOST_COPIES:
+                if isinstance(getattr(torch_optimizer, name, None), dict):
+                    getattr(torch_optimizer, name).clear()
+
+
+# megatron-core 0.16.1: Float16OptimizerWithFloat16Params (optimizer/optimizer.py) and
+# DistributedOptimizer (optimizer/distrib_optimizer.py) keep the fp32 main weights in these lists.
+_MAIN_PARAMS = ("fp32_from_float16_groups", "shard_fp32_from_float16_groups", "shard_fp32_groups")
+# megatron-core 0.16.1 optimizer/cpu_offloading/hybrid_optimizer.py, HybridDeviceOptimizer: the
+# pinned host copies of the gradients, and the maps that hold the host (or fp32) copies of the weights.
+_HOST_COPIES = ("cpu_copy_map_grad", "gpu_params_map_cpu_copy", "cpu_copys_map_gpu_param", "param_to_fp32_param",
+                "fp32_param_to_orig_param", "param_to_inner_param", "inner_param_to_orig_param")
+
+
+def _remove_grad_hooks(ddp) -> None:
+    """megatron-core 0.16.1 DistributedDataParallel.__init__ hooks each parameter's gradient
+    accumulator (`grad_acc.register_hook(self._make_backward_post_hook(param))`), keeps the
+    accumulator in `grad_accs` and drops the handle. The hook closes over the DDP (its module, its
+    buffers); the accumulator is a C++ autograd node, whose hooks Python's collector cannot see,
+    and a stale graph also keeps it (a token dispatcher's last `probs`): that cycle is never
+    collected. torch keeps one Python hook dict per node (torch/csrc/autograd/python_cpp_function.cpp,
+    registerFunctionHook), and a new handle's hooks_dict_ref is that dict: cleared, DDP's hook goes."""
+    for grad_acc in ddp.grad_accs:
+        hooks = grad_acc.register_hook(_no_hook).hooks_dict_ref()
+        if hooks is not None:
+            hooks.clear()
+    ddp.grad_accs.clear()
+
+
+def _no_hook(*_):
+    return None
 
 
 def megatron_optimizer_settings(cfg: OptimizerConfig, model_config) -> dict:
@@ -56,7 +118,9 @@ def megatron_optimizer_settings(cfg: OptimizerConfig, model_config) -> dict:
         # and, with fp32 main params, master_weights + use_decoupled_grad: TE keeps the master
         # weights (store_param_remainders, Megatron's default: the 16 low bits beside the bf16
         # weight) and reads the fp32 gradient buffer directly. OptimizerConfig.__post_init__
-        # raises RuntimeError without TE's FusedAdam: say so in our terms first.
+        # raises RuntimeError without TE's FusedAdam: say so in our terms first. A machine without
+        # TE was refused before the model was built (config.validate.check_installed); this one
+        # has the package but not its FusedAdam (TE's torch extension missing).
         try:
             from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
         except ImportError:
@@ -91,9 +155,11 @@ def optimizer_step(ddp, optimizer, microbatches: list[dict], loss_for, *, routin
     steps both take their steps here."""
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = run_schedule(ddp, microbatches, loss_for, forward_only=False, routing=routing,
-                           compare_routing=compare_routing)
+    with deferred_input_checks() as checks:  # no host sync per microbatch (gspo_mcore.gspo.loss)
+        outputs = run_schedule(ddp, microbatches, loss_for, forward_only=False, routing=routing,
+                               compare_routing=compare_routing)
     if routing is not None:
         routing.end_step()
+    checks.raise_if_any()  # once per step, before the update: a non-finite pi_old never steps
     _, grad_norm, _ = optimizer.step()
     return outputs, float(grad_norm) if grad_norm is not None else float("nan")

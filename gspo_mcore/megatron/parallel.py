@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 from gspo_mcore.config import ConfigError, DistributedConfig
 from gspo_mcore.common.netaddr import free_port
@@ -105,3 +105,26 @@ def init_distributed(cfg: DistributedConfig, seed: int) -> None:
         expert_tensor_parallel_size=cfg.expert_tensor_parallel,
     )
     model_parallel_cuda_manual_seed(seed)
+
+
+def model_parallel_groups() -> list:
+    """The process groups of this rank that Megatron's parallel state created (megatron-core 0.16.1
+    parallel_state.create_group lists each in _global_process_group_list; None there is the world)."""
+    return [group for group in parallel_state._global_process_group_list or () if group is not None]
+
+
+def end_model_parallel(groups: list) -> None:
+    """Undo init_distributed's Megatron part for `groups` (model_parallel_groups() when they were
+    made), on every rank: each destroyed in torch (parallel_state.destroy_model_parallel only
+    forgets the NCCL ones, whose communicators' memory lies outside torch's allocator), then, if
+    Megatron's state still holds them, that state, its global memory buffer and the RNG tracker
+    reset. The world and host groups stay: one per process (gspo_mcore.run.start ends the world)."""
+    # destroy_model_parallel reads the same private map before destroying its gloo groups.
+    live = dist.distributed_c10d._world.pg_map
+    current = model_parallel_groups()
+    for group in groups:
+        if group in live:
+            dist.destroy_process_group(group)
+    if len(current) == len(groups) and all(a is b for a, b in zip(current, groups)):
+        parallel_state.destroy_model_parallel()
+        get_cuda_rng_tracker().reset()

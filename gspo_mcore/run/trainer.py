@@ -206,6 +206,7 @@ def build_parts(config: Config, output_dir: Path, *, resume: bool, overwrite: bo
     the weight sync, rank 0's producer (not started). What each starts, `stack` releases."""
     arch = join_process_groups(config)
     learner = Learner(config, arch)
+    stack.callback(learner.close)  # released last; the process groups are the run's (gspo_mcore.run.start ends them)
     rank_zero = dist.get_rank() == 0
     if overwrite and rank_zero:
         clear_run(output_dir)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.router_replay import RouterReplayAction
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from gspo_mcore.megatron.parallel import device
 
@@ -56,8 +56,8 @@ class RouterHooks:
         # the routing it is sent, position by position.
         self.layers = sorted(self.routers)
         self.position = {index: i for i, index in enumerate(self.layers)}
-        for index, router in self.routers.items():
-            router.register_forward_hook(self._hook(index))
+        # Kept to take the hooks off (`remove`): each closes over this object and its counts.
+        self.handles = [router.register_forward_hook(self._hook(index)) for index, router in self.routers.items()]
         num_layers = model.config.num_layers
         self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device())
         # Per layer: (differing, compared) over the sequences the trainer's own weights routed in
@@ -113,6 +113,14 @@ class RouterHooks:
                                                   older.sum()]).double()
         return hook
 
+    def remove(self) -> None:
+        """The hooks off the routers and what they counted or were given dropped (Learner.close). Idempotent."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.routers, self.current = {}, None
+        self.load = self.differing = None
+
     def reset(self) -> None:
         self.load.zero_()
         self.differing.zero_()
@@ -135,6 +143,17 @@ class RouterHooks:
         return ((differing / compared if compared else None),
                 ([r[0] / r[1] for r in rows if r[1] > 0] if compared else None),
                 (older_differing / older if older else None))
+
+
+def forget_router_replay(model) -> None:
+    """`model`'s routers out of megatron-core's process-wide list of RouterReplay instances
+    (transformer/moe/router_replay.py, RouterReplay.global_router_replay_instances: each router
+    built with moe_enable_routing_replay appends its own there and nothing upstream takes it out
+    but clear_global_router_replay_instances, which would take every model's). Each instance holds
+    the targets it was last given."""
+    ours = {id(m.router_replay) for m in model.modules() if getattr(m, "router_replay", None) is not None}
+    instances = RouterReplay.global_router_replay_instances
+    instances[:] = [r for r in instances if id(r) not in ours]
 
 
 def local_real_tokens(mb: dict, key: str = "real_inputs") -> torch.Tensor:

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import zlib
+from dataclasses import replace
 
 import pytest
 
@@ -47,7 +48,7 @@ def lcb_row(private: str | None = None, functional: bool = False) -> dict:
 def test_livecodebench_rows_with_released_private_tests():
     private = lcb_encoded(json.dumps([{"input": "5 7\n", "output": "12\n", "testtype": "stdin"}]))
     problem = problem_from_record(lcb_row(private), "lcb.jsonl:1")
-    assert problem == Problem("stdin", (Test("1 2\n", "3\n"), Test("5 7\n", "12\n")))
+    assert problem == Problem("stdin", (Test("1 2\n", "3\n"), Test("5 7\n", "12\n")), origin="livecodebench")
     functional = problem_from_record(lcb_row(functional=True), "lcb.jsonl:2")
     assert functional.kind == "functional" and functional.func_name == "go"
     assert json.loads(functional.tests[0].input) == [[3, 1, 2], 1]
@@ -76,7 +77,7 @@ def test_a_private_pickle_holding_anything_but_a_str_is_refused_unbuilt(payload,
 
 def test_taco_codecontests_and_primeintellect_rows():
     taco = problem_from_record({"input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})}, "t:1")
-    assert taco == Problem("stdin", (Test("1 2\n", "3\n"),))
+    assert taco == Problem("stdin", (Test("1 2\n", "3\n"),), origin="taco")
     taco_call = problem_from_record({"input_output": {"inputs": [[2, 3]], "outputs": [[5]], "fn_name": "add"}}, "t:2")
     assert score("```python\ndef add(a, b):\n    return a + b\n```", taco_call).passed  # APPS: [5] means 5
     contests = problem_from_record({"public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
@@ -84,7 +85,7 @@ def test_taco_codecontests_and_primeintellect_rows():
                                     "generated_tests": {"input": [], "output": []}}, "c:1")
     assert [t.output for t in contests.tests] == ["3\n", "4\n"]
     info = {"language": "python", "test_cases": [{"type": "stdin_stdout", "input": "1 2\n", "output": "3\n"}]}
-    assert problem_from_record({"verification_info": json.dumps(info)}, "p:1") == taco
+    assert problem_from_record({"verification_info": json.dumps(info)}, "p:1") == replace(taco, origin="primeintellect")
     for problem in (taco, contests):
         assert score(ADD, problem).passed and not score(WRONG, problem).passed
 
@@ -330,6 +331,7 @@ def test_limits_come_from_reward_code_and_the_datasets_own_time_limits():
     ("reward.code.cpu_s=0", "reward.code.cpu_s: must be > 0"),
     ("reward.code.wall_s=1", "reward.code.wall_s: must be >= cpu_s (4)"),
     ("reward.code.memory_mb=16", "reward.code.memory_mb: must be >= 64"),
+    ("reward.code.output_mb=0", "reward.code.output_mb: must be in [1, 1024]"),
     ("reward.code.dataset_time_factor=0", "reward.code.dataset_time_factor: must be > 0"),
     ("reward.code.scoring=best", "reward.code.scoring: 'best' is not one of"),
 ])
@@ -338,3 +340,135 @@ def test_bad_reward_code_values_are_one_line(override, said):
 
     with pytest.raises(ConfigError, match="^" + re.escape(said)):
         load_config(None, [override]).validate()
+
+
+# ---- verl's code rows; a dataset the reward cannot read, refused at data load
+
+VERL_TRUTH = {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]}
+
+
+@pytest.mark.parametrize("as_text", [True, False])
+def test_verl_code_rows_train_as_they_are_and_prepare(tmp_path, as_text):
+    """verl's prime_code reads `reward_model.ground_truth` as APPS's {inputs, outputs[, fn_name]},
+    a JSON string or an object: prepare_code refused the row and the reward its answer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gspo_mcore.data import PromptDataset
+
+    truth = json.dumps(VERL_TRUTH) if as_text else VERL_TRUTH
+    chat = [{"role": "user", "content": "Read a and b, print a + b."}]
+    row = {"data_source": "codecontests", "prompt": chat, "ability": "code",
+           "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"index": 0}}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "verl.parquet")
+    sample = PromptDataset.load(tmp_path / "verl.parquet")[0]  # the answer: the ground truth
+    assert code_reward(ADD, sample.answer) == 1.0 and code_reward(WRONG, sample.answer) == 0.0
+    assert prepare(tmp_path / "verl.parquet", tmp_path / "prompts.jsonl") == 1
+    prepared = json.loads((tmp_path / "prompts.jsonl").read_text())
+    assert prepared["messages"] == chat and "reward_model" not in prepared and prepared["ability"] == "code"
+    assert code_reward(ADD, prepared["answer"]) == 1.0
+    call = {"inputs": [[2, 3]], "outputs": [5], "fn_name": "add"}
+    assert score("```python\ndef add(a, b):\n    return a + b\n```",
+                 problem_from_record({"reward_model": {"ground_truth": json.dumps(call)}}, "v:1")).passed
+
+
+@pytest.mark.parametrize("truth, said", [
+    ("72", "v:1: field 'reward_model.ground_truth': expected {inputs: [...], outputs: [...]}"),
+    ({"inputs": ["1"], "outputs": []}, "v:1: field 'reward_model.ground_truth': expected {inputs"),
+    (None, "v:1: field 'reward_model.ground_truth': missing"),
+])
+def test_a_verl_row_whose_tests_cannot_be_read_is_named(truth, said):
+    with pytest.raises(InputError) as refused:
+        problem_from_record({"reward_model": {"style": "rule", "ground_truth": truth}}, "v:1")
+    assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("reward", ["code", "gspo_mcore.rewards.code:code_group_reward", "eval"])
+def test_a_code_dataset_the_reward_cannot_read_is_refused_at_data_load(tmp_path, reward):
+    """It was refused by the first reward call, after the servers started (SGLang's minutes): now
+    the rollout source (and the evaluation) read every answer as the reward will, before."""
+    from gspo_mcore.config import load_config
+    from gspo_mcore.evaluation.held_out import Evaluator
+    from gspo_mcore.rollout.source import RolloutSource
+    from gspo_mcore.tasks.toy import make_tokenizer
+
+    make_tokenizer(tmp_path / "tokenizer")
+    good = answer_from_problem(Problem("stdin", (Test("1 2\n", "3\n"),)))
+    rows = [{"prompt": "add", "answer": good}, {"prompt": "add", "answer": "72"}]  # a math row among code rows
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "ok.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    overrides = [f"data.tokenizer_dir={tmp_path / 'tokenizer'}", "reward.workers=1"]
+    if reward == "eval":  # training's data is fine, an eval dataset's is not
+        overrides += [f"data.path={tmp_path / 'ok.jsonl'}", "reward.name=code",
+                      f"eval.datasets=[{{name: held, path: {tmp_path / 'd.jsonl'}, reward: code_all}}]"]
+    else:
+        overrides += [f"data.path={tmp_path / 'd.jsonl'}", f"reward.name={reward}",
+                      f"reward.batched={str(reward != 'code').lower()}"]
+    config = load_config(None, overrides)
+    with pytest.raises(InputError) as refused:
+        source = RolloutSource(config)
+        try:
+            Evaluator(config, source.tokenizer, source.generator).close()
+        finally:
+            source.close()
+    assert str(refused.value).startswith(f"{tmp_path / 'd.jsonl'}:2: field 'answer': not a code problem")
+    source = RolloutSource(load_config(None, [*overrides[:2], f"data.path={tmp_path / 'ok.jsonl'}", "reward.name=code"]))
+    source.close()  # a readable dataset starts
+
+
+# ---- the scoring command: references, settings, empty input, its name
+
+def _scoring(argv, capsys) -> tuple[int, list[dict], str]:
+    from gspo_mcore.common.errors import run_cli
+    from gspo_mcore.rewards.code import main
+
+    code = run_cli(lambda: main(argv))
+    out, err = capsys.readouterr()
+    return code, [json.loads(line) for line in out.splitlines()], err
+
+
+def test_references_skip_and_count_problems_without_a_python3_solution(tmp_path, capsys):
+    """A CodeContests problem with only C++ (and Python 2) solutions aborted the whole set with
+    "field 'solutions': missing or not text"."""
+    cpp_only = {"description": "Add.", "public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
+                "solutions": {"language": [2, 1], "solution": ["int main(){}", "print 3"]}}
+    python3 = {**cpp_only, "solutions": {"language": [2, 3], "solution": ["int main(){}", "print(3)"]}}
+    rows = tmp_path / "cc.jsonl"
+    rows.write_text(json.dumps(cpp_only) + "\n" + json.dumps(python3) + "\n")
+    code, lines, err = _scoring(["--input", str(rows), "--references"], capsys)
+    assert code == 0 and [(x["row"], x["passed"]) for x in lines] == [(f"{rows}:2", True)]
+    assert f"1/1 passed; 1 problems skipped, no Python 3 reference solution (the first: {rows}:1)" in err
+    rows.write_text(json.dumps(cpp_only) + "\n")
+    code, lines, err = _scoring(["--input", str(rows), "--references"], capsys)
+    assert code == 2 and lines == [] and "none of its 1 problems has a Python 3 reference solution" in err
+
+
+def test_the_scoring_command_takes_reward_code_settings_and_refuses_an_empty_file(tmp_path, capsys):
+    half = "```python\na, b = map(int, input().split())\nprint(3)\n```"  # right on 1 2, wrong on 5 7
+    rows = tmp_path / "r.jsonl"
+    rows.write_text(json.dumps({"input_output": VERL_TRUTH, "response": half}) + "\n")
+    code, lines, _ = _scoring(["--input", str(rows)], capsys)
+    assert code == 0 and lines[0]["reward"] == 0.0
+    code, lines, _ = _scoring(["--input", str(rows), "--scoring", "fraction", "--cpu-s", "2", "--wall-s", "4"], capsys)
+    assert code == 0 and lines[0]["reward"] == 0.5
+    code, _, err = _scoring(["--input", str(rows), "--wall-s", "1"], capsys)
+    assert code == 2 and err.strip().endswith("reward.code.wall_s: must be >= cpu_s (4)")
+    (tmp_path / "empty.jsonl").write_text("")
+    code, lines, err = _scoring(["--input", str(tmp_path / "empty.jsonl")], capsys)
+    assert code == 2 and lines == [] and err.strip().endswith(f"{tmp_path / 'empty.jsonl'}: no records")
+    assert "0/0" not in err
+    from gspo_mcore.rewards.code import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    said = capsys.readouterr().out
+    assert said.startswith("usage: python -m gspo_mcore.rewards.code") and "--memory-mb" in said
+    assert "--subset" in said and "--all" not in said and "--infrastructure-errors" not in said
+
+
+def test_the_python_tool_tells_the_model_a_nonzero_exit_status():
+    from gspo_mcore.tools import python as tool
+
+    said = tool.python("import sys\nprint('half done')\nsys.exit(3)")
+    assert said.startswith("half done\n") and said.endswith("\nerror: the program exited with status 3")
+    assert tool.python("print(1)") == "1"  # a clean exit says nothing more

@@ -7,7 +7,9 @@ The tests come from the record's `answer`, which `python -m gspo_mcore.data.prep
 `private_test_cases`, the latter also as released: base64 -> zlib -> pickle of a JSON string,
 decoded by an unpickler that admits a str and nothing else), TACO / APPS `input_output`,
 CodeContests `public_tests` / `private_tests` / `generated_tests`, PrimeIntellect
-`verification_info`.
+`verification_info`, verl's `reward_model.ground_truth` (prime_code's `{"inputs", "outputs"[, "fn_name"]}`,
+APPS's object, as a JSON string or an object; also accepted as `answer` itself, so a verl Parquet
+file trains as it is).
 
 Settings: `reward.code` (gspo_mcore.rewards.code_config.CodeRewardConfig), handed to each
 reward worker by `reward_options`; the defaults elsewhere (the scoring command, evaluation).
@@ -20,7 +22,8 @@ A share (`hack_check_share`) of the responses that pass the training subset also
 the ones that then fail are the hack rate. Each test runs under `cpu_s` / `wall_s` /
 `memory_mb`, or the problem's own time limit where its dataset gives one.
 
-    python -m gspo_mcore.rewards.code --input F.jsonl [--output G.jsonl] [--references] [--all]
+    python -m gspo_mcore.rewards.code --input F.jsonl [--output G.jsonl] [--references] [--subset]
+                                      [--cpu-s S --wall-s S --memory-mb M --scoring fraction ...]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import json
 import pickle
 import re
 import sys
+import typing
 import zlib
 from dataclasses import dataclass, field
 
@@ -110,16 +114,30 @@ def _lcb(record: dict, where: str) -> Problem:
     return Problem("functional", tuple(tests), metadata["func_name"])
 
 
-def _taco(record: dict, where: str) -> Problem:
-    spec = _as_json(record["input_output"], f"{where}: field 'input_output'")
+def _in_outs(spec, where: str) -> Problem:
+    """APPS / TACO's `input_output` object (`inputs`, `outputs`, `fn_name` for call-based
+    problems); verl's prime_code reads its ground truth in the same shape. `where` names the field."""
     if not isinstance(spec, dict) or not isinstance(spec.get("inputs"), list) \
             or not isinstance(spec.get("outputs"), list) or len(spec["inputs"]) != len(spec["outputs"]):
-        raise InputError(f"{where}: field 'input_output': expected {{inputs: [...], outputs: [...]}} of equal length")
+        raise InputError(f"{where}: expected {{inputs: [...], outputs: [...]}} of equal length")
     if spec.get("fn_name"):
         tests = tuple(Test(json.dumps(i if isinstance(i, list) else [i]), json.dumps(o))
                       for i, o in zip(spec["inputs"], spec["outputs"]))
         return Problem("functional", tests, spec["fn_name"])
     return Problem("stdin", tuple(Test(_lines(i), _lines(o)) for i, o in zip(spec["inputs"], spec["outputs"])))
+
+
+def _taco(record: dict, where: str) -> Problem:
+    return _in_outs(_as_json(record["input_output"], f"{where}: field 'input_output'"), f"{where}: field 'input_output'")
+
+
+def _verl(record: dict, where: str) -> Problem:
+    """verl's row: `reward_model: {style, ground_truth}`, the ground truth prime_code's tests."""
+    where = f"{where}: field 'reward_model.ground_truth'"
+    model = record["reward_model"]
+    if not isinstance(model, dict) or model.get("ground_truth") is None:
+        raise InputError(f"{where}: missing")
+    return _in_outs(_as_json(model["ground_truth"], where), where)
 
 
 def _code_contests(record: dict, where: str) -> Problem:
@@ -152,7 +170,11 @@ def _verification_info(record: dict, where: str) -> Problem:
 
 
 FORMATS = (("public_test_cases", _lcb), ("private_test_cases", _lcb), ("input_output", _taco),
-           ("public_tests", _code_contests), ("verification_info", _verification_info))
+           ("public_tests", _code_contests), ("verification_info", _verification_info), ("reward_model", _verl))
+# Problem.origin of each format: how its outputs compare (sandbox.judge: LiveCodeBench's own number
+# rule; APPS's `[value]` accepting `value`, which verl's prime_code, an APPS grader, applies too)
+ORIGINS = {_lcb: "livecodebench", _taco: "taco", _verl: "taco", _code_contests: "codecontests",
+           _verification_info: "primeintellect"}
 
 
 def problem_from_record(record: dict, where: str) -> Problem:
@@ -170,7 +192,7 @@ def problem_from_record(record: dict, where: str) -> Problem:
                 raise InputError(f"{where}: field '{key}': malformed ({type(err).__name__}: {err})") from None
             if not problem.tests:
                 raise InputError(f"{where}: field '{key}': no tests")
-            return _with_judging_fields(problem, record, where)
+            return _with_judging_fields(dataclasses.replace(problem, origin=ORIGINS[read]), record, where)
     raise InputError(f"{where}: no tests: none of the fields answer, {', '.join(k for k, _ in FORMATS)}")
 
 
@@ -218,20 +240,35 @@ def _with_judging_fields(problem: Problem, record: dict, where: str) -> Problem:
 
 def answer_from_problem(problem: Problem) -> str:
     return json.dumps({"kind": problem.kind, "func_name": problem.func_name, "tolerance": problem.tolerance,
-                       "checker": problem.checker, "time_limit_s": problem.time_limit_s,
+                       "checker": problem.checker, "time_limit_s": problem.time_limit_s, "origin": problem.origin,
                        "tests": [[t.input, t.output] for t in problem.tests]})
 
 
 def problem_from_answer(answer: str, where: str = "answer") -> Problem:
+    """The reward's answer: as prepare_code writes it, or verl's prime_code ground truth
+    (`{"inputs", "outputs"[, "fn_name"]}`: a verl Parquet's `reward_model.ground_truth`, which
+    PromptDataset takes as the answer). One-line InputError naming `where` otherwise."""
     try:
         spec = json.loads(answer)
+    except (ValueError, TypeError) as err:
+        raise InputError(f"{where}: field 'answer': not JSON ({type(err).__name__}: {err})") from None
+    if isinstance(spec, dict) and "tests" not in spec and "inputs" in spec:
+        problem = _in_outs(spec, f"{where}: field 'answer' (verl's ground truth)")
+        if not problem.tests:
+            raise InputError(f"{where}: field 'answer' (verl's ground truth): no tests")
+        return _with_judging_fields(dataclasses.replace(problem, origin="taco"), spec, where)
+    try:
         tests = tuple(Test(str(i), str(o)) for i, o in spec["tests"])
         problem = Problem(spec["kind"], tests, spec.get("func_name"), spec.get("tolerance"), spec.get("checker"),
-                          time_limit(spec, where))
+                          time_limit(spec, where), spec.get("origin"))
     except (ValueError, KeyError, TypeError) as err:
-        raise InputError(f"{where}: field 'answer': not a code problem as prepare_code writes it ({err})") from None
+        raise InputError(f"{where}: field 'answer': not a code problem as prepare_code writes it, nor verl's "
+                         f"{{inputs, outputs}} ({type(err).__name__}: {err})") from None
     if problem.kind not in ("stdin", "functional") or not tests or (problem.kind == "functional" and not problem.func_name):
         raise InputError(f"{where}: field 'answer': kind stdin|functional (with func_name) and at least one test")
+    if problem.origin not in (None, *ORIGINS.values()):
+        raise InputError(f"{where}: field 'answer': origin {str(problem.origin)[:40]!r} is not one of "
+                         f"{sorted(set(ORIGINS.values()))}")
     return problem
 
 
@@ -260,7 +297,7 @@ def limits_for(problem: Problem, settings: CodeRewardConfig | None = None) -> Li
     if settings.dataset_time_limits and problem.time_limit_s is not None:
         cpu_s = problem.time_limit_s * settings.dataset_time_factor
     return Limits(cpu_s=cpu_s, wall_s=cpu_s * settings.wall_s / settings.cpu_s,
-                  memory_bytes=settings.memory_mb * 1024 * 1024)
+                  memory_bytes=settings.memory_mb * 1024 * 1024, output_bytes=settings.output_mb * 1024 * 1024)
 
 
 def reward_options(options: dict) -> None:
@@ -327,9 +364,9 @@ class CodeScore:
 
 
 def _count(judgement: Judgement) -> None:
-    STATS.tests_run += sum(v != "infrastructure" for v in judgement.verdicts)
+    STATS.tests_run += sum(v != "infrastructure" for v in judgement.verdicts) if judgement.same_as is None else 0
     STATS.sandbox_s += judgement.sandbox_s
-    STATS.timeouts += judgement.verdicts.count("timeout")
+    STATS.timeouts += judgement.verdicts.count("timeout") if judgement.same_as is None else 0
     STATS.infrastructure_errors += judgement.infrastructure_error is not None
 
 
@@ -340,8 +377,8 @@ def score(response: str, problem: Problem, every_test: bool = False, fraction: b
 
 def score_group(responses: list[str], problem: Problem, every_test: bool = False, fraction: bool | None = None,
                 settings: CodeRewardConfig | None = None) -> list[CodeScore]:
-    """The responses to one problem (a prompt's group), their programs judged in one sandbox.
-    `settings`: reward.code (default: this process's); `fraction` None: its `scoring`."""
+    """The responses to one problem (a prompt's group), each program in a sandbox of its own
+    (identical programs judged once: gspo_mcore.sandbox.judge.judge_programs). `settings`: reward.code (default: this process's); `fraction` None: its `scoring`."""
     settings = settings or SETTINGS
     fraction = settings.scoring == "fraction" if fraction is None else fraction
     limits = limits_for(problem, settings)
@@ -406,17 +443,27 @@ def code_all_reward(response: str, answer: str) -> float | None:
 
 
 def code_group_reward(responses: list[str], answers: list[str]) -> list[float | None]:
-    """`code` for reward.batched: true: a prompt's group judged in one sandbox (one start for
-    the group; each program still runs each test in a fresh process, the tmpfs emptied between
-    programs)."""
+    """`code` for reward.batched: true: a prompt's group in one call (each program in a sandbox of
+    its own, started in the background while the previous one runs; identical programs judged
+    once)."""
     return _rewards(responses, answers, every_test=False)
+
+
+def reward_check_answer(answer: str, where: str) -> None:
+    """A dataset row's answer read as the reward reads it (gspo_mcore.rewards.runner calls this
+    hook at data load: a dataset the reward cannot read stops the run before any server starts)."""
+    problem_from_answer(answer, where)
 
 
 # ---- the scoring command
 
+PYTHON3 = 3  # CodeContests' `solutions.language` code of Python 3 (1: Python 2, 2: C++, 4: Java)
+
+
 def reference_solutions(record: dict) -> list[str]:
-    """A dataset's own Python solutions, as responses (fenced): TACO/APPS `solutions`,
-    CodeContests `solutions` (language 3: Python 3), PrimeIntellect `gold_standard_solution`."""
+    """A dataset's own Python 3 solutions, as responses (fenced): TACO/APPS `solutions`,
+    CodeContests `solutions` (language 3), PrimeIntellect `gold_standard_solution`; [] when it
+    has none (many CodeContests problems have only C++ or Python 2 ones)."""
     solutions = record.get("solutions")
     if isinstance(solutions, str):
         try:
@@ -424,38 +471,85 @@ def reference_solutions(record: dict) -> list[str]:
         except ValueError:
             solutions = [solutions]
     if isinstance(solutions, dict):  # CodeContests: {language: [...], solution: [...]}
-        solutions = [s for lang, s in zip(solutions.get("language", []), solutions.get("solution", [])) if lang == 3]
+        solutions = [s for lang, s in zip(solutions.get("language") or [], solutions.get("solution") or [])
+                     if lang == PYTHON3]
     found = [f"```python\n{s}\n```" for s in solutions or [] if isinstance(s, str)]
     if isinstance(record.get("gold_standard_solution"), str):
         found.append(record["gold_standard_solution"])
     return found
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description="Score responses to code problems in the sandbox.")
-    parser.add_argument("--input", required=True, help=".jsonl: a problem in any supported format + `response`")
+# reward.code's fields the command takes as flags; `infrastructure_errors` is not one (the command
+# reports an infrastructure error on its line, it never scores one), nor `hack_check_share` (no
+# training subset is checked for hacks here).
+SETTING_FLAGS = tuple(f.name for f in dataclasses.fields(CodeRewardConfig)
+                      if f.name not in ("infrastructure_errors", "hack_check_share"))
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(CodeRewardConfig)
+    group = parser.add_argument_group("reward.code settings (as a run's config sets them; docs/13-code-rl.md)")
+    for name in SETTING_FLAGS:
+        default, flag = getattr(CodeRewardConfig, name), "--" + name.replace("_", "-")
+        said = f"reward.code.{name} (default {default})"
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=said)
+        elif typing.get_origin(hints[name]) is typing.Literal:
+            group.add_argument(flag, choices=typing.get_args(hints[name]), default=default, help=said)
+        else:
+            group.add_argument(flag, type=type(default), default=default, metavar=name.split("_")[-1].upper(), help=said)
+
+
+def settings_from_args(args: argparse.Namespace) -> CodeRewardConfig:
+    """The flags as reward.code; a bad value is a one-line InputError naming the setting."""
+    settings = CodeRewardConfig(**{name: getattr(args, name) for name in SETTING_FLAGS}, hack_check_share=0.0)
+    if settings.problem() is not None:
+        raise InputError(f"reward.code.{settings.problem()}")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gspo_mcore.rewards.code",
+                                     description="Score responses to code problems (or a dataset's own reference "
+                                                 "solutions) in the sandbox, one JSON line each.")
+    parser.add_argument("--input", required=True, help=".jsonl / .parquet: a problem in any supported format, "
+                        "with `response` (the text whose last code block is judged)")
     parser.add_argument("--output", help=".jsonl to write (default: stdout)")
     parser.add_argument("--references", action="store_true",
-                        help="score the dataset's own reference solutions instead of `response`")
-    parser.add_argument("--subset", action="store_true", help="the training subset (stop at the first failure); "
-                        "default: every test")
-    args = parser.parse_args()
+                        help="score the dataset's own Python 3 solutions instead of `response`; problems "
+                             "without one are skipped and counted")
+    parser.add_argument("--subset", action="store_true", help="the training subset (reward.code.max_train_tests, "
+                        "stop at the first failure); default: every test, as code_all")
+    _add_setting_flags(parser)
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args)
     from gspo_mcore.common.records import read_records, require_file
     from gspo_mcore.common.files import atomic_output
 
-    rows = []
+    rows, skipped = [], []
     for where, record in read_records(require_file(args.input)):  # every row read before anything runs
         problem = problem_from_record(record, where)
-        responses = reference_solutions(record) if args.references else [record.get("response")]
-        if not responses or not all(isinstance(r, str) for r in responses):
-            raise InputError(f"{where}: field '{'solutions' if args.references else 'response'}': "
-                             "missing or not text")
+        if args.references:
+            responses = reference_solutions(record)
+            if not responses:
+                skipped.append(where)
+                continue
+        else:
+            responses = [record.get("response")]
+            if not isinstance(responses[0], str):
+                raise InputError(f"{where}: field 'response': missing or not text (--references scores the "
+                                 "dataset's own solutions)")
         rows.append((where, problem, responses))
+    if not rows:
+        raise InputError(f"{args.input}: no records" if not skipped else
+                         f"{args.input}: none of its {len(skipped)} problems has a Python 3 reference solution "
+                         "(TACO/APPS `solutions`, CodeContests `solutions` of language 3, PrimeIntellect "
+                         "`gold_standard_solution`)")
     check_sandbox()
     lines = []
     for where, problem, responses in rows:
         for index, response in enumerate(responses):
-            result = score(response, problem, every_test=not args.subset)
+            result = score(response, problem, every_test=not args.subset, settings=settings)
             lines.append(json.dumps({"row": where, **({"solution": index} if args.references else {}),
                                      "reward": result.reward, "passed": result.passed, "verdicts": result.verdicts,
                                      "no_program": result.no_program,
@@ -468,7 +562,9 @@ def main() -> int:
     else:
         sys.stdout.write(text)
     passed = sum(json.loads(line)["passed"] for line in lines)
-    print(f"{passed}/{len(lines)} passed", file=sys.stderr)
+    also = (f"; {len(skipped)} problems skipped, no Python 3 reference solution (the first: {skipped[0]})"
+            if skipped else "")
+    print(f"{passed}/{len(lines)} passed{also}", file=sys.stderr)
     return 0
 
 

@@ -12,12 +12,14 @@ from typing import Literal
 class CodeRewardConfig:
     infrastructure_errors: Literal["zero", "mask"] = "zero"
     """A response whose program could not be judged (the sandbox did not start, the harness
-    crashed or broke its protocol): `zero` scores it 0; `mask` drops it from its group before the
-    advantages (it neither scores nor trains; a round where more than reward.max_error_fraction
-    are masked stops the run). Either way it is counted (code_infrastructure_errors) and never a
-    pass. `zero` by default: where a program can cause one (the sandbox started by a user that
-    is not root: the program may kill the harness), masking would spare a wrong program its
-    negative advantage; `mask` suits root hosts, where only the host's own faults cause them."""
+    crashed or broke its protocol, the problem's checker is broken): `zero` scores it 0; `mask`
+    drops it from its group before the advantages (it neither scores nor trains; a round where
+    more than reward.max_error_fraction are masked stops the run). Either way it is counted
+    (code_infrastructure_errors) and never a pass. `zero` by default: where a program can cause
+    one (the sandbox started by a user that is not root: the program may kill the harness),
+    masking would spare a wrong program its negative advantage; `mask` suits root hosts, where
+    only the host's own faults cause them (whatever a program does, in its own sandbox, is its
+    own verdict: tests/test_sandbox.py's saboteurs)."""
     scoring: Literal["all_pass", "fraction"] = "all_pass"
     """1 when every test run passes, else 0; or the share of the tests run that passed (every
     test of the training subset runs then: no stop at the first failure)."""
@@ -35,7 +37,11 @@ class CodeRewardConfig:
     """Wall-clock seconds per test, from the host (a program that sleeps or blocks); >= cpu_s."""
     memory_mb: int = 1024
     """Address space per test process (RLIMIT_AS, MiB): a forked interpreter maps ~30 MiB of it
-    before the program runs."""
+    before the program runs. Where the host has cgroups, the whole sandbox (every process, its
+    tmpfs, the kernel memory it causes) is bounded too, to this plus the tmpfs and output."""
+    output_mb: int = 16
+    """A test's stdout (functional: its returned value's JSON), MiB: more ends the test with its
+    own verdict, `output_limit` (a contest's 2 x 10^5 numbers are ~1.3 MB)."""
     dataset_time_limits: bool = True
     """A problem's own time limit (CodeContests `time_limit`, TACO `time_limit`, a `time_limit_s`
     field; prepare_code keeps it), times dataset_time_factor, replaces cpu_s for its tests; the
@@ -57,6 +63,8 @@ class CodeRewardConfig:
             return f"wall_s: must be >= cpu_s ({self.cpu_s:g})"
         if self.memory_mb < 64:
             return "memory_mb: must be >= 64 (the interpreter alone maps ~30 MiB)"
+        if not 1 <= self.output_mb <= 1024:
+            return "output_mb: must be in [1, 1024]"
         if self.dataset_time_factor <= 0:
             return "dataset_time_factor: must be > 0"
         return None

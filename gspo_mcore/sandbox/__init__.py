@@ -4,9 +4,10 @@
 - `launch`: bubblewrap's boundary (namespaces, read-only interpreter, private tmpfs), the
   per-slot non-root uid, the one-line refusal where bwrap cannot run, the explicit unsafe mode;
 - `seccomp`: the syscall filter;
+- `cgroup`: a sandbox's memory and processes bounded as a whole, where the host allows it;
 - `harness`: the code inside, one forked process per test with rlimits;
-- `session`: the host's end (wall-clock kill of the whole process group, capped reports,
-  infrastructure errors as `SandboxError`);
+- `session`: the host's end (a sandbox per program, started ahead as a spare; wall-clock kill of
+  the whole process group, capped reports, infrastructure errors as `SandboxError`);
 - `judge`: comparison on the host (expected outputs never enter the sandbox) and verdicts.
 docs/13-code-rl.md has the threat model."""
 

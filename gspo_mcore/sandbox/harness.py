@@ -5,11 +5,12 @@ with `-I -S`, nothing of the project importable); trusted, but it never sees an 
 Protocol: messages framed by a 4-byte big-endian length, marshal-encoded plain dicts (builtin
 modules only: importing json costs more than starting the interpreter). The host writes our stdin
 and reads our stdout, which no test process holds: what a program prints travels inside a report's
-string field, never as protocol.
-  host -> {"program", "kind": "stdin" | "functional", "func_name", "uid", "limits": {...}, "pid_namespace"}
+string field, never as protocol. A harness judges one program: a sandbox may be started before
+its program is known (a spare), so the program comes in the second message.
+  host -> {"kind": "stdin" | "functional", "pid_namespace"}
   harness -> {"ready": True}
-  host -> {"input": str, "program"?: str}  (functional: a JSON list of the call's arguments; a
-            "program": from this test on, another program's tests, /tmp emptied first)
+  host -> {"program", "func_name", "uid", "limits": {...}}
+  host -> {"input": str}  (functional: a JSON list of the call's arguments), one per test
   harness -> {"status": "exited" | "signaled" | "timeout" | "output_limit", "exit_code", "signal",
               "stdout", "stderr", "result" (functional: the JSON the test process wrote), "wall_s", "cpu_s"}
 End of input ends the harness.
@@ -17,11 +18,16 @@ End of input ends the harness.
 A test process: a new session, stdin/stdout/stderr on pipes to us (functional: fd 3 for the
 return value), every other descriptor closed, our uid dropped to `uid` (the kernel enforces
 RLIMIT_NPROC only for non-root users, and a different uid cannot signal, ptrace or read the
-/proc fds of this harness), then rlimits, then the program. When the test process ends or its
-time is up, every process we may signal is killed (kill(-1): this is a fresh PID namespace), so
-nothing a test left running survives into the next test.
+/proc fds of this harness), then rlimits, then the program; then, as CPython's own exit does,
+its non-daemon threads are waited for and its atexit functions run (`threading.Thread(target=
+main).start()`, the contest idiom, prints from a thread after the module body returned), then
+its streams are flushed. When the test process ends or its time is up, every process we may
+signal is killed (kill(-1): this is a fresh PID namespace), so nothing a test left running
+survives into the next test. Its CPU time (user + system, from wait4) is reported, and the host
+compares it to the limit: RLIMIT_CPU counts whole seconds only.
 """
 
+import atexit
 import marshal
 import os
 import resource
@@ -68,7 +74,10 @@ def _set_limits(limits):
     def both(which, value):
         resource.setrlimit(which, (value, value))
 
-    both(resource.RLIMIT_CPU, int(limits["cpu_s"]) + 1)  # whole seconds, rounded up; the kernel kills at it
+    # whole seconds: SIGXCPU at the limit rounded up, SIGKILL a second later; the host compares
+    # the CPU time measured after the run with the exact limit
+    seconds = max(1, -int(-limits["cpu_s"] // 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
     both(resource.RLIMIT_AS, limits["memory_bytes"])
     both(resource.RLIMIT_FSIZE, limits["file_bytes"])
     both(resource.RLIMIT_NOFILE, limits["open_files"])
@@ -79,25 +88,48 @@ def _set_limits(limits):
     resource.setrlimit(resource.RLIMIT_STACK, (stack if hard == resource.RLIM_INFINITY else min(stack, hard), hard))
 
 
+def _finish_like_python(_modules=sys.modules, _run_exitfuncs=atexit._run_exitfuncs):
+    """What CPython does when a program's main module returns: wait for its non-daemon threads,
+    then run its atexit functions (their errors printed, as CPython prints them)."""
+    threading = _modules.get("threading")
+    try:
+        if threading is not None:
+            threading._shutdown()
+    finally:
+        _run_exitfuncs()
+
+
+def _enter(request, fds):
+    """The forked test process made what a test runs in: its own session, its pipes as fds 0-2
+    (3), nothing else open, the slot's uid, the limits, text streams."""
+    os.setsid()
+    try:  # the memory cgroup's first victim, never us (only root's sandboxes have a cgroup; in a
+        # user namespace our non-dumpable /proc files are not the user's to write)
+        with open("/proc/self/oom_score_adj", "w") as adjust:
+            adjust.write("1000")
+    except OSError:
+        pass
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(len(fds), 1 << 16)
+    uid = request.get("uid")
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    _set_limits(request["limits"])
+    os.chdir("/tmp")
+    sys.setrecursionlimit(100000)
+    sys.stdin = open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+
+
 def _child(request, fds, _exit=os._exit):
     """In the forked test process: never returns (`_exit` bound here: the program may replace os._exit)."""
     code = 1
     try:
-        os.setsid()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        os.closerange(len(fds), 1 << 16)
-        uid = request.get("uid")
-        if uid is not None:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-        _set_limits(request["limits"])
-        os.chdir("/tmp")
-        sys.setrecursionlimit(100000)
-        sys.stdin = open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)
-        sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
-        sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+        _enter(request, fds)
     except BaseException as err:  # setting up the test process: the harness's fault, said on the test's stderr
         os.write(2, f"harness: test process set-up failed: {err!r}\n".encode())
         _exit(1)
@@ -127,6 +159,10 @@ def _child(request, fds, _exit=os._exit):
             import traceback
             traceback.print_exc()
             code = 1
+        try:
+            _finish_like_python()
+        except BaseException:
+            code = code or 1
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -161,16 +197,6 @@ def _wait_until_alone(deadline):
         if not [pid for pid in os.listdir("/proc") if pid.isdigit() and pid not in ("1", me)]:
             return
         time.sleep(0.001)
-
-
-def clear_tmp():
-    """Empty our private /tmp between programs (one sandbox may judge a group's programs in turn)."""
-    for root, dirs, files in os.walk("/tmp", topdown=False):
-        for name in files:
-            os.unlink(os.path.join(root, name))
-        for name in dirs:
-            path = os.path.join(root, name)
-            os.unlink(path) if os.path.islink(path) else os.rmdir(path)
 
 
 class _Exchange:
@@ -259,7 +285,7 @@ class _Exchange:
 def run_test(request, test_input):
     functional = request["kind"] == "functional"
     pipes = [os.pipe() for _ in range(4 if functional else 3)]  # stdin, stdout, stderr[, result]
-    started, cpu_before = time.monotonic(), os.times()
+    started = time.monotonic()
     pid = os.fork()
     if pid == 0:
         _child(request, [pipes[0][0]] + [w for _, w in pipes[1:]])
@@ -270,11 +296,10 @@ def run_test(request, test_input):
                          {fd: bytearray() for fd in outputs}, outputs[1])
     status = exchange.run(started + request["limits"]["wall_s"])
     _kill_all(request, pid)
-    _, wait_status = os.waitpid(pid, 0)
+    _, wait_status, usage = os.wait4(pid, 0)  # its CPU time and that of the children it waited for
     if request.get("pid_namespace"):
         _wait_until_alone(time.monotonic() + 2.0)
     exchange.close()
-    cpu_after = os.times()
     texts = [exchange.readers[fd].decode("utf-8", "replace") for fd in outputs]
     return {
         "status": status or ("signaled" if os.WIFSIGNALED(wait_status) else "exited"),
@@ -282,8 +307,7 @@ def run_test(request, test_input):
         "signal": os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None,
         "stdout": texts[0], "stderr": texts[1], "result": texts[2] if functional else None,
         "wall_s": round(time.monotonic() - started, 6),
-        "cpu_s": round((cpu_after.children_user + cpu_after.children_system)
-                       - (cpu_before.children_user + cpu_before.children_system), 6),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 6),
     }
 
 
@@ -322,13 +346,11 @@ def main():
         exec(PRELUDE, {})
         import json  # noqa: F401 (for the test processes: loaded once, before they fork)
     write_message(reports, {"ready": True})
-    program = request["program"]
+    request.update(read_message(0) or {})  # the program, its uid and limits
+    if "program" not in request:
+        return
     while (message := read_message(0)) is not None:
-        if message.get("program", program) != program:  # the next program of a group
-            program = message["program"]
-            if request.get("pid_namespace"):  # our own tmpfs (outside a sandbox, /tmp is the host's)
-                clear_tmp()
-        write_message(reports, run_test({**request, "program": program}, message["input"]))
+        write_message(reports, run_test(request, message["input"]))
 
 
 if __name__ == "__main__":

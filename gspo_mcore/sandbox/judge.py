@@ -1,25 +1,31 @@
-"""Judging on the host: a program's tests run in one sandbox Session; what it printed or returned
-is compared here, with expected outputs that never entered the sandbox (a problem's checker program, for problems with
-several valid answers, runs in a sandbox of its own).
+"""Judging on the host: each program's tests run in a sandbox of its own (a Session); what it
+printed or returned is compared here, with expected outputs that never entered the sandbox (a
+problem's checker program, for problems with several valid answers, runs in a sandbox of its own).
 
-Verdicts: passed, wrong, timeout, memory, runtime_error, infrastructure. An exit code is never a
-verdict on its own: a stdin test passes only on the right output with exit status 0 (a
-`sys.exit(0)` after a correct answer included), a functional test only on the right value.
-An infrastructure error (the sandbox failed to start, the harness broke) ends the judging of
-that program: the caller counts it apart and never scores it as a pass."""
+Verdicts: passed, wrong, timeout, memory, runtime_error, output_limit, infrastructure. An exit
+code is never a verdict on its own: a stdin test passes only on the right output with exit status
+0 (a `sys.exit(0)` after a correct answer included), a functional test only on the right value.
+Whatever a program makes of its output (a result the host cannot decode or compare: nested past
+the recursion limit, a number past any float or Decimal) is that test's `wrong`. An
+infrastructure error (the sandbox failed to start, the harness broke) ends the judging of that
+program, and of no other: the caller counts it apart and never scores it as a pass."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 
 from gspo_mcore.sandbox.session import Limits, SandboxError, Session, TestRun
 
-VERDICTS = ("passed", "wrong", "timeout", "memory", "runtime_error", "infrastructure")
+VERDICTS = ("passed", "wrong", "timeout", "memory", "runtime_error", "output_limit", "infrastructure")
+# Output a program caused that the host cannot compare: the test's `wrong`, never an exception
+# that takes its group with it.
+UNCOMPARABLE = (ArithmeticError, RecursionError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,10 @@ class Problem:
     time_limit_s: float | None = None
     """The dataset's own time limit per test (CodeContests, TACO), when it gives one: the code
     reward's limits scale from it (reward.code.dataset_time_limits)."""
+    origin: str | None = None
+    """The format the row came in (gspo_mcore.rewards.code: livecodebench, taco, codecontests,
+    primeintellect): LiveCodeBench's rows keep its own number rule (any Decimal: `007` is 7),
+    TACO / APPS's their `[value]` outputs that accept `value`; every other row the strict ones."""
 
 
 @dataclass
@@ -48,29 +58,41 @@ class Judgement:
     verdicts: list[str] = field(default_factory=list)  # one per test run, in order
     infrastructure_error: str | None = None
     sandbox_s: float = 0.0  # wall time in the sandbox, start to close
+    same_as: int | None = None  # the index of an identical program of the group whose verdicts these are
 
     @property
     def passed(self) -> bool:
         return bool(self.verdicts) and self.infrastructure_error is None and all(v == "passed" for v in self.verdicts)
 
 
-def _token_equal(got: str, want: str, tolerance: float | None) -> bool:
+# A number as a contest's checker reads one: ASCII digits, no leading zeros, no `_`, no `+`.
+STRICT_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?", re.ASCII)
+
+
+def _token_equal(got: str, want: str, tolerance: float | None, lcb_numbers: bool = False) -> bool:
     if got == want:
         return True
+    if not lcb_numbers and not (STRICT_NUMBER.fullmatch(got) and STRICT_NUMBER.fullmatch(want)):
+        return False
     try:
         a, b = Decimal(got), Decimal(want)
     except InvalidOperation:
         return False
     if not (a.is_finite() and b.is_finite()):
         return False
-    if tolerance is None:
-        return a == b
-    return abs(a - b) <= Decimal(str(tolerance)) * max(Decimal(1), abs(b))
+    try:
+        if tolerance is None:
+            return a == b
+        return abs(a - b) <= Decimal(str(tolerance)) * max(Decimal(1), abs(b))
+    except ArithmeticError:  # an exponent past the context's (1e9999999): no expected value is near it
+        return False
 
 
-def stdout_matches(got: str, want: str, tolerance: float | None = None) -> bool:
+def stdout_matches(got: str, want: str, tolerance: float | None = None, lcb_numbers: bool = False) -> bool:
     """LiveCodeBench's rule: the outputs stripped, split in lines, each line stripped, equal line
-    by line; a line that differs as text may still match token by token as numbers."""
+    by line; a line that differs as text may still match token by token as numbers: ASCII
+    numbers without leading zeros, or (`lcb_numbers`, LiveCodeBench's own rows) whatever
+    Python's Decimal reads, as LiveCodeBench's grader does."""
     got_lines = [line.strip() for line in got.strip().split("\n")]
     want_lines = [line.strip() for line in want.strip().split("\n")]
     if len(got_lines) != len(want_lines):
@@ -78,7 +100,7 @@ def stdout_matches(got: str, want: str, tolerance: float | None = None) -> bool:
     for a, b in zip(got_lines, want_lines):
         if a != b:
             ta, tb = a.split(), b.split()
-            if len(ta) != len(tb) or not all(_token_equal(x, y, tolerance) for x, y in zip(ta, tb)):
+            if len(ta) != len(tb) or not all(_token_equal(x, y, tolerance, lcb_numbers) for x, y in zip(ta, tb)):
                 return False
     return True
 
@@ -94,7 +116,10 @@ def value_equal(got, want, tolerance: float | None = None) -> bool:
         return type(got) is type(want) and got == want
     if isinstance(want, (int, float)) and isinstance(got, (int, float)):
         if tolerance is not None and (isinstance(got, float) or isinstance(want, float)):
-            return math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance)
+            try:
+                return math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance)
+            except OverflowError:  # an int past any float (10**400): not near a float that is one
+                return False
         return got == want
     if isinstance(want, list) and isinstance(got, list):
         return len(got) == len(want) and all(value_equal(a, b, tolerance) for a, b in zip(got, want))
@@ -103,11 +128,11 @@ def value_equal(got, want, tolerance: float | None = None) -> bool:
     return type(got) is type(want) and got == want  # str, None
 
 
-def expected_values(output: str) -> list:
-    """The values a functional test accepts: the JSON value, and (APPS/TACO's convention, outputs
-    wrapped in a list) its only element."""
+def expected_values(output: str, unwrap: bool = False) -> list:
+    """The values a functional test accepts: the JSON value, and (`unwrap`: APPS/TACO's
+    convention, outputs wrapped in a list) its only element."""
     want = json.loads(output)
-    return [want, want[0]] if isinstance(want, list) and len(want) == 1 else [want]
+    return [want, want[0]] if unwrap and isinstance(want, list) and len(want) == 1 else [want]
 
 
 CHECK_DRIVER = ("\nimport json as _json, sys as _sys\n_case = _json.loads(_sys.stdin.read())\n"
@@ -115,40 +140,74 @@ CHECK_DRIVER = ("\nimport json as _json, sys as _sys\n_case = _json.loads(_sys.s
 
 
 class Checker:
-    """A problem's checker program in its own sandbox, started at its first use."""
+    """A problem's checker program in its own sandbox, started at its first use. A check that
+    fails (the checker raised, printed no verdict, ran out of time) on a candidate's output is
+    that candidate's `wrong` when the checker accepts the expected output of the same test
+    (the candidate's output is what it could not read), an infrastructure error when it does
+    not (the checker is broken)."""
 
     def __init__(self, source: str, limits: Limits, settings=None):
         self.source, self.limits, self.settings = source + CHECK_DRIVER, limits, settings
         self.session: Session | None = None
+        self.sound: dict[Test, bool] = {}  # per test: the checker accepted its expected output
+        self.failure = ""
 
-    def accepts(self, test: Test, output: str) -> bool:
+    def _check(self, test: Test, output: str) -> bool | None:
+        """Its verdict on `output`; None when it gave none."""
         if self.session is None:
             self.session = Session(self.source, limits=self.limits, settings=self.settings)
-        run = self.session.run(json.dumps({"input": test.input, "output": output, "expected": test.output}))
+        try:
+            run = self.session.run(json.dumps({"input": test.input, "output": output, "expected": test.output}))
+        except SandboxError:
+            self.close()  # a fresh one for the next check
+            raise
         if run.status != "exited" or run.exit_code != 0 or not run.stdout.startswith("checked: "):
-            raise SandboxError(f"sandbox: the problem's checker failed ({run.status}, {run.stderr.strip()[-200:]!r})")
+            self.failure = f"{run.status}, {run.stderr.strip()[-200:]!r}"
+            return None
         return run.stdout.strip() == "checked: True"
+
+    def accepts(self, test: Test, output: str) -> bool:
+        accepted = self._check(test, output)
+        if accepted is not None:
+            return accepted
+        failure = self.failure
+        if test not in self.sound:
+            self.sound[test] = self._check(test, test.output) is True
+        if self.sound[test]:
+            return False
+        raise SandboxError(f"sandbox: the problem's checker failed ({failure}) and does not accept the "
+                           "expected output either")
 
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
+            self.session = None
 
 
 def verdict(run: TestRun, test: Test, problem: Problem, limits: Limits, checker: Checker | None = None) -> str:
-    if run.status == "timeout":
+    if run.status == "timeout" or run.cpu_s > limits.cpu_s:  # RLIMIT_CPU counts whole seconds
         return "timeout"
     if run.status == "output_limit":
-        return "wrong"
+        return "output_limit"
+    if run.memory_killed:
+        return "memory"
     if run.status == "signaled":
-        if run.signal in (signal.SIGXCPU, signal.SIGKILL) and run.cpu_s >= limits.cpu_s:
-            return "timeout"
+        if run.signal == signal.SIGXCPU or (run.signal == signal.SIGKILL and run.cpu_s >= limits.cpu_s):
+            return "timeout"  # RLIMIT_CPU's signals (the kernel's tick may leave the measured time a hair short)
         return "runtime_error"
     if "MemoryError" in run.stderr[-400:]:
         return "memory"
     if run.exit_code != 0:
         return "runtime_error"
+    try:
+        return _compare(run, test, problem, checker)
+    except UNCOMPARABLE:
+        return "wrong"
+
+
+def _compare(run: TestRun, test: Test, problem: Problem, checker: Checker | None) -> str:
     if problem.kind == "stdin":
-        if stdout_matches(run.stdout, test.output, problem.tolerance):
+        if stdout_matches(run.stdout, test.output, problem.tolerance, lcb_numbers=problem.origin == "livecodebench"):
             return "passed"
         return "passed" if checker is not None and checker.accepts(test, run.stdout) else "wrong"
     try:
@@ -158,41 +217,52 @@ def verdict(run: TestRun, test: Test, problem: Problem, limits: Limits, checker:
     if not isinstance(result, dict) or "value" not in result:
         return "wrong"  # unencodable: not plain builtin data
     return "passed" if any(value_equal(result["value"], want, problem.tolerance)
-                           for want in expected_values(test.output)) else "wrong"
+                           for want in expected_values(test.output, unwrap=problem.origin == "taco")) else "wrong"
 
 
 def judge(program: str, problem: Problem, tests: list[Test] | None = None, stop_at_first_failure: bool = True,
           limits: Limits = Limits(), settings=None) -> Judgement:
-    """Run `tests` (default: all of the problem's) of `program` in one sandbox."""
+    """Run `tests` (default: all of the problem's) of `program` in a sandbox of its own."""
     return judge_programs([program], problem, tests, stop_at_first_failure, limits, settings)[0]
 
 
 def judge_programs(programs: list[str], problem: Problem, tests: list[Test] | None = None,
                    stop_at_first_failure: bool = True, limits: Limits = Limits(), settings=None) -> list[Judgement]:
-    """Several programs (a prompt's group) on the same tests, in turn in one sandbox: one start
-    for all of them, a fresh process per test as ever (the tmpfs emptied between programs)."""
+    """Several programs (a prompt's group) on the same tests, each in a sandbox of its own: no
+    program sees another's files, IPC, processes or PIDs, nor how far another got (stopping at
+    the first failure tells nothing across sandboxes). A program identical to an earlier one of
+    the group is judged once: its judgement is a copy (`same_as`), no test run twice. A
+    problem's checker is started once for the group."""
     tests = list(problem.tests if tests is None else tests)
-    judgements = [Judgement() for _ in programs]
-    started = time.monotonic()
+    judgements: list[Judgement] = []
+    first_of: dict[str, int] = {}
     checker = Checker(problem.checker, limits, settings) if problem.checker and problem.kind == "stdin" else None
     try:
-        with Session(programs[0], problem.kind, problem.func_name, limits, settings) as session:
-            for index, (program, judgement) in enumerate(zip(programs, judgements)):
-                begun = time.monotonic()
-                for number, test in enumerate(tests):
-                    switch = program if index and not number else None
-                    run = session.run(test.input, switch)
-                    judgement.verdicts.append(verdict(run, test, problem, limits, checker))
-                    if stop_at_first_failure and judgement.verdicts[-1] != "passed":
-                        break
-                judgement.sandbox_s = time.monotonic() - begun
-    except SandboxError as err:
-        for judgement in judgements:
-            if judgement.infrastructure_error is None and (not judgement.verdicts or judgement.sandbox_s == 0.0):
-                judgement.infrastructure_error = str(err)
-                judgement.verdicts.append("infrastructure")
+        for index, program in enumerate(programs):
+            if program in first_of:
+                judgements.append(replace(judgements[first_of[program]], verdicts=list(
+                    judgements[first_of[program]].verdicts), sandbox_s=0.0, same_as=first_of[program]))
+                continue
+            first_of[program] = index
+            judgements.append(_judge_one(program, problem, tests, stop_at_first_failure, limits, settings, checker))
     finally:
         if checker is not None:
             checker.close()
-    judgements[0].sandbox_s += (time.monotonic() - started) - sum(j.sandbox_s for j in judgements)  # the start
     return judgements
+
+
+def _judge_one(program: str, problem: Problem, tests: list[Test], stop_at_first_failure: bool, limits: Limits,
+               settings, checker: Checker | None) -> Judgement:
+    judgement = Judgement()
+    started = time.monotonic()
+    try:
+        with Session(program, problem.kind, problem.func_name, limits, settings) as session:
+            for test, run in zip(tests, session.runs([test.input for test in tests])):
+                judgement.verdicts.append(verdict(run, test, problem, limits, checker))
+                if stop_at_first_failure and judgement.verdicts[-1] != "passed":
+                    break  # the next test, sent ahead, dies with the sandbox
+    except SandboxError as err:
+        judgement.infrastructure_error = str(err)
+        judgement.verdicts.append("infrastructure")
+    judgement.sandbox_s = time.monotonic() - started
+    return judgement

@@ -1,16 +1,19 @@
-"""How a sandbox starts: bubblewrap's command line, the per-slot uid, and the refusal where
-bubblewrap cannot run.
+"""How a sandbox starts: bubblewrap's command line, the per-slot uid, the slot's cgroup, and the
+refusal where bubblewrap cannot run.
 
 The boundary (bwrap 0.8, Debian's `bubblewrap`): new PID, network, IPC, UTS and cgroup
-namespaces; a root filesystem that holds only the interpreter's directories (read-only), the
-harness file (read-only), a fresh /proc and /dev and a small private tmpfs at /tmp; an empty
-environment; `--new-session` (no controlling terminal to push keystrokes into);
+namespaces; a read-only root filesystem that holds only the interpreter's directories, the
+harness file, a fresh /proc, a read-only /dev of five device nodes (null, zero, full, random,
+urandom: no devpts, so no PTY of the host's shared pool) and a small private tmpfs at /tmp; an
+empty environment; `--new-session` (no controlling terminal to push keystrokes into);
 `--die-with-parent`; the seccomp filter of gspo_mcore.sandbox.seccomp for everything inside.
+One sandbox judges one program: nothing of it (files, IPC, processes, PIDs) is seen by the next.
 
 Started by root (CI, most containers), bwrap makes no user namespace: the harness keeps only
 CAP_SETUID, CAP_SETGID and CAP_KILL and drops each test to the slot's own non-root uid, which
 the kernel holds to RLIMIT_NPROC (it never does for uid 0, even in a user namespace) and which
-cannot signal or inspect the harness. Started by another user, bwrap makes a user namespace
+cannot signal or inspect the harness; the slot's cgroup (gspo_mcore.sandbox.cgroup) bounds the
+sandbox's memory and processes as a whole. Started by another user, bwrap makes a user namespace
 (unprivileged user namespaces must be enabled) and the program keeps that user's uid there: the
 harness then sets PR_SET_DUMPABLE 0 (its /proc fds and memory closed to the tests), and a program
 that kills the harness is an infrastructure error, never a pass."""
@@ -20,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -27,24 +31,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo_mcore.common.errors import EngineError
+from gspo_mcore.sandbox.cgroup import SlotCgroup
 from gspo_mcore.sandbox.seccomp import SeccompUnavailable, filter_bpf
 
 HARNESS = Path(__file__).with_name("harness.py")
 INSIDE_HARNESS = "/sandbox/harness.py"
-SLOT_DIR = Path("/tmp/gspo-sandbox-slots")  # one lock file per slot uid, shared by every process of the host
+SLOT_DIR = Path("/tmp/gspo-sandbox-slots")  # one lock file per slot uid, shared by root's processes of the host
 UNSAFE_VARIABLE = "GSPO_SANDBOX_UNSAFE_NO_ISOLATION"
+DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 class SandboxUnavailable(EngineError):
     """The sandbox cannot start on this machine: the message says why and what to do."""
 
 
+class SandboxError(EngineError):
+    """An infrastructure error: never a verdict on the program."""
+
+
 @dataclass(frozen=True)
 class SandboxSettings:
     slot_uid_base: int = 61000
     """Slot i runs its programs as uid slot_uid_base + i (root only): uids no file belongs to."""
-    slots: int = 64
-    """How many sandboxes may run at once on this host (each holds one slot uid)."""
+    slots: int = 256
+    """How many sandboxes may run at once on this host (each holds one slot uid). A reward
+    worker holds up to four: the program's, a started spare of each kind (stdin, functional) and
+    a problem's checker; 256 leaves room for 64 workers."""
     tmpfs_bytes: int = 64 * 1024 * 1024
     unsafe_no_isolation: bool = False
     """Rlimits only, no bubblewrap or seccomp: the program reads what the trainer's user reads and
@@ -55,23 +67,46 @@ class SandboxSettings:
         return cls(unsafe_no_isolation=os.environ.get(UNSAFE_VARIABLE, "") == "1")
 
 
+def _slot_dir() -> Path:
+    """SLOT_DIR, made ours: a real directory (lstat: not a link another user planted in the
+    shared /tmp), owned by us, mode 0700; one line naming it otherwise."""
+    try:
+        SLOT_DIR.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(SLOT_DIR)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise SandboxUnavailable(f"sandbox: {SLOT_DIR} is not a directory of uid {os.geteuid()} with mode 0700 "
+                                 "(a link or another user's directory in the shared /tmp): remove it")
+    return SLOT_DIR
+
+
 class Slot:
-    """A slot uid held (flock on its lock file) until `release`, across processes and threads."""
+    """A slot uid held (flock on its lock file) until `release`, across processes and threads,
+    with the slot's cgroup where the host has one (None: gspo_mcore.sandbox.cgroup says why)."""
 
     def __init__(self, settings: SandboxSettings):
-        SLOT_DIR.mkdir(mode=0o755, exist_ok=True)
+        directory = _slot_dir()
         for index in range(settings.slots):
-            fd = os.open(SLOT_DIR / f"{index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(directory / f"{index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 continue
-            self.fd, self.uid = fd, settings.slot_uid_base + index
+            self.fd, self.index, self.uid = fd, index, settings.slot_uid_base + index
+            try:
+                self.cgroup = SlotCgroup.create(index)
+            except BaseException:
+                self.release()
+                raise
             return
-        raise EngineError(f"sandbox: all {settings.slots} slots are in use on this host (SandboxSettings.slots)")
+        raise SandboxError(f"sandbox: all {settings.slots} slots are in use on this host (SandboxSettings.slots)")
 
     def release(self) -> None:
+        if getattr(self, "cgroup", None) is not None:
+            self.cgroup.remove()
+            self.cgroup = None
         if self.fd >= 0:
             os.close(self.fd)  # drops the lock
             self.fd = -1
@@ -126,9 +161,15 @@ def bwrap_argv(seccomp_fd: int, settings: SandboxSettings) -> list[str]:
         if not any(path == b or path.startswith(b + "/") for b in bound):
             args += _traversable_parents(path) + ["--ro-bind", path, path]
             bound.append(path)
-    args += ["--ro-bind", str(HARNESS), INSIDE_HARNESS, "--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(settings.tmpfs_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
-             "--seccomp", str(seccomp_fd), "--", executable, "-I", "-S", INSIDE_HARNESS]
+    args += ["--ro-bind", str(HARNESS), INSIDE_HARNESS, "--proc", "/proc", "--perms", "0755", "--dir", "/dev"]
+    for device in DEVICES:  # bwrap's --dev would mount a devpts: PTYs count against the host's kernel.pty.max
+        args += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        args += ["--symlink", target, f"/dev/{name}"]
+    args += ["--perms", "1777", "--size", str(settings.tmpfs_bytes), "--tmpfs", "/tmp",
+             "--remount-ro", "/",  # the root tmpfs (/dev's directory in it): the user's own in a user namespace
+             "--chdir", "/tmp", "--seccomp", str(seccomp_fd), "--", executable, "-I", "-S", INSIDE_HARNESS]
     return args
 
 
@@ -140,11 +181,16 @@ def unsafe_argv() -> list[str]:
 _warned = False
 
 
-def start_harness(settings: SandboxSettings) -> subprocess.Popen:
+def start_harness(settings: SandboxSettings, cgroup: SlotCgroup | None = None) -> subprocess.Popen:
     """The harness process, in its own process group (the host kills the group), pipes on its
-    stdin / stdout / stderr."""
+    stdin / stdout / stderr; in `cgroup` from its first instruction (bwrap and all it starts)."""
     global _warned
     popen = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    if cgroup is not None:
+        # Joined between fork and exec, so that nothing of the sandbox runs outside it (Python
+        # 3.11's subprocess has no CLONE_INTO_CGROUP); os.write of bytes: no lock taken in the child.
+        fds, write = cgroup.procs_fds, os.write
+        popen["preexec_fn"] = lambda: [write(fd, b"0") for fd in fds]
     if settings.unsafe_no_isolation:
         if not _warned:  # on stderr, once per process: a warnings filter must not hide it
             print(f"WARNING: sandbox: {UNSAFE_VARIABLE}=1: untrusted programs run with rlimits only, no bubblewrap "

@@ -6,7 +6,10 @@ Denied with EPERM: sockets (a network namespace already has no route out; this a
 AF_UNIX and netlink), ptrace and process_vm_* (reading another process's memory), mount,
 unshare / setns and namespace-creating clone flags, bpf, perf_event_open, io_uring, keyctl,
 userfaultfd, module and kexec loading, reboot, swap, chroot / pivot_root and
-open_by_handle_at. clone3 answers ENOSYS (its flags sit in memory a filter cannot read), which
+open_by_handle_at; and what no solution needs but costs the host memory no limit counts or
+outlives the test: SysV IPC (shared memory segments survive their process; the IPC namespace
+lives as long as the sandbox), POSIX message queues, extended attributes (kernel memory a
+tmpfs does not report as used), sync / syncfs (the host's disks flushed on a program's say). clone3 answers ENOSYS (its flags sit in memory a filter cannot read), which
 makes glibc fall back to clone, whose flags it can. Syscall numbers come from libseccomp for the
 running architecture (the names below are the kernel's)."""
 
@@ -27,6 +30,12 @@ DENIED = (
     "keyctl", "add_key", "request_key", "userfaultfd",
     "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
     "reboot", "swapon", "swapoff", "acct", "open_by_handle_at", "name_to_handle_at",
+    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl",
+    "msgget", "msgsnd", "msgrcv", "msgctl", "ipc",
+    "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+    "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
+    "setxattrat", "removexattrat",
+    "sync", "syncfs",
 )
 # clone's flags (its first argument on x86_64 and aarch64) that make new namespaces
 CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,

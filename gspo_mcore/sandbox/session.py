@@ -1,31 +1,43 @@
-"""One sandbox per program: `Session(program, ...)` starts the harness in bubblewrap, `run(input)`
-runs one test in a fresh process and returns what the program printed or returned.
+"""One sandbox per program: `Session(program, ...)` takes a started sandbox (bubblewrap and the
+harness, waiting for a program: a spare started in the background while the previous program
+ran, or one started now), gives it the program, and `run(input)` runs one test in a fresh
+process and returns what the program printed or returned. No two programs share a sandbox: a
+group's programs see nothing of each other (files, IPC, processes, the PID counter).
 
 Infrastructure errors (`SandboxError`: the sandbox did not start, the harness crashed or broke
-the protocol, or did not answer within the test's wall-clock limit plus a margin) are apart
-from anything the program does: a program's crash, timeout or garbage is a TestRun, never an
-exception here. The host's wall clock kills the harness's whole process group (bwrap, its PID
-namespace with it)."""
+the protocol, or did not answer within the test's wall-clock limit plus a margin; no slot free)
+are apart from anything the program does: a program's crash, timeout or garbage is a TestRun,
+never an exception here. The host's wall clock kills the harness's whole process group (bwrap, its
+PID namespace with it).
+
+Sandboxes are started, and closed ones reaped, by one daemon thread per process (`_Launcher`):
+bubblewrap's `--die-with-parent` is the death of the thread that started it, which must outlive
+every sandbox (a reward call's worker thread does not)."""
 
 from __future__ import annotations
 
+import atexit
 import marshal
 import os
 import select
 import signal
 import subprocess
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import Iterator
 
-from gspo_mcore.common.errors import EngineError
-from gspo_mcore.sandbox.launch import SandboxSettings, SandboxUnavailable, Slot, explain_failure, start_harness
+from gspo_mcore.sandbox.cgroup import layout as cgroup_layout
+from gspo_mcore.sandbox.cgroup import remove_parents
+from gspo_mcore.sandbox.launch import (SandboxError, SandboxSettings, SandboxUnavailable, Slot, explain_failure,
+                                       start_harness)
 
-STARTUP_S = 15.0  # bwrap + interpreter start: ~50 ms idle; a loaded node is slower
+STARTUP_S = 15.0  # bwrap + interpreter start: ~15-30 ms idle; a loaded node is slower
 MARGIN_S = 5.0  # beyond a test's wall-clock limit, for the harness to report
-
-
-class SandboxError(EngineError):
-    """An infrastructure error: never a verdict on the program."""
+LOOKAHEAD_CHARS = 8192  # an input sent ahead (Session.runs): well inside a pipe's 64 KiB, UTF-8 included
+HARNESS_MEMORY = 64 * 1024**2  # the harness and bwrap in the sandbox's cgroup, beyond the test's limit
 
 
 @dataclass(frozen=True)
@@ -33,13 +45,18 @@ class Limits:
     cpu_s: float = 4.0
     wall_s: float = 8.0
     memory_bytes: int = 1024**3  # address space: a forked interpreter maps ~30 MB of it before the program runs
-    output_bytes: int = 1024**2
+    output_bytes: int = 16 * 1024**2  # stdout (functional: the returned value's JSON): more is `output_limit`
     file_bytes: int = 16 * 1024**2
     open_files: int = 64
     processes: int = 32  # the slot uid's processes and threads
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    def sandbox_memory(self, settings: SandboxSettings) -> int:
+        """The whole sandbox's memory (its cgroup): a test's address space, its tmpfs, the
+        harness's copies of its output (the buffer, the report) and the harness itself."""
+        return self.memory_bytes + settings.tmpfs_bytes + 3 * self.output_bytes + HARNESS_MEMORY
 
 
 @dataclass(frozen=True)
@@ -51,7 +68,8 @@ class TestRun:
     stderr: str  # its last 2000 characters
     result: str | None  # functional: the return value's JSON ({"value": ...} or {"unencodable": ...})
     wall_s: float
-    cpu_s: float
+    cpu_s: float  # user + system of the test process and the children it waited for
+    memory_killed: bool = False  # the sandbox's memory cgroup killed a process during it
 
 
 class _Reports:
@@ -96,69 +114,54 @@ def frame(message: dict) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
-class Session:
-    """A program's sandbox, used for its tests one at a time; `close()` (or `with`) ends it."""
+class _Sandbox:
+    """bubblewrap and the harness, started for one kind of program, waiting for its program."""
 
-    def __init__(self, program: str, kind: str = "stdin", func_name: str | None = None,
-                 limits: Limits = Limits(), settings: SandboxSettings | None = None):
-        if kind not in ("stdin", "functional") or (kind == "functional" and not func_name):
-            raise ValueError(f"sandbox: kind {kind!r} (functional needs func_name)")
-        self.settings = settings or SandboxSettings.from_env()
-        self.limits = limits
-        self.slot = Slot(self.settings) if os.geteuid() == 0 else None
+    def __init__(self, settings: SandboxSettings, kind: str):
+        self.settings, self.kind = settings, kind
+        self.slot = Slot(settings) if os.geteuid() == 0 and not settings.unsafe_no_isolation else None
+        if os.geteuid() != 0 and not settings.unsafe_no_isolation:
+            cgroup_layout(root=False)  # says once why there is no cgroup
         self.process: subprocess.Popen | None = None
+        self.reports: _Reports | None = None
         try:
-            self.process = start_harness(self.settings)
-            self.reports = _Reports(self.process.stdout.fileno(), 8 * limits.output_bytes + 65536)
-            self._send({"program": program, "kind": kind, "func_name": func_name,
-                        "uid": self.slot.uid if self.slot else None, "limits": limits.as_dict(),
-                        "pid_namespace": not self.settings.unsafe_no_isolation})
-            try:
-                ready = self.reports.read(STARTUP_S)
-            except SandboxError:
-                raise SandboxError(explain_failure(self._stderr())) from None
-            if ready != {"ready": True}:
-                raise SandboxError(f"sandbox: the harness said {str(ready)[:200]}")
+            self.process = start_harness(settings, self.slot.cgroup if self.slot else None)
+            self.send({"kind": kind, "pid_namespace": not settings.unsafe_no_isolation})
         except BaseException:
             self.close()
             raise
 
-    def _send(self, message: dict) -> None:
+    def send(self, message: dict) -> None:
         try:
             self.process.stdin.write(frame(message))
             self.process.stdin.flush()
         except OSError:
-            raise SandboxError(explain_failure(self._stderr())) from None
+            raise SandboxError(explain_failure(self.last_words())) from None
 
-    def _stderr(self) -> str:
-        """The harness's (bwrap's) last words, once it is dead or killed."""
-        self._kill()
+    def last_words(self) -> str:
+        """The harness's (bwrap's) stderr, once it is dead or killed."""
+        self.kill()
         try:
             return self.process.stderr.read(4000).decode("utf-8", "replace")
         except (OSError, ValueError):
             return ""
 
-    def run(self, test_input: str, program: str | None = None) -> TestRun:
-        """One test of the session's program, or (`program`) of another: from then on the
-        session's (a group's programs judged in turn in one sandbox)."""
-        self._send({"input": test_input, **({"program": program} if program is not None else {})})
-        report = self.reports.read(self.limits.wall_s + MARGIN_S)
-        try:
-            return TestRun(**report)
-        except TypeError:
-            raise SandboxError(f"sandbox: a malformed harness report ({sorted(report)})") from None
-
-    def _kill(self) -> None:
+    def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)  # bwrap and its PID namespace: every test process dies
             except ProcessLookupError:
                 pass
-            self.process.wait()
 
     def close(self) -> None:
+        """Killed now; waited for, its cgroup removed and its slot freed by the launcher thread
+        (a killed PID namespace takes a moment to empty)."""
+        self.kill()
+        _launcher().submit(self._reap)
+
+    def _reap(self) -> None:
         if self.process is not None:
-            self._kill()
+            self.process.wait()
             for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
                 try:
                     stream.close()
@@ -168,6 +171,187 @@ class Session:
         if self.slot is not None:
             self.slot.release()
             self.slot = None
+
+
+class _Launcher:
+    """This process's sandbox starter (a daemon thread, with a started spare per (settings,
+    kind), so that a program's sandbox is ready when its turn comes) and reaper (another: a
+    killed sandbox's PID namespace and cgroup take a while to empty, which must not hold up the
+    next start)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.jobs: SimpleQueue = SimpleQueue()
+        self.reaps: SimpleQueue = SimpleQueue()
+        self.lock = threading.Lock()
+        self.spares: dict[tuple, Future] = {}
+        for name, queue in (("sandbox-launcher", self.jobs), ("sandbox-reaper", self.reaps)):
+            threading.Thread(target=self._serve, args=(queue,), name=name, daemon=True).start()
+
+    @staticmethod
+    def _serve(queue: SimpleQueue) -> None:
+        while True:
+            job = queue.get()
+            try:
+                job()
+            except BaseException:  # a reaper's error (a cgroup that would not go) must not stop the thread
+                pass
+
+    def submit(self, job) -> None:
+        """A reaping job."""
+        self.reaps.put(job)
+
+    def start(self, settings: SandboxSettings, kind: str) -> Future:
+        future: Future = Future()
+
+        def job() -> None:
+            try:
+                future.set_result(_Sandbox(settings, kind))
+            except BaseException as err:
+                future.set_exception(err)
+
+        self.jobs.put(job)
+        return future
+
+    def take(self, settings: SandboxSettings, kind: str, spare: bool = True) -> _Sandbox:
+        """A started sandbox (the spare, or one started now), and the next spare on its way."""
+        if not spare:
+            return self.start(settings, kind).result()
+        with self.lock:
+            future = self.spares.pop((settings, kind), None) or self.start(settings, kind)
+            self.spares[(settings, kind)] = self.start(settings, kind)
+        return future.result()
+
+    def shutdown(self) -> None:
+        """At exit: the spares killed and reaped, the closed sandboxes' reaping finished, the
+        cgroups' parent directories removed (not in a forked child: the spares are its parent's)."""
+        if os.getpid() != self.pid:
+            return
+        with self.lock:
+            spares, self.spares = list(self.spares.values()), {}
+        for future in spares:
+            try:
+                sandbox = future.result(timeout=STARTUP_S)
+            except BaseException:
+                continue
+            sandbox.kill()
+            sandbox._reap()
+        drained: Future = Future()
+        self.reaps.put(lambda: drained.set_result(None))
+        try:
+            drained.result(timeout=5.0)
+        except BaseException:
+            pass
+        remove_parents()
+
+
+_the_launcher: _Launcher | None = None
+_launcher_lock = threading.Lock()
+
+
+def _launcher() -> _Launcher:
+    """This process's launcher (a forked child makes its own: the parent's thread and spares
+    are not its)."""
+    global _the_launcher
+    with _launcher_lock:
+        if _the_launcher is None or _the_launcher.pid != os.getpid():
+            _the_launcher = _Launcher()
+            atexit.register(_the_launcher.shutdown)
+        return _the_launcher
+
+
+class Session:
+    """A program's sandbox, used for its tests one at a time; `close()` (or `with`) ends it.
+    `spare=False`: a sandbox started now, not one started earlier (a check of this moment's
+    machine)."""
+
+    def __init__(self, program: str, kind: str = "stdin", func_name: str | None = None,
+                 limits: Limits = Limits(), settings: SandboxSettings | None = None, spare: bool = True):
+        if kind not in ("stdin", "functional") or (kind == "functional" and not func_name):
+            raise ValueError(f"sandbox: kind {kind!r} (functional needs func_name)")
+        self.settings = settings or SandboxSettings.from_env()
+        self.limits, self.kind = limits, kind
+        self.sandbox: _Sandbox | None = None
+        try:
+            self.sandbox = self._ready(spare)
+            cgroup = self.sandbox.slot.cgroup if self.sandbox.slot else None
+            if cgroup is not None:
+                cgroup.set_limits(limits.sandbox_memory(self.settings), limits.processes + 8)
+            self.oom_kills = cgroup.oom_kills() if cgroup is not None else 0
+            self.sandbox.send({"program": program, "func_name": func_name, "limits": limits.as_dict(),
+                               "uid": self.sandbox.slot.uid if self.sandbox.slot else None})
+        except OSError as err:  # the cgroup's files
+            self.close()
+            raise SandboxError(f"sandbox: {err}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _ready(self, spare: bool) -> _Sandbox:
+        """A started sandbox that said it is ready; a spare that failed to start or died waiting
+        (its harness killed from outside, the machine short of memory) is replaced by one started
+        now."""
+        launcher = _launcher()
+        for attempt in (spare, False):
+            try:
+                sandbox = launcher.take(self.settings, self.kind, spare=attempt)
+            except SandboxError:  # the spare's start failed (no slot free then): once more, now
+                if attempt:
+                    continue
+                raise
+            sandbox.reports = _Reports(sandbox.process.stdout.fileno(), 8 * self.limits.output_bytes + 65536)
+            try:
+                ready = sandbox.reports.read(STARTUP_S)
+            except SandboxError:
+                message = explain_failure(sandbox.last_words())
+                sandbox.close()
+                if attempt:
+                    continue
+                raise SandboxError(message) from None
+            if ready != {"ready": True}:
+                sandbox.close()
+                raise SandboxError(f"sandbox: the harness said {str(ready)[:200]}")
+            return sandbox
+        raise AssertionError("unreachable")
+
+    def run(self, test_input: str) -> TestRun:
+        """One test of the session's program."""
+        self.sandbox.send({"input": test_input})
+        return self._report()
+
+    def runs(self, inputs: list[str]) -> Iterator[TestRun]:
+        """The tests of `inputs` in turn, each next input sent before this one's report is read
+        (when it is small), so that the harness starts the next test while the host judges this
+        one. Stop iterating only to close the session: a test may be on its way."""
+        pending = False
+        for index, test_input in enumerate(inputs):
+            if not pending:
+                self.sandbox.send({"input": test_input})
+            pending = index + 1 < len(inputs) and len(inputs[index + 1]) <= LOOKAHEAD_CHARS
+            if pending:
+                # a pipe's buffer holds it: were it larger, we would block on it while the
+                # harness blocks on a report we are not reading
+                self.sandbox.send({"input": inputs[index + 1]})
+            yield self._report()
+
+    def _report(self) -> TestRun:
+        report = self.sandbox.reports.read(self.limits.wall_s + MARGIN_S)
+        try:
+            run = TestRun(**report)
+        except TypeError:
+            raise SandboxError(f"sandbox: a malformed harness report ({sorted(report)})") from None
+        cgroup = self.sandbox.slot.cgroup if self.sandbox.slot else None
+        if cgroup is not None and run.signal == signal.SIGKILL:
+            kills = cgroup.oom_kills()
+            if kills > self.oom_kills:
+                self.oom_kills = kills
+                run = TestRun(**{**report, "memory_killed": True})
+        return run
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
 
     def __enter__(self) -> "Session":
         return self
@@ -186,7 +370,7 @@ def check_sandbox(settings: SandboxSettings | None = None) -> None:
     if settings.unsafe_no_isolation in _checked:
         return
     try:
-        with Session("print(input())", settings=settings) as session:
+        with Session("print(input())", settings=settings, spare=False) as session:
             run = session.run("ok\n")
     except SandboxError as err:
         raise SandboxUnavailable(str(err)) from None

@@ -41,5 +41,7 @@ def python(code: str) -> str:
         out += "\nerror: the program printed too much"
     elif run.signal is not None:
         out += f"\nerror: the program was killed by signal {run.signal} (CPU {CPU_SECONDS} s / memory limits)"
+    elif run.exit_code:  # a traceback alone does not tell the model its program failed (sys.exit(3) prints nothing)
+        out += f"\nerror: the program exited with status {run.exit_code}"
     out = out.strip() or "(no output: use print())"
     return out if len(out) <= OUTPUT_CHARS else out[:OUTPUT_CHARS] + f"...[truncated {len(out) - OUTPUT_CHARS} chars]"

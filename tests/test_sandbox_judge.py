@@ -1,0 +1,262 @@
+"""The judge against a policy that games it rather than the sandbox (issue 46): programs of one
+group passing state to each other, output that crashes the host's comparison, memory past every
+per-process limit, a candidate that makes its group-mates' verdicts infrastructure errors; and
+what a contest solver writes judged right (the thread idiom, long output, exact CPU limits).
+Each attack fails and the honest program beside it still passes; each first failed on the code
+it fixes (noted per test)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from gspo_mcore.sandbox import Limits, Problem, SandboxSettings, SandboxUnavailable, Session, Test, judge
+from gspo_mcore.sandbox import cgroup, launch
+from gspo_mcore.sandbox.judge import expected_values, judge_programs, stdout_matches, value_equal
+
+FAST = Limits(cpu_s=2, wall_s=3, memory_bytes=512 * 1024**2, processes=16)
+ADD = Problem("stdin", (Test("1 2\n", "3\n"),))
+HONEST = "print(sum(map(int, input().split())))"
+
+
+# ---- A. programs of one group see nothing of each other
+
+PROBE = textwrap.dedent("""
+    # program {index}
+    import gc, os, sys
+    others = ['# program ' + str(i) for i in range(3) if i != {index}]
+    texts, frame = [x for x in gc.get_objects() if type(x) is str], sys._getframe()
+    while frame is not None:  # the harness's frames: the request it holds
+        texts += [repr(v) for k, v in frame.f_locals.items() if k not in ('others', 'texts') and v is not globals()]
+        frame = frame.f_back
+    source_seen = any(o in text and text not in others for o in others for text in texts)
+    print(sorted(os.listdir('/tmp')), os.getpid(), source_seen)
+    for name in ('/tmp/left-by-a-group-mate', '/tmp/dir/inner'):
+        os.makedirs(os.path.dirname(name), exist_ok=True)
+        open(name, 'w').close()
+    os.chmod('/tmp/dir', 0)  # a saboteur's unreadable directory: the old harness's cleaning failed on it
+""")
+
+
+def test_programs_of_a_group_share_no_files_pids_or_sources():
+    """Old code: the group shared one sandbox; the second program's PID was higher (the counter
+    ran on), and the unreadable directory made the harness's cleaning fail: an infrastructure
+    error for every later program. Now each one's view is what a lone program sees."""
+    with Session(PROBE.format(index=9), limits=FAST) as alone:
+        fresh = alone.run("").stdout
+    assert fresh.startswith("[] ") and fresh.rstrip().endswith("False"), fresh
+    probe = Problem("stdin", (Test("", fresh),))
+    judgements = judge_programs([PROBE.format(index=i) for i in range(3)], probe, limits=FAST)
+    assert [j.verdicts for j in judgements] == [["passed"]] * 3, judgements
+
+
+def test_identical_programs_are_judged_once():
+    judgements = judge_programs([HONEST, "print(0)", HONEST], ADD, limits=FAST)
+    assert [j.verdicts for j in judgements] == [["passed"], ["wrong"], ["passed"]]
+    assert judgements[2].same_as == 0 and judgements[2].sandbox_s == 0.0
+
+
+# ---- B. output that cannot be compared is that test's `wrong`, and no one else's
+
+SORT = Problem("functional", (Test("[[3, 1, 2]]", "1.5"),), func_name="sort", tolerance=1e-6)  # a float answer
+SORT_CORRECT = "class Solution:\n    def sort(self, a):\n        return 1.5000001\n"  # within 1e-6
+
+
+@pytest.mark.parametrize("body", [
+    "import os\n        os.write(3, b'[' * 200000)\n        os._exit(0)",  # RecursionError in json.loads
+    "return 10**400",  # OverflowError in math.isclose against a float
+])
+def test_a_result_the_host_cannot_compare_is_wrong_and_the_group_is_judged(body):
+    """Old code: the exception left judge_programs: the whole group scored as an error."""
+    attack = f"class Solution:\n    def sort(self, a):\n        {body}\n"
+    attack_judgement, honest = judge_programs([attack, SORT_CORRECT], SORT, limits=FAST)
+    assert attack_judgement.verdicts == ["wrong"] and honest.verdicts == ["passed"]
+
+
+def test_numbers_past_decimals_range_are_wrong():
+    """Old code: decimal.Overflow from `a - b`; math.isclose's OverflowError."""
+    assert not stdout_matches("1e9999999\n", "0.5\n", tolerance=1e-6)
+    assert not value_equal(10**400, 1.5, tolerance=1e-6)
+    close = Problem("stdin", (Test("", "0.5\n"),), tolerance=1e-6)
+    attack, honest = judge_programs(["print('1e9999999')", "print(0.5000001)"], close, limits=FAST)
+    assert attack.verdicts == ["wrong"] and honest.verdicts == ["passed"]
+
+
+# ---- C. the sandbox's memory and kernel objects bounded
+
+SYSCALLS = textwrap.dedent("""
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    shm = libc.shmget(0, 1 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    print('shmget', 'denied' if shm < 0 and ctypes.get_errno() == 1 else 'made')
+    if shm >= 0:
+        libc.shmctl(shm, 0, None)  # IPC_RMID: a segment outlives its process
+    open('/tmp/f', 'w').close()
+    try:
+        os.setxattr('/tmp/f', 'user.x', b'1' * 1000)
+        print('setxattr made')
+    except OSError as err:
+        print('setxattr', 'denied' if err.errno == 1 else err.errno)
+    fd = os.open('/tmp', os.O_RDONLY)
+    print('syncfs', 'denied' if libc.syncfs(fd) < 0 and ctypes.get_errno() == 1 else 'ran')
+    mq = ctypes.CDLL('librt.so.1', use_errno=True).mq_open(b'/q', 0o102, 0o600, None)  # O_RDWR | O_CREAT
+    print('mq_open', 'denied' if mq < 0 and ctypes.get_errno() == 1 else 'made')
+""")
+
+
+def test_sysv_ipc_mqueues_xattrs_and_syncfs_are_denied():
+    """Old code: a shared memory segment (not counted by RLIMIT_AS, outliving the test) and an
+    xattr were made."""
+    host = subprocess.run([sys.executable, "-c", SYSCALLS], capture_output=True, text=True, timeout=30).stdout
+    assert "shmget made" in host  # unsandboxed, the segment is made (and removed again)
+    with Session(SYSCALLS, limits=FAST) as session:
+        run = session.run("")
+    assert run.stdout.split("\n")[:4] == ["shmget denied", "setxattr denied", "syncfs denied", "mq_open denied"], run
+    assert judge(HONEST, ADD, limits=FAST).passed
+
+
+HOARD = textwrap.dedent("""
+    import os, time
+    for _ in range(6):
+        if os.fork() == 0:
+            block = b'x' * (100 * 1024**2)  # touched: resident, within each process's RLIMIT_AS
+            print('held', flush=True)
+            time.sleep(1.0)
+            os._exit(0)
+    time.sleep(1.5)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or cgroup.unavailable() is not None, reason="needs root and cgroups")
+def test_the_whole_sandbox_has_one_memory_limit():
+    """Six processes of 100 MB each under a 128 MiB per-process limit: 600 MB past a sandbox
+    bounded at ~300 MiB. Old code: all six held their memory (RLIMIT_AS is per process)."""
+    limits = Limits(cpu_s=4, wall_s=6, memory_bytes=128 * 1024**2, processes=16, output_bytes=1024**2)
+    with Session(HOARD, limits=limits) as session:
+        run = session.run("")
+    assert run.stdout.count("held") <= 3, run
+    # the test process itself the largest when the sandbox is full: killed by the cgroup, `memory`
+    largest = textwrap.dedent("""
+        import os, time
+        for _ in range(3):
+            if os.fork() == 0:
+                block = b'x' * (60 * 1024**2)
+                time.sleep(2)
+                os._exit(0)
+        time.sleep(0.5)
+        blocks = [b'x' * (10 * 1024**2) for _ in range(11)]
+        print(3)
+    """)
+    assert judge(largest, ADD, limits=limits).verdicts == ["memory"]
+
+
+# ---- D. a candidate's failure is its own `wrong`
+
+DIVISOR = Problem("stdin", (Test("12\n", "2\n"),), checker="def check(input, output, expected):\n"
+                  "    n, d = int(input), int(output)\n    return 1 < d < n and n % d == 0\n")
+
+
+def test_a_checker_that_cannot_read_a_candidates_output_marks_that_candidate_wrong():
+    """Old code: the checker's ValueError on `abc` was an infrastructure error, and every later
+    program of the group was one too."""
+    unreadable, valid, invalid = judge_programs(["print('abc')", "print(3)", "print(5)"], DIVISOR, limits=FAST)
+    assert (unreadable.verdicts, valid.verdicts, invalid.verdicts) == (["wrong"], ["passed"], ["wrong"])
+    assert unreadable.infrastructure_error is None
+    broken = Problem("stdin", DIVISOR.tests, checker="def check(i, o, e):\n    raise ValueError('bug')\n")
+    assert judge("print(3)", broken, limits=FAST).infrastructure_error  # fails on the expected output too
+
+
+# ---- E. slots, the slot directory, numbers
+
+def test_out_of_slots_is_an_infrastructure_error(monkeypatch, tmp_path):
+    """Old code: an EngineError that was not a SandboxError: it left the judge."""
+    slots = tmp_path / "slots"
+    monkeypatch.setattr(launch, "SLOT_DIR", slots)
+    one = SandboxSettings(slots=1)
+    with Session(HONEST, limits=FAST, settings=one):  # holds the one slot; its spare finds none
+        judgement = judge(HONEST, ADD, limits=FAST, settings=one)
+    assert judgement.verdicts == ["infrastructure"] and "all 1 slots are in use" in judgement.infrastructure_error
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="slots are root's")
+def test_the_slot_directory_must_be_a_private_directory(monkeypatch, tmp_path):
+    """Old code: a symlink planted in /tmp was followed (lock files made where it pointed)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "link").symlink_to(elsewhere)
+    monkeypatch.setattr(launch, "SLOT_DIR", tmp_path / "link")
+    with pytest.raises(SandboxUnavailable, match="not a directory of uid 0 with mode 0700"):
+        launch.Slot(SandboxSettings())
+    assert not list(elsewhere.iterdir())
+
+
+def test_numbers_compare_as_ascii_tokens_except_on_livecodebench_rows():
+    """Old code: Decimal's reading everywhere: `007`, full-width digits and `1_000` matched."""
+    for got, want in (("007", "7"), ("\uff17", "7"), ("1_000", "1000"), ("+5", "5")):
+        assert not stdout_matches(got, want), got
+        assert stdout_matches(got, want, lcb_numbers=True), got  # LiveCodeBench's grader: Decimal(token)
+    assert stdout_matches("7.0", "7") and stdout_matches("-0.50", "-0.5")
+    assert expected_values("[5]") == [[5]] and expected_values("[5]", unwrap=True) == [[5], 5]
+    lcb, other = Problem("stdin", (Test("", "7\n"),), origin="livecodebench"), Problem("stdin", (Test("", "7\n"),))
+    assert judge("print('007')", lcb, limits=FAST).passed and not judge("print('007')", other, limits=FAST).passed
+
+
+# ---- 2, 3, 4: what a contest solver writes
+
+THREADED = textwrap.dedent("""
+    import sys, threading, time
+    def main():
+        time.sleep(0.2)
+        print(sum(map(int, sys.stdin.readline().split())))
+    threading.stack_size(64 * 1024**2)
+    threading.Thread(target=main).start()
+""")
+AT_EXIT = "import atexit\na, b = map(int, input().split())\natexit.register(print, a + b)\n"
+
+
+def test_the_thread_idiom_and_atexit_are_judged_as_cpython_runs_them():
+    """Old code: the harness left with os._exit when the module body returned: nothing printed."""
+    judgements = judge_programs([THREADED, AT_EXIT, "import threading\nthreading.Thread(target=print).start()"],
+                                ADD, limits=FAST)
+    assert [j.verdicts for j in judgements] == [["passed"], ["passed"], ["wrong"]]
+
+
+def test_long_output_passes_and_too_long_is_its_own_verdict():
+    """Old code: the cap was 1 MiB, fixed, and `wrong`."""
+    from gspo_mcore.rewards.code import limits_for
+    from gspo_mcore.rewards.code_config import CodeRewardConfig
+
+    numbers = Problem("stdin", (Test("", "\n".join(map(str, range(200000))) + "\n"),))  # ~1.3 MB
+    program = "print('\\n'.join(map(str, range(200000))))"
+    assert judge(program, numbers, limits=limits_for(numbers, CodeRewardConfig())).passed
+    small = limits_for(numbers, CodeRewardConfig(output_mb=1))
+    assert small.output_bytes == 1024**2 and judge(program, numbers, limits=small).verdicts == ["output_limit"]
+
+
+def test_the_cpu_limit_is_the_measured_cpu_time():
+    """Old code: RLIMIT_CPU was the limit + 1 s and nothing compared after: 1.4 s passed 1 s."""
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}:\n    pass\n" + HONEST
+    limits = Limits(cpu_s=1.0, wall_s=10, memory_bytes=512 * 1024**2)  # wall: room for a loaded machine
+    over, under = judge_programs([spin.format(1.4), spin.format(0.2)], ADD, limits=limits)
+    assert over.verdicts == ["timeout"] and under.verdicts == ["passed"]
+
+
+def test_a_rows_format_decides_its_number_rule_and_prepare_codes_answer_keeps_it():
+    import json
+
+    from gspo_mcore.common.errors import InputError
+    from gspo_mcore.rewards.code import answer_from_problem, problem_from_answer, problem_from_record
+
+    cases = json.dumps([{"input": "", "output": "7\n", "testtype": "stdin"}])
+    lcb = problem_from_record({"public_test_cases": cases}, "lcb:1")
+    assert lcb.origin == "livecodebench" and problem_from_answer(answer_from_problem(lcb)) == lcb
+    taco = problem_from_record({"input_output": {"inputs": [[1]], "outputs": [[5]], "fn_name": "f"}}, "taco:1")
+    contests = problem_from_record({"public_tests": {"input": ["1"], "output": ["1"]}}, "cc:1")
+    assert (taco.origin, contests.origin) == ("taco", "codecontests")
+    forged = json.loads(answer_from_problem(lcb)) | {"origin": "mine"}
+    with pytest.raises(InputError, match="^a:1: field 'answer': origin 'mine' is not one of"):
+        problem_from_answer(json.dumps(forged), "a:1")

@@ -1,14 +1,18 @@
-"""vLLM's weight transfer engines (NCCL, CUDA IPC) from the trainer's side, without a GPU: a
-stand-in server speaks the routes (vllm/entrypoints/rl/online/api_router.py) and stands for its
+"""vLLM's weight transfer engines (NCCL, CUDA IPC) and the sleep mode of colocated servers from
+the trainer's side, without a GPU: a stand-in server speaks the routes
+(vllm/entrypoints/rl/online/api_router.py, serve/dev/sleep/api_router.py) and stands for its
 workers' side of the rendezvous and broadcasts; stand-ins for the CUDA calls
 (gspo_mcore/engines/vllm/nccl.py, ipc.py); what we send is read back by vLLM's own code in its
-own Python (the init and update dataclasses, the packed format's unpack_tensor)."""
+own Python (the init and update dataclasses, the unique id as its NCCL binding rebuilds it, the
+packed format's unpack_tensor)."""
 
+import ctypes
 import json
 import os
 import subprocess
 import threading
 from http.server import ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import torch
@@ -16,11 +20,13 @@ import torch
 from helpers import REPO, ToyHandler
 from gspo_mcore.config import load_config
 from gspo_mcore.engines.vllm import engine as vllm_engine
+from gspo_mcore.engines.vllm import nccl_library
 from gspo_mcore.engines.vllm.engine import VLLMEngine
 from gspo_mcore.common.errors import WeightSyncError
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 NCCL_2_27_5 = 22705
+UID = bytes(range(64, 192))  # bytes past 127 too: ctypes' c_byte is signed
 
 
 # What vLLM 0.33.0 answers each control route with when it did what was asked (read from the
@@ -40,12 +46,17 @@ class StandIn:
     only once the trainer joined the communicator (both wait for each other, as ncclCommInitRank
     does), /update_weights only once the trainer broadcast the bucket. Every answer is the pinned
     vLLM's: `/collective_rpc` turns the workers' ints into strings. `answers` replaces the
-    answer (status, payload) of a route (its path without the query)."""
+    answer (status, payload) of a route (its path without the query). `model` (its --model) and
+    `speculative` (a draft model's config) are in /server_info; sleep and wake keep vLLM's
+    sleeping tags (Executor.sleep / wake_up) and answer as serve/dev/sleep/api_router.py does."""
 
-    def __init__(self, nccl_raw=NCCL_2_27_5, ipc=False, answers=None):
+    def __init__(self, nccl_raw=NCCL_2_27_5, ipc=False, answers=None, model=None, speculative=None):
         self.calls, self.broadcasts = [], []
         self.joined, self.sent = threading.Event(), threading.Semaphore(0)
         self.answers = dict(answers or {})
+        self.asleep: set[str] = set()
+        info = {"parallel_config": {"tensor_parallel_size": 2}, "model_config": {"model": model},
+                "speculative_config": speculative}
         stand_in = self
 
         class Handler(ToyHandler):
@@ -54,7 +65,15 @@ class StandIn:
 
             def do_GET(self):
                 stand_in.calls.append((self.path, None))
-                self._answer({"vllm_config": {"parallel_config": {"tensor_parallel_size": 2}}})
+                self._answer({"vllm_config": info})
+
+            def _sleep_or_wake(self, route, query):
+                if route == "/sleep":
+                    stand_in.asleep = {"weights", "kv_cache"}
+                    return self._answer({"status": "sleeping", "level": int(query["level"][0])})
+                tags = query.get("tags")
+                stand_in.asleep = stand_in.asleep - set(tags) if tags else set()
+                self._answer({"status": "sleeping" if stand_in.asleep else "awake", "tags": tags})
 
             def do_POST(self):
                 body = self.body()
@@ -74,6 +93,8 @@ class StandIn:
                     return self._answer({"status": "paused"})
                 if route == "/update_weight_version":
                     return self._answer({"success": True, "new_version": body["new_version"]})
+                if route in ("/sleep", "/wake_up"):
+                    return self._sleep_or_wake(route, parse_qs(urlsplit(self.path).query))
                 self._answer(ANSWERS[route])
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -92,7 +113,7 @@ def nccl_stand_in(monkeypatch):
     """The NCCL calls: joining waits for the server's side to be inside its init (and lets it
     finish); a broadcast is recorded and releases the server's wait."""
     server = StandIn()
-    joins = []
+    joins, server.closed = [], []
 
     def communicator(world_size, uid, device):
         joins.append((world_size, uid, device, threading.current_thread() is threading.main_thread()))
@@ -112,9 +133,10 @@ def nccl_stand_in(monkeypatch):
         server.broadcasts.append(flat.clone())
         server.sent.release()
 
-    monkeypatch.setattr(vllm_engine.nccl, "unique_id", lambda: bytes(range(128)))
+    monkeypatch.setattr(vllm_engine.nccl, "unique_id", lambda: UID)
     monkeypatch.setattr(vllm_engine.nccl, "communicator", communicator)
     monkeypatch.setattr(vllm_engine.nccl, "broadcast", broadcast)
+    monkeypatch.setattr(vllm_engine.nccl, "close", lambda comm: server.closed.append((comm, len(server.calls))))
     monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 27, 5))
     monkeypatch.setattr(vllm_engine.nccl, "current_device", lambda: 3)  # this rank's GPU
     yield server, joins
@@ -134,13 +156,15 @@ def vllm_reads(snippet: str, data: dict, env: dict | None = None) -> dict:
 def test_a_push_over_vllms_nccl_transfer_engine(nccl_stand_in, tmp_path):
     """One group (rank 0 + the server's 2 workers, by unique id), one push of two buckets in
     bf16 and fp32: the routes in vLLM's order, each bucket one broadcast of its packed bytes,
-    the version set by /finish_weight_update, the prefix cache dropped; vLLM's own code reads
-    the init and update bodies and unpacks the broadcast bytes into the tensors sent."""
+    the version set by /finish_weight_update, the prefix cache dropped, our communicator aborted
+    once the server left it; vLLM's own code reads the init and update bodies (the unique id
+    rebuilt as its NCCL binding passes it to ncclCommInitRank, byte for byte and of our
+    struct's size) and unpacks the broadcast bytes into the tensors sent."""
     server, joins = nccl_stand_in
     engine = VLLMEngine([server.url], timeout_s=30)
     comm = engine.open_weight_group(server.url, "g", "127.0.0.1", "nccl", 30)
     # Joined on a thread of its own, on the caller's device (a new thread starts on device 0).
-    assert comm == "comm" and joins == [(3, bytes(range(128)), 3, False)]
+    assert comm == "comm" and joins == [(3, UID, 3, False)]
     torch.manual_seed(0)
     buckets = [[("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(4, 3, dtype=torch.bfloat16)),
                 ("model.norm.weight", torch.randn(5, dtype=torch.bfloat16))],
@@ -150,6 +174,7 @@ def test_a_push_over_vllms_nccl_transfer_engine(nccl_stand_in, tmp_path):
         engine.send_bucket([(server.url, "g", comm)], bucket, engine.pack_bucket(bucket))
     engine.end_update("step-7")
     engine.close_weight_group(server.url, "g", comm)
+    assert server.closed == [("comm", len(server.calls))] and engine.communicators == 0  # after the server's shutdown
     assert server.paths() == ["/collective_rpc", "/server_info?config_format=json", "/init_weight_transfer_engine",
                               "/start_weight_update", "/update_weights", "/update_weights", "/finish_weight_update",
                               "/reset_prefix_cache", "/shutdown_weight_transfer_engine"]
@@ -157,13 +182,16 @@ def test_a_push_over_vllms_nccl_transfer_engine(nccl_stand_in, tmp_path):
     assert server.body("/finish_weight_update") == {"weight_version": "step-7"}
     updates = [body["update_info"] for path, body in server.calls if path == "/update_weights"]
     read = vllm_reads("""
-import json, math, sys, torch
+import ctypes, json, math, sys, torch
+from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary, ncclUniqueId
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 data = json.load(sys.stdin)
 init = NCCLWeightTransferInitInfo(**data["init"])
+uid = NCCLLibrary.unique_id_from_bytes(None, init.nccl_unique_id_bytes)  # what its ncclCommInitRank gets
 out = {"world_size": init.world_size, "rank_offset": init.rank_offset, "packed": init.packed,
-       "uid": list(init.nccl_unique_id_bytes), "tensors": []}
+       "uid": list(ctypes.string_at(ctypes.addressof(uid), ctypes.sizeof(uid))),
+       "uid_struct_bytes": ctypes.sizeof(ncclUniqueId), "tensors": []}
 for update, flat in zip(data["updates"], data["flats"]):
     info = NCCLWeightTransferUpdateInfo(**update)
     dtypes = [getattr(torch, d) for d in info.dtype_names]
@@ -177,7 +205,9 @@ print(json.dumps(out))
 """, {"init": server.body("/init_weight_transfer_engine")["init_info"], "updates": updates,
       "flats": [flat.tolist() for flat in server.broadcasts]})
     assert read["world_size"] == 3 and read["rank_offset"] == 1 and read["packed"] is True
-    assert read["uid"] == list(range(128))
+    ours = nccl_library.id_struct(UID)  # what our ncclCommInitRank gets
+    assert read["uid"] == list(UID) == list(nccl_library.id_bytes(ours))
+    assert read["uid_struct_bytes"] == ctypes.sizeof(ours) == 128
     sent = [t for bucket in buckets for t in bucket]
     assert [name for name, _, _ in read["tensors"]] == [name for name, _ in sent]
     for (_, dtype, values), (_, tensor) in zip(read["tensors"], sent):
@@ -357,32 +387,6 @@ def test_a_prefix_cache_reset_refused_once_is_tried_again(monkeypatch):
         server.server.shutdown()
 
 
-def test_a_broadcast_runs_on_the_groups_own_stream(monkeypatch):
-    """A broadcast is queued before the server answers; if it refuses the bucket the broadcast
-    never completes. On the group's own stream (after the work that wrote the bucket, its memory
-    kept until it ran) it cannot hold up the trainer's later work on the current stream."""
-    from gspo_mcore.engines.vllm import nccl
-
-    calls = []
-
-    class Stream:
-        def wait_stream(self, other):
-            calls.append(("wait", other))
-
-    class Flat:
-        device = "cuda:0"
-
-        def record_stream(self, stream):
-            calls.append(("record", stream))
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
-    monkeypatch.setattr(torch.cuda.nccl, "broadcast",
-                        lambda inputs, root=0, streams=None, comms=None: calls.append(("broadcast", streams, comms)))
-    group, flat = nccl.WeightGroup(comm="comm", stream=Stream()), Flat()
-    nccl.broadcast(group, flat)
-    assert calls == [("wait", "current"), ("record", group.stream), ("broadcast", [group.stream], ["comm"])]
-
-
 def test_servers_the_trainer_joins_over_nccl_get_its_cumem_setting():
     """The trainer runs its NCCL groups with NCCL_CUMEM_ENABLE=0 unless set (gspo_mcore/run/start.py);
     vLLM 0.33 sets nothing, and members that disagree fail with "invalid argument"."""
@@ -392,3 +396,109 @@ def test_servers_the_trainer_joins_over_nccl_get_its_cumem_setting():
     assert server_env({"NCCL_CUMEM_ENABLE": "1"}, weight_transfer="nccl")["NCCL_CUMEM_ENABLE"] == "1"
     assert "NCCL_CUMEM_ENABLE" not in server_env({}, weight_transfer="ipc")
     assert "NCCL_CUMEM_ENABLE" not in server_env({})
+
+
+# ------------------------------------------------------------------ colocated servers' sleep
+CHECKPOINT = {"model.embed_tokens.weight": (6, 4), "model.norm.weight": (4,)}
+
+
+@pytest.fixture
+def colocated(monkeypatch, tmp_path):
+    """A colocated server (IPC pushes) started from a two-tensor checkpoint; `push(names)` is one
+    push writing those tensors, as TensorWeightSync makes it on rank 0."""
+    from safetensors.torch import save_file
+
+    from gspo_mcore.engines.vllm import ipc
+
+    save_file({name: torch.zeros(shape) for name, shape in CHECKPOINT.items()}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(ipc, "export", lambda flat: ("GPU-0", ("handle",)))
+    servers = []
+
+    def make(sharing=True, **options):
+        server = StandIn(ipc=True, **{"model": str(tmp_path), **options})
+        servers.append(server)
+        engine = VLLMEngine([server.url], timeout_s=30)
+        if sharing:
+            engine.prepare_sharing(on_gpu=True)
+
+        def push(names, version):
+            engine.begin_update()
+            layout = [(name, CHECKPOINT[name]) for name in names]
+            engine.load_shared(server.url, [engine.shared_payload(torch.zeros(8, dtype=torch.uint8), layout,
+                                                                  torch.bfloat16)])
+            engine.end_update(version)
+
+        return server, engine, push
+
+    yield make, tmp_path
+    for server in servers:
+        server.server.shutdown()
+
+
+def test_servers_sleep_at_level_2_when_every_push_writes_every_weight(colocated):
+    """vLLM level 2 keeps no weights (CuMemBackend.suspend offloads only the runtime and graph
+    pools): when the last push wrote every tensor of the server's checkpoint, the next one (the
+    same export) overwrites them all, so nothing is copied to the host and back. The weights'
+    memory wakes first, the KV cache only once the push is in; scheduling resumes then."""
+    make, _ = colocated
+    server, engine, push = make()
+    push(list(CHECKPOINT), "step-0")  # the start-up push, before any sleep
+    for step in (1, 2):
+        del server.calls[:]
+        engine.release_memory()
+        engine.resume_memory()
+        assert server.asleep == {"kv_cache"}
+        push(list(CHECKPOINT), f"step-{step}")
+        assert server.paths() == ["/server_info?config_format=json"] * (step == 1) + [
+            "/sleep?level=2", "/wake_up?tags=weights", "/start_weight_update", "/update_weights",
+            "/finish_weight_update", "/wake_up?tags=kv_cache", "/reset_prefix_cache"]
+        assert server.asleep == set() and engine.sleep_level == 0
+
+
+@pytest.mark.parametrize("case", ["no push yet", "a push that left a weight out", "a draft model",
+                                  "a checkpoint this process cannot read"])
+def test_servers_keep_their_weights_at_level_1_when_a_push_may_not_write_them_all(colocated, case):
+    """Level 1 (weights copied to the host and back, all of it woken before the push) wherever
+    level 2 could leave a weight no push writes."""
+    make, _ = colocated
+    options = {"a draft model": {"speculative": {"method": "eagle"}},
+               "a checkpoint this process cannot read": {"model": "Qwen/Qwen3-30B-A3B"}}.get(case, {})
+    server, engine, push = make(**options)
+    if case != "no push yet":
+        push(["model.norm.weight"] if case == "a push that left a weight out" else list(CHECKPOINT), "step-0")
+    del server.calls[:]
+    engine.release_memory()
+    engine.resume_memory()
+    push(list(CHECKPOINT), "step-1")
+    assert [p for p in server.paths() if not p.startswith(("/server_info", "/init_weight_transfer_engine"))] == [
+        "/sleep?level=1", "/wake_up", "/start_weight_update", "/update_weights", "/finish_weight_update",
+        "/reset_prefix_cache"]
+    # This push wrote them all: the next sleep is level 2 where the server's checkpoint is known.
+    assert engine.whole_pushes() is (case in ("no push yet", "a push that left a weight out"))
+
+
+def test_a_push_into_level_2_that_leaves_a_weight_out_stops_in_one_line(colocated):
+    make, _ = colocated
+    server, engine, push = make()
+    push(list(CHECKPOINT), "step-0")
+    engine.release_memory()
+    engine.resume_memory()
+    with pytest.raises(WeightSyncError) as raised:
+        push(["model.norm.weight"], "step-1")
+    assert str(raised.value) == (f"server {server.url}: slept at level 2 (weights discarded), but this push left 1 of "
+                                 "its checkpoint's tensors unwritten (model.embed_tokens.weight): they hold garbage")
+    assert "/wake_up?tags=kv_cache" not in server.paths()
+
+
+def test_a_load_from_disk_writes_what_its_checkpoint_holds(colocated):
+    """`weight_sync.method: disk` into colocated servers: a load of a whole checkpoint is a whole push."""
+    make, checkpoint = colocated
+    server, engine, _ = make(sharing=False, answers={"/collective_rpc": (200, {"results": [{"weights_path": str(checkpoint)}]})})
+    engine.load_from_disk(checkpoint, "step-0")
+    del server.calls[:]
+    engine.release_memory()
+    engine.resume_memory()
+    engine.load_from_disk(checkpoint, "step-1")
+    assert server.paths() == ["/server_info?config_format=json", "/sleep?level=2", "/wake_up?tags=weights",
+                              "/collective_rpc", "/update_weight_version", "/wake_up?tags=kv_cache",
+                              "/reset_prefix_cache"]

@@ -20,6 +20,7 @@ import base64
 import math
 import threading
 import time
+import warnings
 
 import torch
 
@@ -30,7 +31,8 @@ from gspo_mcore.engines.capabilities import (DiskLoad, MemoryRelease, ProcessGro
 from gspo_mcore.engines.vllm import ipc, nccl
 from gspo_mcore.engines.vllm.client import VLLMClient
 from gspo_mcore.engines.vllm.server import server_for_config
-from gspo_mcore.common.errors import WeightSyncError
+from gspo_mcore.common.errors import CheckpointError, WeightSyncError
+from gspo_mcore.common.safetensors_io import HFCheckpointReader
 
 # What vLLM 0.33.0 answers when a control call did what was asked (vllm/entrypoints/rl/online/api_router.py:
 # pause_generation, resume_generation, start_weight_update, update_weights, finish_weight_update,
@@ -42,6 +44,10 @@ STARTED = {"message": "Weight update started"}
 UPDATED = {"message": "Weights updated"}
 FINISHED = {"message": "Weight update finished"}
 CACHE_RESET = {"success": True}
+# serve/dev/sleep/api_router.py (0.32.0; 0.33.0 the same "status"): sleep, and a wake after which
+# every tag is resident again (EngineCore.wake_up resumes scheduling only then).
+SLEEPING = {"status": "sleeping"}
+AWAKE = {"status": "awake"}
 # reset_prefix_cache answers success false while blocks are still held (a request finishing, an
 # async KV offload in flight); vLLM's docstring says callers may retry.
 CACHE_RESET_TRIES, CACHE_RESET_WAIT_S = 5, 0.2
@@ -49,6 +55,18 @@ CACHE_RESET_TRIES, CACHE_RESET_WAIT_S = 5, 0.2
 
 def answer_is(answer: object, expected: dict) -> bool:
     return isinstance(answer, dict) and all(answer.get(key) == value for key, value in expected.items())
+
+
+def checkpoint_tensor_names(path: str) -> frozenset[str] | None:
+    """The tensors of the safetensors checkpoint at `path` (its index or file headers), or None
+    if there is none this process can read there."""
+    try:
+        reader = HFCheckpointReader(path)
+    except (CheckpointError, OSError):
+        return None
+    names = frozenset(reader.keys())
+    reader.release()
+    return names
 
 
 def nccl_version_of(result: object) -> int | None:
@@ -81,6 +99,10 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
         self.communicators = 0  # NCCL weight groups open (this process is rank 0 of each)
         self.sharing = False  # colocated: pushes through CUDA IPC (`prepare_sharing`)
         self.ipc_ready: set[str] = set()  # servers whose IPC transfer engine was initialised
+        self.sleep_level = 0  # the servers' (colocated): 0 awake, else the level they slept at
+        self.pushing: set[str] = set()  # the tensors the push under way wrote so far
+        self.last_push: frozenset[str] | None = None  # the tensors the last complete push wrote
+        self.checkpoints: dict[str, frozenset[str] | None] = {}  # checkpoint_names, per server
 
     # ---------------------------------------------------------------- before any server runs
     @classmethod
@@ -187,17 +209,77 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
         self.checked_on_all("/resume", RESUMED)
 
     # ---------------------------------------------------------------- colocated memory
+    # vLLM's sleep (CUDA only; vllm/device_allocator/sleep_mode_backend.py CuMemBackend.suspend ->
+    # cumem.py CuMemAllocator.sleep, v1/worker/gpu_worker.py Worker.sleep): both levels discard
+    # the KV cache and keep the runtime and CUDA-graph pools; level 1 copies the "weights" pool to
+    # host memory and back (the whole model: ~14 GiB per GPU at 30B, twice a step), level 2
+    # discards it, keeping only the model's buffers (the rotary tables) and any
+    # --sleep-preserve-parameter-names on the host. A wake with tags (CuMemAllocator.wake_up)
+    # maps those tags' memory back at the same addresses (CUDA graphs stay valid), contents
+    # undefined where nothing was kept; scheduling resumes once every tag is back
+    # (EngineCore.wake_up). So at level 2 the weights come back as garbage, and only a push that
+    # writes every one of them makes them right again.
     def release_memory(self) -> None:
-        self.on_all("/sleep?level=1")  # weights to host memory, the KV cache dropped (CUDA only)
+        """Level 2 when the last push wrote every tensor of every server's checkpoint (`whole_pushes`):
+        the next push, the same export, overwrites every weight, so none needs keeping. Else
+        level 1: a weight no push writes must survive."""
+        self.sleep_level = 2 if self.whole_pushes() else 1
+        self.checked_on_all(f"/sleep?level={self.sleep_level}", SLEEPING)
 
     def resume_memory(self) -> None:
-        self.on_all("/wake_up")
+        """Level 2: the weights' memory only, for the push to write into; the KV cache once the
+        push is in (`end_update`), so the push's buffers never meet it (vLLM's docs' RLHF order).
+        Level 1: everything, the weights copied back."""
+        if self.sleep_level == 2:
+            self.on_all("/wake_up?tags=weights")  # answers "sleeping": the KV cache still is
+            return
+        self.checked_on_all("/wake_up", AWAKE)
+        self.sleep_level = 0
+
+    def checkpoint_names(self, url: str) -> frozenset[str] | None:
+        """The tensors of the checkpoint the server started from (its --model, by /server_info):
+        an unquantized model loads every parameter from it (vLLM's DefaultModelLoader.
+        track_weights_loading refuses to start otherwise), so a push of all of them writes every
+        weight. None where level 2 would lose what no push writes: a draft model's weights
+        (speculative_config), or a checkpoint this process cannot read (a hub id, another host's
+        path)."""
+        if url not in self.checkpoints:
+            config = self.server_info(url)
+            model = (config.get("model_config") or {}).get("model")
+            self.checkpoints[url] = (checkpoint_tensor_names(model) if isinstance(model, str)
+                                     and not config.get("speculative_config") else None)
+        return self.checkpoints[url]
+
+    def unwritten(self, url: str, names) -> list[str] | None:
+        """The server's checkpoint tensors `names` leaves out, sorted (None: its checkpoint unknown)."""
+        checkpoint = self.checkpoint_names(url)
+        return None if checkpoint is None else sorted(checkpoint - set(names))
+
+    def whole_pushes(self) -> bool:
+        """Whether the last push wrote every tensor of every server's checkpoint (the trainer's
+        pushes are whole exports, the same every step; the first comes before any sleep)."""
+        return self.last_push is not None and all(self.unwritten(url, self.last_push) == [] for url in self.urls)
+
+    def _wake_after_push(self) -> None:
+        """After a push into servers slept at level 2: every checkpoint tensor written (a weight
+        left out holds whatever the memory held: stop, naming it), then the KV cache back."""
+        if self.sleep_level != 2:
+            return
+        for url in self.urls:
+            left = self.unwritten(url, self.pushing)
+            if left:
+                raise WeightSyncError(f"server {url}: slept at level 2 (weights discarded), but this push left "
+                                      f"{len(left)} of its checkpoint's tensors unwritten ({', '.join(left[:3])}"
+                                      f"{', ...' if len(left) > 3 else ''}): they hold garbage")
+        self.checked_on_all("/wake_up?tags=kv_cache", AWAKE)
+        self.sleep_level = 0
 
     # ---------------------------------------------------------------- weight updates
     def begin_update(self) -> None:
         """A push over the transfer engine: every server takes its layers apart for a layerwise
         reload (initialize_layerwise_reload), so it must not generate until `end_update` (sync
         runs push between rollouts; asynchronous ones pause first). A load from disk opens nothing."""
+        self.pushing = set()
         if self.sharing:
             for url in self.urls:
                 if url not in self.ipc_ready:
@@ -215,9 +297,12 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
         else:
             self.checked_on_all("/update_weight_version", {"success": True, "new_version": weight_version},
                                 {"new_version": weight_version})
+        self._wake_after_push()
+        self.last_push, self.pushing = frozenset(self.pushing), set()
         self.on_each(self.reset_prefix_cache)
 
     def load_from_disk(self, hf_dir, weight_version: str) -> None:
+        self.pushing = set(checkpoint_tensor_names(str(hf_dir)) or ())  # a load writes what the checkpoint holds
         body = {"method": "load_weights_from_disk", "kwargs": {"weights_path": str(hf_dir)}}
         for answer in self.on_all("/collective_rpc", body):
             results = answer.get("results") if isinstance(answer, dict) else None
@@ -283,10 +368,17 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
         return joined["comm"]
 
     def close_weight_group(self, url: str, name: str, group) -> None:
+        """The server's workers leave (NCCLWeightTransferEngine.shutdown -> PyNcclCommunicator.
+        destroy, an abort), then ours is aborted (nccl.close): a reopen starts from nothing left.
+        Best effort: the run may be failing because the server is gone."""
         try:
             self.call(url, "/shutdown_weight_transfer_engine")
         except WeightSyncError:
-            pass  # best effort: the run may be failing because the server is gone
+            pass
+        try:
+            nccl.close(group)
+        except WeightSyncError as err:  # nccl_library.NCCLError
+            warnings.warn(f"server {url}: weight group {name}: {err}", RuntimeWarning, stacklevel=2)
         self.communicators = max(0, self.communicators - 1)
 
     def post_bucket(self, url: str, name: str, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -297,6 +389,7 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
         update_info = {"names": [n for n, _ in bucket], "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
                        "shapes": [list(t.shape) for _, t in bucket]}
         self.checked(url, "/update_weights", UPDATED, {"update_info": update_info})
+        self.pushing.update(update_info["names"])
 
     def broadcast(self, group, flat: torch.Tensor) -> None:
         nccl.broadcast(group, flat)
@@ -316,6 +409,7 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
         torch keeps an exported block from reuse until then."""
         uuid, args = ipc.export(flat)
         itemsize = dtype.itemsize
+        self.pushing.update(name for name, _ in layout)  # every server loads every bucket (TensorWeightSync)
         return {"names": [name for name, _ in layout], "dtype_names": [dtype_name(dtype)] * len(layout),
                 "shapes": [list(shape) for _, shape in layout],
                 "tensor_sizes": [math.prod(shape) * itemsize for _, shape in layout],

@@ -1,22 +1,42 @@
 """The trainer's end of vLLM's NCCL weight transfer (the "nccl" backend of
 vllm/distributed/weight_transfer/, its unique-id rendezvous: nccl_common.decode_nccl_unique_id,
 pynccl.PyNcclCommunicator.from_unique_id_bytes) without vLLM in the trainer's Python: a raw NCCL
-communicator from a unique id we make (torch.cuda.nccl: torch/csrc/cuda/python_nccl.cpp). vLLM's
-workers are ranks 1..tp, we are rank 0, the broadcast's root. CUDA only; the engine calls these
-through this module so a test can stand in for them."""
+communicator from a unique id we make, through our own ctypes binding (nccl_library: torch's
+`torch.cuda.nccl.init_rank` raises SystemError on CPython 3.10-3.12). vLLM's workers are ranks
+1..tp, we are rank 0, the broadcast's root. CUDA only; the engine calls these through this module
+so a test can stand in for them."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gspo_mcore.engines.vllm import nccl_library
+from gspo_mcore.engines.vllm.nccl_library import NCCLError
+
+_LOADED: list[nccl_library.Library] = []  # this process's, loaded once
+_LOCK = threading.Lock()
+# vLLM gives its own abort this long before moving on (PyNcclCommunicator.destroy, pynccl.py).
+ABORT_WAIT_S = 5.0
+
+
+def loaded() -> nccl_library.Library:
+    """The libnccl this process binds (nccl_library.load: VLLM_NCCL_SO_PATH, else the one torch
+    loaded, else the nvidia-nccl wheel's), loaded on first use."""
+    with _LOCK:
+        if not _LOADED:
+            _LOADED.append(nccl_library.load(wheel=library()))
+        return _LOADED[0]
+
 
 def unique_id() -> bytes:
     """ncclGetUniqueId: 128 bytes naming our bootstrap address (NCCL_SOCKET_IFNAME applies)."""
-    return torch.cuda.nccl.unique_id()
+    return loaded().unique_id()
 
 
 def current_device() -> int:
@@ -26,37 +46,79 @@ def current_device() -> int:
 
 @dataclass
 class WeightGroup:
-    """Our end of one server's communicator: the raw NCCL communicator and the stream its
-    broadcasts run on, apart from the trainer's: a broadcast the server never receives (it
-    refused the bucket) then waits there, not in front of the trainer's later work. Never
-    destroyed: torch's comm_destroy is a no-op (torch/csrc/cuda/nccl.cpp), so a communicator a
-    server abandoned cannot block the process's exit in ncclCommDestroy."""
-    comm: object
+    """Our end of one server's communicator: the raw NCCL communicator (`comm`, its handle), the
+    device it is bound to, and the stream its broadcasts run on, apart from the trainer's: a
+    broadcast the server never receives (it refused the bucket) then waits there, not in front of
+    the trainer's later work. Ended by `close` (ncclCommAbort: it waits for no peer, so a server
+    that left cannot block it)."""
+    comm: int
     stream: object  # torch.cuda.Stream
+    device: int
+    library: nccl_library.Library
+    closed: bool = False
 
 
 def communicator(world_size: int, uid: bytes, device: int) -> WeightGroup:
     """ncclCommInitRank as rank 0 on `device` (blocks, without the GIL, until every worker
     joined), then the one-element float32 all-reduce every vLLM worker issues right after its own
-    init (a peer that skips it deadlocks them all). Called on a thread of its own: a new thread
-    starts on CUDA device 0, and NCCL binds the communicator to the calling thread's device."""
+    init (pynccl.py PyNcclCommunicator._init_comm: a peer that skips it deadlocks them all).
+    Called on a thread of its own: a new thread starts on CUDA device 0, and NCCL binds the
+    communicator to the calling thread's device."""
+    library = loaded()
     torch.cuda.set_device(device)
-    comm = torch.cuda.nccl.init_rank(world_size, uid, 0)
-    stream = torch.cuda.Stream(device=device)
-    warm_up = torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", device))
-    stream.wait_stream(torch.cuda.current_stream(device))  # the zeros are written
-    torch.cuda.nccl.all_reduce([warm_up], streams=[stream], comms=[comm])
-    stream.synchronize()
-    return WeightGroup(comm, stream)
+    comm = library.comm_init_rank(world_size, uid, 0)
+    group = WeightGroup(comm, torch.cuda.Stream(device=device), device, library)
+    try:
+        warm_up = torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", device))
+        group.stream.wait_stream(torch.cuda.current_stream(device))  # the zeros are written
+        library.all_reduce(warm_up.data_ptr(), 1, "float32", comm, group.stream.cuda_stream)
+        group.stream.synchronize()
+    except BaseException:
+        with contextlib.suppress(NCCLError):  # the warm-up's error is the one to see
+            close(group)  # a communicator half made is not left behind
+        raise
+    return group
 
 
 def broadcast(group: WeightGroup, flat: torch.Tensor) -> None:
     """ncclBroadcast of `flat` from us (root 0) on the group's stream, after the work queued so far
     on the current stream (what wrote `flat`); returns before it moves. `flat`'s memory is not
     reused until the broadcast ran (record_stream)."""
+    if group.closed:
+        raise NCCLError("ncclBroadcast on a closed weight group")
+    if flat.device != torch.device("cuda", group.device):  # as vLLM's PyNcclCommunicator.broadcast asserts
+        raise NCCLError(f"ncclBroadcast of a tensor on {flat.device} in a group on cuda:{group.device}")
     group.stream.wait_stream(torch.cuda.current_stream(flat.device))
     flat.record_stream(group.stream)
-    torch.cuda.nccl.broadcast([flat], root=0, streams=[group.stream], comms=[group.comm])
+    group.library.broadcast(flat.data_ptr(), flat.numel(), str(flat.dtype).removeprefix("torch."), 0, group.comm,
+                            group.stream.cuda_stream)
+
+
+def close(group: WeightGroup, wait_s: float = ABORT_WAIT_S) -> None:
+    """ncclCommAbort of the group's communicator, once (again: nothing): its memory and threads go
+    back whether or not the server is still there, so a reopen leaks nothing. On a daemon thread
+    bound to the group's device, waited for `wait_s`, as vLLM's PyNcclCommunicator.destroy does:
+    an abort that hangs must not keep the trainer (or its exit) waiting."""
+    if group.closed:
+        return
+    group.closed = True
+    outcome: dict = {}
+
+    def abort() -> None:
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(group.device)
+            group.library.comm_abort(group.comm)
+        except BaseException as err:  # noqa: BLE001 (re-raised on the caller's thread)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=abort, name="nccl-abort", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    if thread.is_alive():
+        raise NCCLError(f"ncclCommAbort did not return within {wait_s:g} s (left running on a daemon thread)")
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def cumem_enable(env) -> str:
@@ -67,8 +129,8 @@ def cumem_enable(env) -> str:
 
 
 def version() -> tuple[int, int, int]:
-    """The NCCL this trainer's torch runs (major, minor, patch)."""
-    return tuple(torch.cuda.nccl.version()[:3])
+    """The NCCL this trainer joins the servers with (major, minor, patch): the bound library's."""
+    return decode_version(loaded().version())
 
 
 def library() -> str | None:

@@ -13,7 +13,15 @@ to DIR/gpu_check.jsonl as they are made. The exit status is 1 when any failed. `
 default without CUDA) runs every section that can run on CPU at a tiny shape
 (tests/test_gpu_check.py). The sections are the package beside this file, `launch/gpucheck/`
 (registry.py lists them, each a function that runs on CPU at a tiny shape); every learner is built
-in a child process of its own.
+in a child process of its own:
+
+1. imports and environment; 2. logits parity with transformers and the HF export at the 30B layer
+shapes; 3. GSPO updates, one child per optimizer arm, memory against the planner; 4. torch_dist save
+and resume; 5. the CUDA-IPC push read by vLLM's packed_tensor; 6. the NCCL push calls; 7. the sync
+check against a stand-in engine; 8. host Adam (HybridDeviceOptimizer) per parameter; 9. training
+throughput at the 30B widths with as many layers as fit beside GPU Adam (`spec: torch`, fused
+log-probs, a 16k-token microbatch): tokens/s, MFU against 30%, the peak against the planner, each
+phase's time and the top kernels.
 """
 
 import sys

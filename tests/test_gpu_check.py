@@ -108,10 +108,10 @@ def test_the_wheelhouse_pins_what_this_project_runs(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().endswith("runs on Python 3.11 or 3.12")
 
 
-@pytest.mark.slow  # ~45 s (2 cores): every section's children forked from one server that imported once
+@pytest.mark.slow  # ~50 s (2 cores): every section's children forked from one server that imported once
 def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     """No site-packages but torch's and transformers' own, the wheel folder on the path by the
-    check itself: sections 1-4, 7 and 8 pass (megatron-core from the unpacked wheel), each learner
+    check itself: sections 1-4 and 7-9 pass (megatron-core from the unpacked wheel), each learner
     in a child process; the CUDA ones skip, and so do section 3's CUDA-only arms (before anything
     is built). --out holds the lines stdout printed."""
     site = bare_site(tmp_path / "site")
@@ -129,10 +129,10 @@ def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     assert [(line["section"], line.get("part"), line["result"]) for line in lines] == [
         (1, None, "PASS"), (2, None, "PASS"), (3, "offload", "SKIP"), (3, "device_adam", "PASS"),
         (3, "precision_aware", "SKIP"), (3, None, "PASS"), (4, None, "PASS"), (5, None, "SKIP"), (6, None, "SKIP"),
-        (7, None, "PASS"), (8, None, "PASS")]
+        (7, None, "PASS"), (8, None, "PASS"), (9, None, "PASS")]
     assert (tmp_path / "out/gpu_check.jsonl").read_text().splitlines() == proc.stdout.splitlines()
     first, parity, _, arm, aware, update, resume = lines[:7]
-    sync, host_adam = lines[9:]
+    sync, host_adam, speed = lines[9:]
     assert first["megatron_core"] == "0.16.1" and first["megatron_from"].startswith(str(tmp_path / "cache"))
     assert first["te_compat"]["moe_utils.te_general_gemm"] == "None (torch.mm)"
     assert parity["export_bitwise_identical"] and parity["top1_agreement"] == 1.0
@@ -144,6 +144,11 @@ def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     assert resume["params_equal"] and resume["optimizer_equal"] and resume["stepped_again"]
     assert {"exp_avg", "exp_avg_sq", "main"} <= set(resume["optimizer_states"])
     assert set(host_adam["cpu_step_ns_per_param"]) == {"2", "16"} and host_adam["copy_to_host_ns_per_param"] is None
+    # the tiny shape's 2 layers, GPU Adam's config; timed phases and a profile, no MFU without CUDA
+    assert speed["layers"] == 2 and speed["overrides"][0] == "optimizer.cpu_offload=false" and speed["tokens"] == 128
+    assert speed["timed_updates"] == 2 and speed["tokens_per_s"] > 0 and speed["mfu"] is None
+    assert speed["mfu_target"] == 0.30 and speed["planned_gb"] > 0 and speed["top_kernels"]
+    assert all(speed[key] >= 0 for key in ("forward_s", "backward_s", "optimizer_s", "logits_s", "other_s"))
     # One section alone, in a fresh interpreter of its own (the CUDA default).
     alone = subprocess.run([*check, "--only", "2", "--children", "spawn"], capture_output=True, text=True, env=env,
                            cwd=tmp_path, timeout=600)

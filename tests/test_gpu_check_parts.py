@@ -1,6 +1,7 @@
 """The one-GPU check's pieces, each a function run here on CPU (launch/gpucheck/): its JSON lines
 and --out file, its child processes (a child that dies is a FAIL line and the check goes on),
-section 3's arms, section 8's figures for the planner, and the registry's time budget. The whole
+section 3's arms, section 8's figures for the planner, section 9's layer count, phases and line,
+and the registry's time budget. The whole
 check on a bare machine is test_gpu_check.py's."""
 
 import json
@@ -15,7 +16,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "launch"))
-from gpucheck import children, host_adam, lines, main, registry, updates  # noqa: E402
+from gpucheck import children, host_adam, lines, main, registry, throughput, updates  # noqa: E402
 from gpucheck.context import Check  # noqa: E402
 
 sys.path.remove(str(REPO / "launch"))
@@ -236,6 +237,132 @@ def test_section_8_writes_host_adam_json_only_from_measured_copies(tmp_path, mon
     monkeypatch.setattr(Check, "child", lambda self, target: {**cpu_line, "copy_to_host_ns_per_param": 0.1,
                                                               "copy_back_ns_per_param": 0.1})
     assert host_adam.section_8(check)["written"] == str(out / "host_adam.json")
+
+
+# ------------------------------------------------------------------ section 9: throughput
+
+def test_section_9_takes_the_most_layers_whose_planner_estimate_fits_the_device(tmp_path):
+    """At the 30B widths beside GPU Adam (~10.5 GiB a layer at EP 1) an H100 holds a few layers:
+    the count is the planner's largest under the device less the CUDA context and the margin."""
+    from gpucheck.shape import Shape, check_config
+    from gspo_mcore.planner.memory_model import H100_GB, TRAINER_CONTEXT_GB
+
+    shape = Shape("cuda")
+    config = check_config(tmp_path, shape, tmp_path / "hf", "bfloat16", throughput.fast_path_overrides()[0])
+    assert config.optimizer.cpu_offload is False and config.train.max_tokens_per_microbatch == 16384
+
+    def estimate(layers):
+        return throughput.planned(config, shape.hf, layers, shape.prompt)["trainer_total_gb"]
+
+    layers = throughput.layers_that_fit(config, shape.hf, shape.prompt, H100_GB, 48)
+    room = H100_GB - TRAINER_CONTEXT_GB - throughput.MARGIN_GB
+    assert estimate(layers) <= room < estimate(layers + 1)
+    assert 3 <= layers <= 6 and 9 < estimate(layers + 1) - estimate(layers) < 12
+    assert throughput.layers_that_fit(config, shape.hf, shape.prompt, 4000.0, 48) == 48  # the model's own count
+    with pytest.raises(RuntimeError, match="not one layer fits: the planner's estimate at 1 layer is over the "
+                                           "device's 20.0 GiB"):
+        throughput.layers_that_fit(config, shape.hf, shape.prompt, 20.0, 48)
+
+
+def test_section_9_asks_for_what_the_schema_has():
+    assert throughput.schema_has("model.spec", "local") and throughput.schema_has("optimizer.cpu_offload")
+    assert not throughput.schema_has("model.spec", "fast") and not throughput.schema_has("model.nope")
+    assert not throughput.schema_has("nope.spec")
+    overrides, notes = throughput.fast_path_overrides()
+    assert overrides[0] == "optimizer.cpu_offload=false"
+    assert (f"model.spec={throughput.FAST_SPEC}" in overrides) != ("spec_note" in notes)  # one or the other
+    assert (f"{throughput.FUSED_LOGPROBS}=true" in overrides) != ("fused_logprobs_note" in notes)
+
+
+class RecordingClock(throughput.PhaseClock):
+    def __init__(self):
+        super().__init__(cuda=False)
+        self.order = []
+
+    def mark(self, name):
+        super().mark(name)
+        self.order.append(name)
+
+
+@pytest.mark.parametrize("output_layer", [True, False])
+def test_section_9_times_each_phase_from_hooks_and_leaves_nothing_behind(output_layer):
+    """A forward, its loss, backward and the step as Megatron's schedule runs them: the marks
+    come in that order and make each phase; after the block no hook or wrapper stays. Without an
+    output-layer call (the fused log-probs take the hidden states), the logits' phase is the
+    loss function's and its backward ends at the model output's gradient."""
+    import types
+
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            if output_layer:
+                self.output_layer = torch.nn.Linear(4, 8)
+
+        def forward(self, x):
+            hidden = self.body(x)
+            return self.output_layer(hidden) if output_layer else hidden
+
+    def make_loss_func():
+        return lambda logits: (logits.logsumexp(-1).sum(), {"metric": 1})
+
+    model, owner = Tiny(), types.SimpleNamespace(make_loss_func=make_loss_func)
+    optimizer, clock = torch.optim.SGD(model.parameters(), lr=0.1), RecordingClock()
+    with throughput.timed_phases(model, optimizer, clock, loss_owner=owner):
+        loss, metrics = owner.make_loss_func()(model(torch.randn(2, 4)))
+        loss.backward()
+        optimizer.step()
+    assert metrics == {"metric": 1}
+    logits = ["logits_begin"] if output_layer else []
+    logits_end = ["model_output_grad", "logits_backward_end"] if output_layer else ["model_output_grad"]
+    assert clock.order == ["forward_begin", *logits, "loss_begin", "loss_end", "backward_begin", *logits_end,
+                           "optimizer_begin", "optimizer_end"]
+    phases = throughput.phase_seconds(clock, update_s=10.0)
+    assert set(phases) == set(throughput.PHASES) and all(value >= 0 for value in phases.values())
+    assert phases["forward_s"] >= phases["logits_forward_s"] and phases["other_s"] > 9
+    assert owner.make_loss_func is make_loss_func and "step" not in vars(optimizer)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    model(torch.randn(2, 4)).sum().backward()  # no gradient hook left to mark
+    assert clock.order[-1] == "optimizer_end"
+
+
+def test_section_9_line_reports_mfu_against_its_target_and_fails_only_on_what_is_not_finite():
+    phases = [{key: 0.1 for key in throughput.PHASES}, {key: 0.3 for key in throughput.PHASES}]
+    kernels = [{"name": "sm90_xmma_gemm", "ms": 100.0, "calls": 10, "share": 0.5}]
+    common = dict(tokens=16384, update_s=[0.5, 0.7], phases=phases, flops=60e12, flops_source="costs",
+                  report={"loss": 0.0, "grad_norm": 0.5}, kernels=kernels)
+    line = throughput.throughput_figures(peak_tflops=989.0, cuda=True, **common)
+    assert line["update_s"] == pytest.approx(0.6) and line["tokens_per_s"] == pytest.approx(16384 / 0.6)
+    assert line["mfu"] == pytest.approx(100.0 / 989.0) and line["mfu_target"] == 0.30
+    assert line["mfu_reached"] is False and line["pass"] is True  # below the target: reported, not failed
+    assert line["forward_s"] == pytest.approx(0.2) and line["top_kernels"] == kernels
+    assert {"logits_s", "backward_s", "optimizer_s", "phases_how", "flops_source", "update_s_each"} <= set(line)
+    assert throughput.throughput_figures(peak_tflops=None, cuda=False, **common)["mfu"] is None  # CPU: no MFU
+    assert throughput.throughput_figures(peak_tflops=None, cuda=False, **common)["pass"] is True
+    broken = [{**phases[0], "backward_s": float("nan")}, phases[1]]
+    assert throughput.throughput_figures(peak_tflops=989.0, cuda=True, **{**common, "phases": broken})["pass"] is False
+    assert throughput.throughput_figures(peak_tflops=989.0, cuda=True, **{**common, "kernels": []})["pass"] is False
+    assert throughput.throughput_figures(peak_tflops=989.0, cuda=True,
+                                         **{**common, "report": {"loss": None, "grad_norm": 0.5}})["pass"] is False
+
+
+def test_top_kernels_are_the_device_entries_with_the_most_self_time():
+    import types
+
+    from torch.autograd import DeviceType
+
+    def entry(key, kind, self_us):
+        return types.SimpleNamespace(key=key, device_type=kind, count=2, self_device_time_total=self_us,
+                                     self_cpu_time_total=self_us)
+
+    averages = [entry("aten::mm", DeviceType.CPU, 900.0), entry("k" * 200, DeviceType.CUDA, 300.0),
+                entry("Memset (Device)", DeviceType.CUDA, 100.0)]
+    top = throughput.top_kernels(averages, cuda=True)
+    assert top == [{"name": "k" * throughput.NAME_CHARS, "ms": 0.3, "calls": 2, "share": 0.75},
+                   {"name": "Memset (Device)", "ms": 0.1, "calls": 2, "share": 0.25}]
+    assert [row["name"] for row in throughput.top_kernels(averages, cuda=False)] == ["aten::mm"]
 
 
 # ------------------------------------------------------------------ the registry

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from gpucheck import environment, host_adam, ipc_push, nccl_push, parity, resume, sync_check, updates
+from gpucheck import environment, host_adam, ipc_push, nccl_push, parity, resume, sync_check, throughput, updates
 
 BUDGET_S = 480  # the whole check on one H100 with its wheel folder
 
@@ -32,5 +32,9 @@ SECTIONS = (
     Section(7, "weight-sync check against a stand-in engine", sync_check.section_7, 80),
     Section(8, "host Adam: Megatron's HybridDeviceOptimizer per parameter at 2 and 16 threads", host_adam.section_8,
             30),
+    # One spawned child (~12 s of imports), ~4B parameters initialised on the device, 1 + 3 updates
+    # of 16k tokens (< 1 s each at 10% MFU), one under torch.profiler (CUPTI's start, its tables).
+    Section(9, "training throughput at the 30B widths, as many layers as fit beside GPU Adam: tokens/s, MFU, phases, "
+               "top kernels", throughput.section_9, 30),
 )
 BY_NUMBER = {section.number: section for section in SECTIONS}

@@ -177,6 +177,22 @@ def unavailable() -> str | None:
     return _layout if isinstance(_layout, str) else None
 
 
+def _make_slot(found: _Layout, directory: Path) -> None:
+    """`directory` made, and its parent again where another process's exit removed it while it
+    was empty (remove_parents: the parents are shared by every process of this cgroup, e.g.
+    pytest's workers or the reward workers); the parent can go again before the child is made."""
+    for attempt in range(5):
+        try:
+            directory.mkdir()
+            return
+        except FileNotFoundError:
+            if attempt == 4:
+                raise
+            directory.parent.mkdir(exist_ok=True)
+            if found.version == 2:
+                _write(directory.parent / "cgroup.subtree_control", "+memory +pids")
+
+
 class SlotCgroup:
     """One sandbox's cgroup (v2: one directory; v1: one in the memory and one in the pids
     hierarchy), made when its slot is taken and removed when it is released. Named by slot,
@@ -193,8 +209,18 @@ class SlotCgroup:
             return None
         name = f"slot-{slot}-{os.getpid()}-{next(_made)}"
         directories = tuple(parent / name for parent in found.parents)
-        for directory in directories:
-            directory.mkdir()
+        made = []
+        try:
+            for directory in directories:
+                _make_slot(found, directory)
+                made.append(directory)
+        except BaseException:
+            for directory in made:
+                try:
+                    directory.rmdir()
+                except OSError:
+                    pass
+            raise
         return cls(found.version, directories)
 
     def set_limits(self, memory_bytes: int, processes: int) -> None:

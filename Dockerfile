@@ -20,11 +20,12 @@ ENV PIP_NO_CACHE_DIR=1 \
     NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS} \
     MAX_JOBS=16
 
-# bubblewrap + libseccomp2: the code sandbox (gspo_mcore/sandbox). Started by root in this image,
-# bwrap needs `docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined --security-opt
+# bubblewrap + libseccomp2: the code sandbox (gspo_mcore/sandbox); g++ compiles C++ answers in it
+# (reward.code.languages: cpp); its numpy and sympy are the image's own (torch needs sympy), bound
+# read-only. Started by root in this image, bwrap needs `docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined --security-opt
 # apparmor=unconfined` (gspo_mcore/sandbox/preflight.py DOCKER_FLAGS says why; a run that needs it
 # and lacks one stops at start-up naming it).
-RUN apt-get update && apt-get install -y --no-install-recommends curl git shellcheck bubblewrap libseccomp2 \
+RUN apt-get update && apt-get install -y --no-install-recommends curl git shellcheck bubblewrap libseccomp2 g++ \
     && rm -rf /var/lib/apt/lists/*
 
 # Transformer Engine, built against the image's torch (grouped GEMM for the MoE experts). Its

@@ -90,9 +90,12 @@ endef
 shellcheck:
 	$(call debian_command,shellcheck,shellcheck)
 
-# The sandbox for model-written code (gspo_mcore/sandbox): bubblewrap (the tests run it).
+# The sandbox for model-written code (gspo_mcore/sandbox): bubblewrap, and g++ for C++ answers
+# (reward.code.languages: cpp; the tests run both). Its packages (numpy, sympy, mpmath:
+# gspo_mcore/sandbox/launch.py PACKAGES) are the venv's own, bound read-only: nothing to install.
 sandbox:
 	$(call debian_command,bwrap,bubblewrap)
+	$(call debian_command,g++,g++)
 
 # The GPU image (see Dockerfile); needs docker and network access to the base image.
 docker:

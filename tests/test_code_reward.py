@@ -112,6 +112,23 @@ def test_the_last_fenced_block_is_the_program():
     assert last_code_block("no code here") is None
 
 
+def test_the_program_is_the_last_block_in_a_judged_language():
+    """Issue 46, item 5: the tag says the language (before: every block ran as Python)."""
+    from gspo_mcore.rewards.code import last_program
+
+    assert last_program("```python\nprint(1)\n```\nthen\n```\nprint(2)\n```") == ("python", "print(2)\n")
+    for tag in ("cpp", "C++", "c++", "cxx", "cc"):
+        assert last_program(f"```{tag}\nint main(){{}}\n```") == ("cpp", "int main(){}\n")
+    for tag in ("py", "Python3", "python title=x"):
+        assert last_program(f"```{tag}\nprint(1)\n```") == ("python", "print(1)\n")
+    # other languages (and C++ when it is not judged) are passed over: the Python block before them is the program
+    response = ("```python\nprint(1)\n```\nsample run:\n```text\n1\n```\n```java\nclass A {}\n```\n"
+                "```cpp\nint main(){}\n```")
+    assert last_program(response, ["python"]) == ("python", "print(1)\n")
+    assert last_program(response) == ("cpp", "int main(){}\n")
+    assert last_program("```java\nclass A {}\n```") is None and last_program("no code") is None
+
+
 def test_training_subset_all_tests_and_fraction(monkeypatch):
     from gspo_mcore.rewards import code
 
@@ -282,7 +299,7 @@ def test_a_masked_response_leaves_its_group_before_the_advantages(tmp_path):
 
     source.rewards.score = one_infrastructure_error_per_group
     try:
-        kept, advantages, figures = source.round(wanted=8, num_prompts=8, seeds_base=0)
+        kept, advantages, figures = source.round(wanted=8, num_prompts=8)
     finally:
         source.close()
     assert figures["requests"] == 8 * GROUP and len(figures["rewards"]) == 8 * (GROUP - 1)
@@ -334,6 +351,10 @@ def test_limits_come_from_reward_code_and_the_datasets_own_time_limits():
     ("reward.code.output_mb=0", "reward.code.output_mb: must be in [1, 1024]"),
     ("reward.code.dataset_time_factor=0", "reward.code.dataset_time_factor: must be > 0"),
     ("reward.code.scoring=best", "reward.code.scoring: 'best' is not one of"),
+    ("reward.code.languages=[python,java]", "reward.code.languages[1]: 'java' is not one of ['python', 'cpp']"),
+    ("reward.code.languages=[]", "reward.code.languages: [] must be a non-empty list of ['python', 'cpp']"),
+    ("reward.code.compile_cpu_s=0", "reward.code.compile_cpu_s: must be > 0"),
+    ("reward.code.compile_memory_mb=64", "reward.code.compile_memory_mb: must be >= 256"),
 ])
 def test_bad_reward_code_values_are_one_line(override, said):
     from gspo_mcore.config import ConfigError, load_config
@@ -453,6 +474,12 @@ def test_the_scoring_command_takes_reward_code_settings_and_refuses_an_empty_fil
     assert code == 0 and lines[0]["reward"] == 0.5
     code, _, err = _scoring(["--input", str(rows), "--wall-s", "1"], capsys)
     assert code == 2 and err.strip().endswith("reward.code.wall_s: must be >= cpu_s (4)")
+    cpp = '```cpp\n#include <cstdio>\nint main() { int a, b; scanf("%d %d", &a, &b); printf("%d\\n", a + b); }\n```'
+    rows.write_text(json.dumps({"input_output": VERL_TRUTH, "response": cpp}) + "\n")
+    code, lines, _ = _scoring(["--input", str(rows)], capsys)
+    assert code == 0 and lines[0]["verdicts"] == ["passed", "passed"]
+    code, lines, _ = _scoring(["--input", str(rows), "--languages", "python"], capsys)
+    assert code == 0 and lines[0]["no_program"]
     (tmp_path / "empty.jsonl").write_text("")
     code, lines, err = _scoring(["--input", str(tmp_path / "empty.jsonl")], capsys)
     assert code == 2 and lines == [] and err.strip().endswith(f"{tmp_path / 'empty.jsonl'}: no records")

@@ -2,6 +2,7 @@
 answers JSON, text, 4xx/5xx, or dies in the middle of its answer."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -272,3 +273,17 @@ def test_a_server_whose_port_was_taken_is_started_again_not_waited_on(tmp_path):
                            tmp_path / "server.log", startup_timeout_s=3)
     with pytest.raises(InputError, match="not healthy after 3 s"):
         server.start()
+
+
+def test_a_second_stop_does_not_signal_the_old_process_group_again(tmp_path, monkeypatch):
+    """Once the group is gone the kernel gives its id to a new process (a sandbox's bwrap, say,
+    which would die without a word)."""
+    from gspo_mcore.common.processes import ManagedServer
+
+    server = ManagedServer([sys.executable, "-c", "import time; time.sleep(60)"], "http://127.0.0.1:9",
+                           tmp_path / "server.log").launch()
+    server.stop(grace_s=5)
+    signalled = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: signalled.append((pgid, sig)))
+    server.stop(grace_s=5)
+    assert signalled == []

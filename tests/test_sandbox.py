@@ -30,7 +30,10 @@ SORT_HEADER = "class Solution:\n    def sort(self, a):\n"
 
 
 def run_judge(program: str, problem: Problem = ADD, **kwargs):
-    return judge(textwrap.dedent(program), problem, limits=kwargs.pop("limits", FAST), **kwargs)
+    judgement = judge(textwrap.dedent(program), problem, limits=kwargs.pop("limits", FAST), **kwargs)
+    if judgement.infrastructure_error:  # shown with a failing assertion (captured output)
+        print("infrastructure error:", judgement.infrastructure_error)
+    return judgement
 
 
 # ---- naive graders (what the sandbox replaces)
@@ -322,6 +325,32 @@ def test_correct_functional_programs_pass():
     assert judge(program, SORT).passed
     untyped = "class Solution:\n    def sort(self, a: List[int]) -> List[int]:\n        return tuple(sorted(a))\n"
     assert judge(untyped, SORT).passed  # LiveCodeBench's names without the import; a tuple as a list
+
+
+def test_a_spare_killed_after_it_said_ready_is_replaced():
+    """A spare sandbox killed from outside while it waits (seen in CI: a stale process-group id
+    signalled) is replaced by one started now, not judged an infrastructure error."""
+    import select
+    import signal
+    import time
+
+    assert run_judge("print(sum(map(int, input().split())))").passed  # a spare now waits for the next program
+    launcher = session_module._launcher()
+    with launcher.lock:
+        spares = [future.result(timeout=15) for future in launcher.spares.values()]
+    assert spares
+    for spare in spares:
+        waiting = select.poll()
+        waiting.register(spare.process.stdout.fileno(), select.POLLIN)
+        assert waiting.poll(15_000)  # it said ready (unread in its pipe); then it dies
+        os.killpg(spare.process.pid, signal.SIGKILL)  # bwrap; the harness in its own session follows it
+        spare.process.wait()
+        procs = spare.slot.cgroup.directories[0] / "cgroup.procs"
+        deadline = time.monotonic() + 10
+        while procs.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    judgement = run_judge("print(sum(map(int, input().split())))")
+    assert judgement.passed, judgement
 
 
 # ---- where the sandbox cannot run

@@ -74,7 +74,8 @@ def test_a_result_the_host_cannot_compare_is_wrong_and_the_group_is_judged(body)
     """Old code: the exception left judge_programs: the whole group scored as an error."""
     attack = f"class Solution:\n    def sort(self, a):\n        {body}\n"
     attack_judgement, honest = judge_programs([attack, SORT_CORRECT], SORT, limits=FAST)
-    assert attack_judgement.verdicts == ["wrong"] and honest.verdicts == ["passed"]
+    assert attack_judgement.verdicts == ["wrong"] and honest.verdicts == ["passed"], \
+        (attack_judgement.infrastructure_error, honest.infrastructure_error)
 
 
 def test_numbers_past_decimals_range_are_wrong():
@@ -152,6 +153,24 @@ def test_the_whole_sandbox_has_one_memory_limit():
         print(3)
     """)
     assert judge(largest, ADD, limits=limits).verdicts == ["memory"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or cgroup.unavailable() is not None, reason="needs root and cgroups")
+def test_a_cgroup_parent_another_process_removed_is_made_again(monkeypatch):
+    """The slots' parent cgroups are shared by every process of the host's cgroup (pytest's
+    workers, the reward workers); one's exit removes them when empty (remove_parents). Old code:
+    the next sandbox of the others was an infrastructure error ("No such file or directory:
+    .../gspo-sandbox/slot-0-...": seen in this suite while other test processes ran)."""
+    found = cgroup.layout()
+    gone = tuple(parent.parent / f"gspo-sandbox-gone-{os.getpid()}" for parent in found.parents)
+    monkeypatch.setattr(cgroup, "_layout", cgroup._Layout(found.version, gone))
+    slot = cgroup.SlotCgroup.create(0)
+    try:
+        assert all(directory.parent in gone and directory.is_dir() for directory in slot.directories)
+    finally:
+        slot.remove()
+        cgroup.remove_parents()
+    assert not any(parent.exists() for parent in gone)
 
 
 # ---- D. a candidate's failure is its own `wrong`

@@ -280,7 +280,9 @@ def test_the_python_tool_runs_code_with_limits_and_no_environment(monkeypatch):
     assert get_json_schema(tool.python)["function"]["parameters"]["required"] == ["code"]
     assert tool.python("print(sum(range(10)))") == "45"
     monkeypatch.setenv("GSPO_ENGINE_API_KEY", "s3cret")
-    assert set(eval(tool.python("import os; print(sorted(os.environ))"))) <= {"LC_CTYPE", "PWD"}  # bwrap's cwd
+    from gspo_mcore.sandbox.launch import THREAD_ENV  # one thread for numpy's BLAS
+
+    assert set(eval(tool.python("import os; print(sorted(os.environ))"))) <= {"LC_CTYPE", "PWD", *THREAD_ENV}
     assert "ZeroDivisionError" in tool.python("1/0")
     assert tool.python("x = 1") == "(no output: use print())"
     assert tool.python("print('a' * 10000)").endswith("...[truncated 6000 chars]")

@@ -176,6 +176,7 @@ class ManagedServer:
         self.cmd, self.url, self.log_file = cmd, url.rstrip("/"), Path(log_file)
         self.env, self.startup_timeout_s, self.secrets = env, startup_timeout_s, secrets
         self.process: subprocess.Popen | None = None
+        self._group_killed = False
         self.log_start = 0
         self.tmp_dir: Path | None = None
 
@@ -191,6 +192,7 @@ class ManagedServer:
         self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"{SERVER_TMP_PREFIX}{os.getpid()}-", dir=server_tmp_root()))
         env = {**(os.environ if self.env is None else self.env), "TMPDIR": str(self.tmp_dir)}
         self.process = start_redacted(self.cmd, log, self.secrets, env, new_session=True)
+        self._group_killed = False
         if not self.secrets:
             log.close()  # the child holds its own copy of the descriptor
         return self
@@ -262,11 +264,14 @@ class ManagedServer:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        if self.process is not None:
+        if self.process is not None and not self._group_killed:
             try:  # workers that outlived the leader share its process group
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            # once: a second stop must not signal the group id again, which the kernel hands to a
+            # new process (a sandbox's bwrap, another server) once the old group is empty
+            self._group_killed = True
             self.process.wait()
 
     def __enter__(self) -> "ManagedServer":

@@ -1,5 +1,5 @@
-"""`reward.name: code`: the response's last fenced code block, run on the problem's tests in the
-sandbox (gspo_mcore.sandbox), judged on the host.
+"""`reward.name: code`: the response's last fenced code block in a judged language (Python, C++),
+run on the problem's tests in the sandbox (gspo_mcore.sandbox), judged on the host.
 
 The tests come from the record's `answer`, which `python -m gspo_mcore.data.prepare_code` writes
 (`{"kind", "func_name", "tolerance", "tests": [[input, output], ...]}`) from the public formats that
@@ -10,6 +10,10 @@ CodeContests `public_tests` / `private_tests` / `generated_tests`, PrimeIntellec
 `verification_info`, verl's `reward_model.ground_truth` (prime_code's `{"inputs", "outputs"[, "fn_name"]}`,
 APPS's object, as a JSON string or an object; also accepted as `answer` itself, so a verl Parquet
 file trains as it is).
+
+The program is the response's last fenced block in a judged language (`reward.code.languages`:
+Python, ```python / ```py / untagged; C++, ```cpp / ```c++, compiled in the sandbox); blocks in
+other languages are passed over.
 
 Settings: `reward.code` (gspo_mcore.rewards.code_config.CodeRewardConfig), handed to each
 reward worker by `reward_options`; the defaults elsewhere (the scoring command, evaluation).
@@ -43,11 +47,14 @@ from dataclasses import dataclass, field
 
 from gspo_mcore.common.errors import InputError, run_cli
 from gspo_mcore.rewards.code_config import CodeRewardConfig
-from gspo_mcore.sandbox import Judgement, Limits, Problem, Test, check_sandbox, judge
+from gspo_mcore.sandbox import Judgement, Limits, Problem, Test, check_languages, check_sandbox, judge
 from gspo_mcore.sandbox.judge import judge_programs
 
 SETTINGS = CodeRewardConfig()  # this process's reward.code (a reward worker's, from reward_options)
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+# A fence's tag (lower case) -> the language its block is judged in (reward.code.languages)
+LANGUAGE_TAGS = {"": "python", "python": "python", "python3": "python", "py": "python", "py3": "python",
+                 "cpp": "cpp", "c++": "cpp", "cxx": "cpp", "cc": "cpp"}
 
 
 # ---- reading the public formats
@@ -280,6 +287,16 @@ def last_code_block(response: str) -> str | None:
     return blocks[-1][1] if blocks else None
 
 
+def last_program(response: str, languages=("python", "cpp")) -> tuple[str, str] | None:
+    """(language, source) of the last fenced block whose tag names one of `languages`
+    (LANGUAGE_TAGS: untagged is Python), or None; blocks of other tags (```text, ```java, ```cpp
+    when C++ is not judged) are passed over."""
+    for tag, source in reversed(FENCE.findall(response)):
+        if LANGUAGE_TAGS.get(tag.lower()) in languages:
+            return LANGUAGE_TAGS[tag.lower()], source
+    return None
+
+
 def _order(problem: Problem) -> list[Test]:
     """Every test, in the deterministic order the training subset is cut from."""
     return sorted(problem.tests, key=lambda t: hashlib.sha1(t.input.encode("utf-8", "surrogateescape")).digest())
@@ -298,6 +315,12 @@ def limits_for(problem: Problem, settings: CodeRewardConfig | None = None) -> Li
         cpu_s = problem.time_limit_s * settings.dataset_time_factor
     return Limits(cpu_s=cpu_s, wall_s=cpu_s * settings.wall_s / settings.cpu_s,
                   memory_bytes=settings.memory_mb * 1024 * 1024, output_bytes=settings.output_mb * 1024 * 1024)
+
+
+def compile_limits_for(settings: CodeRewardConfig | None = None) -> Limits:
+    """A C++ program's build limits: reward.code's compile_cpu_s and compile_memory_mb."""
+    settings = settings or SETTINGS
+    return Limits.compile(settings.compile_cpu_s, settings.compile_memory_mb * 1024 * 1024)
 
 
 def reward_options(options: dict) -> None:
@@ -381,15 +404,17 @@ def score_group(responses: list[str], problem: Problem, every_test: bool = False
     (identical programs judged once: gspo_mcore.sandbox.judge.judge_programs). `settings`: reward.code (default: this process's); `fraction` None: its `scoring`."""
     settings = settings or SETTINGS
     fraction = settings.scoring == "fraction" if fraction is None else fraction
-    limits = limits_for(problem, settings)
+    limits, compile_limits = limits_for(problem, settings), compile_limits_for(settings)
     STATS.responses += len(responses)
-    programs = [last_code_block(response) for response in responses]
+    programs = [last_program(response, settings.languages) for response in responses]
     STATS.no_program += programs.count(None)
     ordered = _order(problem)
     tests = ordered if every_test else ordered[:settings.max_train_tests]
     present = [program for program in programs if program is not None]
-    judged = iter(judge_programs(present, problem, tests, stop_at_first_failure=not (every_test or fraction),
-                                 limits=limits) if present else [])
+    judged = iter(judge_programs([source for _, source in present], problem, tests,
+                                 stop_at_first_failure=not (every_test or fraction), limits=limits,
+                                 languages=[language for language, _ in present],
+                                 compile_limits=compile_limits) if present else [])
     scores = []
     for response, program in zip(responses, programs):
         if program is None:
@@ -402,7 +427,8 @@ def score_group(responses: list[str], problem: Problem, every_test: bool = False
             continue
         passed = judgement.passed and len(judgement.verdicts) == len(tests)
         if passed and not every_test and len(ordered) > len(tests) and _hack_check(response, settings):
-            rest = judge(program, problem, ordered[len(tests):], stop_at_first_failure=True, limits=limits)
+            rest = judge(program[1], problem, ordered[len(tests):], stop_at_first_failure=True, limits=limits,
+                         language=program[0], compile_limits=compile_limits)
             _count(rest)
             if rest.infrastructure_error is None:
                 STATS.hack_checked += 1
@@ -421,6 +447,7 @@ def _rewards(responses: list[str], answers: list[str], every_test: bool) -> list
     program met an infrastructure error (counted in STATS) scores 0, or None (`mask`: the rollout
     source drops it from its group), never a pass; its reason goes to stderr (the trainer's)."""
     check_sandbox()  # once per worker: the one-line refusal where the sandbox cannot run
+    check_languages(SETTINGS.languages)  # and where C++ is judged without a compiler
     if len(set(answers)) != 1:
         return [value for r, a in zip(responses, answers) for value in _rewards([r], [a], every_test)]
     results = score_group(responses, problem_from_answer(answers[0]), every_test=every_test)
@@ -487,13 +514,16 @@ SETTING_FLAGS = tuple(f.name for f in dataclasses.fields(CodeRewardConfig)
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(CodeRewardConfig)
+    hints, defaults = typing.get_type_hints(CodeRewardConfig), CodeRewardConfig()
     group = parser.add_argument_group("reward.code settings (as a run's config sets them; docs/13-code-rl.md)")
     for name in SETTING_FLAGS:
-        default, flag = getattr(CodeRewardConfig, name), "--" + name.replace("_", "-")
+        default, flag = getattr(defaults, name), "--" + name.replace("_", "-")
         said = f"reward.code.{name} (default {default})"
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=said)
+        elif isinstance(default, list):  # languages: each a Literal's value
+            group.add_argument(flag, nargs="+", choices=typing.get_args(typing.get_args(hints[name])[0]),
+                               default=default, help=said)
         elif typing.get_origin(hints[name]) is typing.Literal:
             group.add_argument(flag, choices=typing.get_args(hints[name]), default=default, help=said)
         else:
@@ -506,6 +536,13 @@ def settings_from_args(args: argparse.Namespace) -> CodeRewardConfig:
     if settings.problem() is not None:
         raise InputError(f"reward.code.{settings.problem()}")
     return settings
+
+
+def _prepare_cpp(responses: list[str], settings: CodeRewardConfig) -> None:
+    """Where a response is C++: g++ checked (its one line where missing) and the precompiled
+    header built once per host, before the first program is judged."""
+    if any((last_program(response, settings.languages) or ("",))[0] == "cpp" for response in responses):
+        check_languages(["cpp"], prepare=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -546,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(TACO/APPS `solutions`, CodeContests `solutions` of language 3, PrimeIntellect "
                          "`gold_standard_solution`)")
     check_sandbox()
+    _prepare_cpp([response for _, _, responses in rows for response in responses], settings)
     lines = []
     for where, problem, responses in rows:
         for index, response in enumerate(responses):

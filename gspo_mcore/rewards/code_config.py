@@ -4,8 +4,10 @@ a reward worker, which must not import torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+LANGUAGES = ("python", "cpp")  # what gspo_mcore.sandbox judges (its LANGUAGES; `languages` below spells them)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,18 @@ class CodeRewardConfig:
     dataset_time_factor: float = 1.0
     """Datasets' time limits were set for C++: run `python -m gspo_mcore.rewards.code --references`
     and raise this where correct reference solutions time out."""
+    languages: list[Literal["python", "cpp"]] = field(default_factory=lambda: list(LANGUAGES))
+    """The languages judged: `python` (a ```python, ```py or untagged block) and `cpp` (```cpp,
+    ```c++, ```cxx, ```cc: compiled with g++ -std=gnu++17 -O2 in the sandbox, stdin problems only).
+    The program is the response's last block in one of them; blocks in other languages are passed
+    over. With cpp, a run on a machine without g++ stops at start-up saying so."""
+    compile_cpu_s: float = 10.0
+    """A C++ program's build: CPU seconds, its processes' together (each also under RLIMIT_CPU; the
+    wall clock at 3x); past it, or any build failure, the verdict is compile_error. `#include <bits/stdc++.h>` at -O2
+    takes 0.4 s with the sandbox's precompiled header, 1.4-3 s without."""
+    compile_memory_mb: int = 2048
+    """A C++ program's build: address space per compiler process (RLIMIT_AS, MiB; cc1plus builds
+    bits/stdc++.h within 256 MiB)."""
 
     def problem(self) -> str | None:
         """The first bad value, as `field: why`; None when all are good."""
@@ -67,4 +81,10 @@ class CodeRewardConfig:
             return "output_mb: must be in [1, 1024]"
         if self.dataset_time_factor <= 0:
             return "dataset_time_factor: must be > 0"
+        if not self.languages or not set(self.languages) <= set(LANGUAGES):
+            return f"languages: {list(self.languages)} must be a non-empty list of {list(LANGUAGES)}"
+        if self.compile_cpu_s <= 0:
+            return "compile_cpu_s: must be > 0"
+        if self.compile_memory_mb < 256:
+            return "compile_memory_mb: must be >= 256 (bits/stdc++.h needs about that)"
         return None

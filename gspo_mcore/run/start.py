@@ -46,7 +46,8 @@ def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
     load_rollout_function(config.rollout.function)
     users = sandbox_users(config)
     if users:  # rank 0 runs the reward and tool workers
-        preflight(", ".join(users))
+        judges = any(not user.startswith("rollout.tools") for user in users)  # C++: the code rewards only
+        preflight(", ".join(users), languages=config.reward.code.languages if judges else ())
 
 
 def sandbox_users(config: Config) -> list[str]:

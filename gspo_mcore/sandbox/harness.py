@@ -7,13 +7,20 @@ modules only: importing json costs more than starting the interpreter). The host
 and reads our stdout, which no test process holds: what a program prints travels inside a report's
 string field, never as protocol. A harness judges one program: a sandbox may be started before
 its program is known (a spare), so the program comes in the second message.
-  host -> {"kind": "stdin" | "functional", "pid_namespace"}
+  host -> {"kind": "stdin" | "functional", "pid_namespace", "path": [...], "env": {...}, "binary"}
   harness -> {"ready": True}
-  host -> {"program", "func_name", "uid", "limits": {...}}
+  host -> {"program", "func_name", "uid", "limits": {...}[, "compile": {"argv", "limits", "env"}]}
+  harness (a compiled language only) -> the compiler's run, a report as below
   host -> {"input": str}  (functional: a JSON list of the call's arguments), one per test
   harness -> {"status": "exited" | "signaled" | "timeout" | "output_limit", "exit_code", "signal",
               "stdout", "stderr", "result" (functional: the JSON the test process wrote), "wall_s", "cpu_s"}
-End of input ends the harness.
+End of input ends the harness. `path`: where the stated packages are (put on sys.path); `env`:
+added to the test processes' environment (thread pools held to one thread); `binary`: where a
+compiled program goes.
+
+A compiled program (C++) is built once, before its first test, in a process set up as a test
+is (the slot's uid, the compile's own rlimits), the source on its stdin, the binary in the
+sandbox's /tmp; each test then execs that binary in a test process.
 
 A test process: a new session, stdin/stdout/stderr on pipes to us (functional: fd 3 for the
 return value), every other descriptor closed, our uid dropped to `uid` (the kernel enforces
@@ -99,7 +106,7 @@ def _finish_like_python(_modules=sys.modules, _run_exitfuncs=atexit._run_exitfun
         _run_exitfuncs()
 
 
-def _enter(request, fds):
+def _enter(request, fds, limits):
     """The forked test process made what a test runs in: its own session, its pipes as fds 0-2
     (3), nothing else open, the slot's uid, the limits, text streams."""
     os.setsid()
@@ -117,7 +124,7 @@ def _enter(request, fds):
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-    _set_limits(request["limits"])
+    _set_limits(limits)
     os.chdir("/tmp")
     sys.setrecursionlimit(100000)
     sys.stdin = open(0, "r", encoding="utf-8", errors="surrogateescape", closefd=False)
@@ -125,14 +132,22 @@ def _enter(request, fds):
     sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
 
 
-def _child(request, fds, _exit=os._exit):
-    """In the forked test process: never returns (`_exit` bound here: the program may replace os._exit)."""
+def _child(request, fds, limits, argv=None, env=None, _exit=os._exit):
+    """In the forked test process: never returns (`_exit` bound here: the program may replace
+    os._exit). `argv`: a binary to exec (the compiler, a compiled program) instead of the Python
+    program."""
     code = 1
     try:
-        _enter(request, fds)
+        _enter(request, fds, limits)
     except BaseException as err:  # setting up the test process: the harness's fault, said on the test's stderr
         os.write(2, f"harness: test process set-up failed: {err!r}\n".encode())
         _exit(1)
+    if argv:
+        try:
+            os.execve(argv[0], argv, env if env is not None else dict(os.environ))
+        except BaseException as err:  # a binary that is not there (its build failed): the program's runtime error
+            os.write(2, f"harness: cannot run {argv[0]}: {err!r}\n".encode())
+        _exit(127)
     try:
         namespace = {"__name__": "__main__", "__builtins__": __builtins__}
         if request["kind"] == "functional":
@@ -203,9 +218,9 @@ class _Exchange:
     """A running test's pipes: its input written as it reads, its output read up to the cap, until
     it has exited and every writer of its pipes is gone, or the deadline."""
 
-    def __init__(self, request, pid, writer, data, readers, stderr_fd):
+    def __init__(self, request, pid, writer, data, readers, stderr_fd, cap):
         self.request, self.pid, self.data, self.readers, self.stderr_fd = request, pid, data, readers, stderr_fd
-        self.cap = request["limits"]["output_bytes"]
+        self.cap = cap
         self.poll, self.open = select.poll(), set()
         self.pidfd = os.pidfd_open(pid)
         self.writer, self.exited, self.status = writer, False, None
@@ -282,19 +297,22 @@ class _Exchange:
             os.close(fd)
 
 
-def run_test(request, test_input):
-    functional = request["kind"] == "functional"
+def run_test(request, test_input, argv=None, limits=None, env=None):
+    """One test in a fresh process: the Python program, or `argv` (a compiled program, the
+    compiler, with `env`: default ours) on `test_input`; under `limits` (default: the test's)."""
+    functional = request["kind"] == "functional" and argv is None
+    limits = limits or request["limits"]
     pipes = [os.pipe() for _ in range(4 if functional else 3)]  # stdin, stdout, stderr[, result]
     started = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(request, [pipes[0][0]] + [w for _, w in pipes[1:]])
+        _child(request, [pipes[0][0]] + [w for _, w in pipes[1:]], limits, argv, env)
     for index, (r, w) in enumerate(pipes):
         os.close(r if index == 0 else w)
     outputs = [r for r, _ in pipes[1:]]
     exchange = _Exchange(request, pid, pipes[0][1], test_input.encode("utf-8", "surrogateescape"),
-                         {fd: bytearray() for fd in outputs}, outputs[1])
-    status = exchange.run(started + request["limits"]["wall_s"])
+                         {fd: bytearray() for fd in outputs}, outputs[1], limits["output_bytes"])
+    status = exchange.run(started + limits["wall_s"])
     _kill_all(request, pid)
     _, wait_status, usage = os.wait4(pid, 0)  # its CPU time and that of the children it waited for
     if request.get("pid_namespace"):
@@ -342,6 +360,8 @@ def main():
     os.dup2(2, 1)  # our own stray prints must not reach the protocol
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a test closing its stdin early is the test's business
     request = read_message(0)
+    sys.path.extend(request.get("path") or ())  # the stated packages, after the standard library
+    os.environ.update(request.get("env") or {})  # inherited by the forked tests (numpy's OpenBLAS reads it)
     if request["kind"] == "functional":
         exec(PRELUDE, {})
         import json  # noqa: F401 (for the test processes: loaded once, before they fork)
@@ -349,8 +369,14 @@ def main():
     request.update(read_message(0) or {})  # the program, its uid and limits
     if "program" not in request:
         return
+    argv = None
+    if request.get("compile"):
+        argv = [request["binary"]]
+        build = request["compile"]
+        write_message(reports, run_test(request, request["program"], build["argv"] + ["-o", argv[0]], build["limits"],
+                                        {**os.environ, **build["env"]}))
     while (message := read_message(0)) is not None:
-        write_message(reports, run_test(request, message["input"]))
+        write_message(reports, run_test(request, message["input"], argv))
 
 
 if __name__ == "__main__":

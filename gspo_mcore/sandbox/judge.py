@@ -2,8 +2,10 @@
 printed or returned is compared here, with expected outputs that never entered the sandbox (a
 problem's checker program, for problems with several valid answers, runs in a sandbox of its own).
 
-Verdicts: passed, wrong, timeout, memory, runtime_error, output_limit, infrastructure. An exit
-code is never a verdict on its own: a stdin test passes only on the right output with exit status
+Verdicts: passed, wrong, timeout, memory, runtime_error, output_limit, compile_error (a C++
+program that did not build within its compile limits, or C++ for a functional problem: its one
+verdict, no test runs), infrastructure. An exit code is never a verdict on its own: a stdin
+test passes only on the right output with exit status
 0 (a `sys.exit(0)` after a correct answer included), a functional test only on the right value.
 Whatever a program makes of its output (a result the host cannot decode or compare: nested past
 the recursion limit, a number past any float or Decimal) is that test's `wrong`. An
@@ -22,7 +24,7 @@ from decimal import Decimal, InvalidOperation
 
 from gspo_mcore.sandbox.session import Limits, SandboxError, Session, TestRun
 
-VERDICTS = ("passed", "wrong", "timeout", "memory", "runtime_error", "output_limit", "infrastructure")
+VERDICTS = ("passed", "wrong", "timeout", "memory", "runtime_error", "output_limit", "compile_error", "infrastructure")
 # Output a program caused that the host cannot compare: the test's `wrong`, never an exception
 # that takes its group with it.
 UNCOMPARABLE = (ArithmeticError, RecursionError, ValueError)
@@ -59,6 +61,7 @@ class Judgement:
     infrastructure_error: str | None = None
     sandbox_s: float = 0.0  # wall time in the sandbox, start to close
     same_as: int | None = None  # the index of an identical program of the group whose verdicts these are
+    compile_output: str | None = None  # compile_error: why (the compiler's last 2000 characters, or its limit)
 
     @property
     def passed(self) -> bool:
@@ -221,30 +224,38 @@ def _compare(run: TestRun, test: Test, problem: Problem, checker: Checker | None
 
 
 def judge(program: str, problem: Problem, tests: list[Test] | None = None, stop_at_first_failure: bool = True,
-          limits: Limits = Limits(), settings=None) -> Judgement:
-    """Run `tests` (default: all of the problem's) of `program` in a sandbox of its own."""
-    return judge_programs([program], problem, tests, stop_at_first_failure, limits, settings)[0]
+          limits: Limits = Limits(), settings=None, language: str = "python",
+          compile_limits: Limits | None = None) -> Judgement:
+    """Run `tests` (default: all of the problem's) of `program` (in `language`: python | cpp) in a
+    sandbox of its own."""
+    return judge_programs([program], problem, tests, stop_at_first_failure, limits, settings, [language],
+                          compile_limits)[0]
 
 
 def judge_programs(programs: list[str], problem: Problem, tests: list[Test] | None = None,
-                   stop_at_first_failure: bool = True, limits: Limits = Limits(), settings=None) -> list[Judgement]:
+                   stop_at_first_failure: bool = True, limits: Limits = Limits(), settings=None,
+                   languages: list[str] | None = None, compile_limits: Limits | None = None) -> list[Judgement]:
     """Several programs (a prompt's group) on the same tests, each in a sandbox of its own: no
     program sees another's files, IPC, processes or PIDs, nor how far another got (stopping at
     the first failure tells nothing across sandboxes). A program identical to an earlier one of
-    the group is judged once: its judgement is a copy (`same_as`), no test run twice. A
-    problem's checker is started once for the group."""
+    the group (same language) is judged once: its judgement is a copy (`same_as`), no test run
+    twice. A problem's checker is started once for the group. `languages`: each program's
+    (default: all Python); C++ is compiled in its sandbox under `compile_limits` first."""
     tests = list(problem.tests if tests is None else tests)
+    languages = list(languages or ["python"] * len(programs))
     judgements: list[Judgement] = []
-    first_of: dict[str, int] = {}
+    first_of: dict[tuple[str, str], int] = {}
     checker = Checker(problem.checker, limits, settings) if problem.checker and problem.kind == "stdin" else None
     try:
-        for index, program in enumerate(programs):
-            if program in first_of:
-                judgements.append(replace(judgements[first_of[program]], verdicts=list(
-                    judgements[first_of[program]].verdicts), sandbox_s=0.0, same_as=first_of[program]))
+        for index, (program, language) in enumerate(zip(programs, languages, strict=True)):
+            if (language, program) in first_of:
+                first = first_of[(language, program)]
+                judgements.append(replace(judgements[first], verdicts=list(judgements[first].verdicts), sandbox_s=0.0,
+                                          same_as=first))
                 continue
-            first_of[program] = index
-            judgements.append(_judge_one(program, problem, tests, stop_at_first_failure, limits, settings, checker))
+            first_of[(language, program)] = index
+            judgements.append(_judge_one(program, problem, tests, stop_at_first_failure, limits, settings, checker,
+                                         language, compile_limits))
     finally:
         if checker is not None:
             checker.close()
@@ -252,11 +263,21 @@ def judge_programs(programs: list[str], problem: Problem, tests: list[Test] | No
 
 
 def _judge_one(program: str, problem: Problem, tests: list[Test], stop_at_first_failure: bool, limits: Limits,
-               settings, checker: Checker | None) -> Judgement:
+               settings, checker: Checker | None, language: str = "python",
+               compile_limits: Limits | None = None) -> Judgement:
+    if language != "python" and problem.kind != "stdin":
+        return Judgement(["compile_error"], compile_output="C++ is judged on stdin problems only: a functional "
+                         f"problem calls {problem.func_name} of a Python class Solution")
     judgement = Judgement()
     started = time.monotonic()
     try:
-        with Session(program, problem.kind, problem.func_name, limits, settings) as session:
+        with Session(program, problem.kind, problem.func_name, limits, settings, language=language,
+                     compile_limits=compile_limits) as session:
+            if not session.built:
+                judgement.verdicts.append("compile_error")
+                judgement.compile_output = _build_failure(session)
+                judgement.sandbox_s = time.monotonic() - started
+                return judgement
             for test, run in zip(tests, session.runs([test.input for test in tests])):
                 judgement.verdicts.append(verdict(run, test, problem, limits, checker))
                 if stop_at_first_failure and judgement.verdicts[-1] != "passed":
@@ -266,3 +287,16 @@ def _judge_one(program: str, problem: Problem, tests: list[Test], stop_at_first_
         judgement.verdicts.append("infrastructure")
     judgement.sandbox_s = time.monotonic() - started
     return judgement
+
+
+def _build_failure(session: Session) -> str:
+    """Why a build failed: the compiler's messages, or which of its limits it met."""
+    run, limits = session.compiled, session.compile_limits
+    if run.status == "timeout" or run.cpu_s > limits.cpu_s or run.signal == signal.SIGXCPU:
+        return f"the compiler ran past its limit ({limits.cpu_s:g} s CPU, {limits.wall_s:g} s wall)"
+    if run.memory_killed or "memory exhausted" in run.stderr or "out of memory" in run.stderr:
+        return f"the compiler ran out of memory ({limits.memory_bytes // 1024**2} MiB); {run.stderr.strip()[-1000:]}"
+    if run.status == "output_limit":
+        return "the compiler's output past its limit"
+    said = run.stderr.strip()[-2000:]
+    return said or f"the compiler {run.status} (exit {run.exit_code}, signal {run.signal})"

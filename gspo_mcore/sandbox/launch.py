@@ -2,10 +2,12 @@
 refusal where bubblewrap cannot run.
 
 The boundary (bwrap 0.8, Debian's `bubblewrap`): new PID, network, IPC, UTS and cgroup
-namespaces; a read-only root filesystem that holds only the interpreter's directories, the
-harness file, a fresh /proc, a read-only /dev of five device nodes (null, zero, full, random,
-urandom: no devpts, so no PTY of the host's shared pool) and a small private tmpfs at /tmp; an
-empty environment; `--new-session` (no controlling terminal to push keystrokes into);
+namespaces; a read-only root filesystem that holds only the interpreter's directories (/usr, so
+the C++ compiler too; the site-packages / dist-packages directories in them masked by empty
+ones), the stated packages (PACKAGES, at /sandbox/packages), the harness file, a fresh /proc, a
+read-only /dev of five device nodes (null, zero, full, random, urandom: no devpts, so no PTY of
+the host's shared pool) and a small private tmpfs at /tmp; an empty environment (the harness
+gives its tests THREAD_ENV); `--new-session` (no controlling terminal to push keystrokes into);
 `--die-with-parent`; the seccomp filter of gspo_mcore.sandbox.seccomp for everything inside.
 One sandbox judges one program: nothing of it (files, IPC, processes, PIDs) is seen by the next.
 
@@ -21,12 +23,17 @@ that kills the harness is an infrastructure error, never a pass."""
 from __future__ import annotations
 
 import fcntl
+import functools
+import glob
+import hashlib
+import importlib.metadata
 import os
 import shutil
 import stat
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +46,28 @@ INSIDE_HARNESS = "/sandbox/harness.py"
 SLOT_DIR = Path("/tmp/gspo-sandbox-slots")  # one lock file per slot uid, shared by root's processes of the host
 UNSAFE_VARIABLE = "GSPO_SANDBOX_UNSAFE_NO_ISOLATION"
 DEVICES = ("null", "zero", "full", "random", "urandom")
+# The packages a program (a solution, the Python tool's code) may import beyond the standard
+# library, by distribution name, with what they need (sympy: mpmath). Each is this host's installed
+# copy (the Python that starts the sandbox: the venv's, where setup.py's numpy and torch's sympy
+# are), bound read-only at INSIDE_PACKAGES file by top-level entry; nothing else of any
+# site-packages is inside. docs/13-code-rl.md, "The sandbox", states the set.
+PACKAGES = ("numpy", "sympy", "mpmath")
+INSIDE_PACKAGES = "/sandbox/packages"
+# Thread pools that start at import (numpy's OpenBLAS: one thread per core, past a test's process
+# limit on a big node) held to one thread: a test's CPU time counts every thread anyway.
+THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# C++: GNU C++17 as contest judges compile it (Codeforces: -O2), the source on stdin; the harness
+# adds `-o` (the sandbox's /tmp). Errors stop at 20: a template bomb's messages are not read.
+CPP_FLAGS = ("-x", "c++", "-std=gnu++17", "-O2", "-pipe", "-fmax-errors=20", "-")
+# The compiler's environment (with THREAD_ENV): it finds cc1plus by its own path, as and ld on PATH.
+COMPILE_ENV = {"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp", "LC_ALL": "C"}
+# The contest header, precompiled once per host for CPP_FLAGS (cpp_pch): g++ takes
+# <dir>/bits/stdc++.h.gch for `#include <bits/stdc++.h>` when <dir> is an -I directory (and
+# ignores it, compiling the header, should it not match the flags): 0.4 s of CPU instead of 2.
+PCH_HEADER = "bits/stdc++.h"
+INSIDE_PCH = "/sandbox/pch"
+_pch_built: Path | None = None  # cpp_pch's, once this process has one: bound into every sandbox started after
+_pch_warned = False
 
 
 class SandboxUnavailable(EngineError):
@@ -114,7 +143,7 @@ class Slot:
 
 def interpreter() -> tuple[str, str]:
     """(the base Python's executable, its prefix): the harness runs on the interpreter without a
-    virtual environment's packages (it needs the standard library only)."""
+    virtual environment's packages (it needs the standard library only; a program gets PACKAGES)."""
     executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     return executable, os.path.realpath(sys.base_prefix)
 
@@ -130,6 +159,137 @@ def _root_entries() -> list[str]:
         elif path.is_dir():
             args += ["--ro-bind", str(path), str(path)]
     return args
+
+
+@functools.lru_cache(maxsize=1)
+def package_paths() -> tuple[Path, ...]:
+    """The top-level files and directories of PACKAGES' installed distributions (numpy: numpy/ and
+    numpy.libs/, its vendored OpenBLAS), from their RECORD; a package missing here is said once on
+    stderr (a program importing it fails as it would without it)."""
+    found, missing = [], []
+    for name in PACKAGES:
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name)
+            continue
+        tops = sorted({file.parts[0] for file in distribution.files or () if file.parts[0] not in ("..", "__pycache__")
+                       and not file.parts[0].endswith(".dist-info")})
+        paths = [Path(distribution.locate_file(top)) for top in tops]
+        found += [path for path in paths if path.exists()]
+        if not paths:
+            missing.append(name)
+    if missing:
+        print(f"WARNING: sandbox: {', '.join(missing)} not installed in {sys.executable}: programs that import "
+              f"{'it' if len(missing) == 1 else 'them'} fail (pip install {' '.join(missing)})", file=sys.stderr,
+              flush=True)
+    return tuple(found)
+
+
+def inside_path(settings: SandboxSettings) -> list[str]:
+    """Where the packages are for the harness's sys.path: INSIDE_PACKAGES in the sandbox; in the
+    unsafe mode the directories holding them (with everything else installed there)."""
+    if settings.unsafe_no_isolation:
+        return sorted({str(path.parent) for path in package_paths()})
+    return [INSIDE_PACKAGES]
+
+
+@functools.lru_cache(maxsize=1)
+def _site_dirs(prefix: str) -> tuple[str, ...]:
+    """The installed-package directories inside the bound trees (/usr, the interpreter's prefix):
+    masked by empty read-only ones, so that `sys.path.append` does not reach the host's packages."""
+    patterns = ("/usr/lib/python3*/*-packages", "/usr/local/lib/python3*/*-packages", "/usr/lib/python3/dist-packages",
+                f"{prefix}/lib/python3*/site-packages", f"{prefix}/local/lib/python3*/*-packages")
+    return tuple(sorted({os.path.realpath(path) for pattern in patterns for path in glob.glob(pattern)
+                         if os.path.isdir(path) and Path(path).name in ("site-packages", "dist-packages")}))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gspo-mcore" / "pch"
+
+
+@functools.lru_cache(maxsize=4)
+def _pch_place(compiler: str) -> tuple[Path, str]:
+    """(where cpp_pch keeps the header for `compiler`: the user's cache, keyed by the compiler,
+    CPP_FLAGS and the header; the header, which `g++ -M` finds: ~50 ms, once per process)."""
+    found = subprocess.run([compiler, "-x", "c++", "-std=gnu++17", "-M", "-"], input=f"#include <{PCH_HEADER}>\n",
+                           capture_output=True, text=True, timeout=60, env=COMPILE_ENV)
+    header = next(word for word in found.stdout.split() if word.endswith("/" + PCH_HEADER))
+    key = hashlib.sha1(repr((compiler, os.stat(compiler).st_mtime_ns, CPP_FLAGS, header,
+                             os.stat(header).st_mtime_ns)).encode()).hexdigest()[:16]
+    return _cache_dir() / key, header
+
+
+def cpp_pch(compiler: str, build: bool = False) -> Path | None:
+    """The directory holding bits/stdc++.h.gch for `compiler` and CPP_FLAGS, or None; `build`: made
+    now where missing (outside the sandbox: the system's own header, ~5 s of CPU and 100 MB once
+    per host, under a lock shared by this host's processes; the pre-flight and the scoring command
+    build it, a reward call never waits for it). None where it cannot be built (said once on
+    stderr): each program then compiles the header."""
+    global _pch_built, _pch_warned
+    if _pch_built is not None:
+        return _pch_built
+    try:
+        directory, header = _pch_place(compiler)
+        target = directory / (PCH_HEADER + ".gch")
+        if not target.exists() and build:
+            target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            with open(directory / "lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it
+                if not target.exists():
+                    _build_pch(compiler, header, target)
+        if not target.exists():
+            return None
+    except (OSError, StopIteration, subprocess.SubprocessError) as err:
+        if not _pch_warned:
+            print(f"WARNING: sandbox: no precompiled {PCH_HEADER} ({type(err).__name__}: {str(err)[:200]}): each "
+                  "C++ program that includes it compiles it (~2 s of CPU)", file=sys.stderr, flush=True)
+            _pch_warned = True
+        return None
+    _pch_built = directory
+    return directory
+
+
+def _build_pch(compiler: str, header: str, target: Path) -> None:
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".partial")
+    os.close(fd)
+    try:
+        flags = [flag for flag in CPP_FLAGS if flag not in ("-x", "c++", "-")]
+        subprocess.run([compiler, "-x", "c++-header", *flags, header, "-o", partial], check=True,
+                       capture_output=True, timeout=300, env=COMPILE_ENV)
+        os.chmod(partial, 0o644)  # mkstemp's 0600: the slot uids read it
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def cpp_compiler(settings: SandboxSettings) -> str:
+    """g++ (inside the sandbox under /usr with its headers, cc1plus and binutils' as / ld);
+    SandboxUnavailable in one line where there is none."""
+    compiler = shutil.which("g++")
+    missing = [tool for tool in ("as", "ld") if shutil.which(tool) is None]
+    if compiler is None or missing:
+        said = "g++ is not installed" if compiler is None else f"binutils' {' and '.join(missing)} missing"
+        raise SandboxUnavailable(f"sandbox: C++ answers are compiled with g++ inside the sandbox, and {said} "
+                                 "(Debian/Ubuntu: apt-get install g++; `make sandbox`), or judge Python only "
+                                 "(reward.code.languages: [python])")
+    compiler = os.path.realpath(compiler)
+    if not settings.unsafe_no_isolation and not compiler.startswith("/usr/"):
+        raise SandboxUnavailable(f"sandbox: g++ is {compiler}, outside /usr, the only tree the sandbox holds: "
+                                 "install Debian's g++ (apt-get install g++), or judge Python only "
+                                 "(reward.code.languages: [python])")
+    return compiler
+
+
+def cpp_command(settings: SandboxSettings) -> list[str]:
+    """The compile command for a C++ program, with the precompiled header where this host has it."""
+    compiler = cpp_compiler(settings)
+    pch = cpp_pch(compiler)
+    if pch is None:
+        return [compiler, *CPP_FLAGS]
+    # the unsafe mode reads the host's cache where it is; the sandbox has it at INSIDE_PCH
+    return [compiler, f"-I{pch if settings.unsafe_no_isolation else INSIDE_PCH}", *CPP_FLAGS]
 
 
 def _traversable_parents(path: str) -> list[str]:
@@ -161,7 +321,16 @@ def bwrap_argv(seccomp_fd: int, settings: SandboxSettings) -> list[str]:
         if not any(path == b or path.startswith(b + "/") for b in bound):
             args += _traversable_parents(path) + ["--ro-bind", path, path]
             bound.append(path)
-    args += ["--ro-bind", str(HARNESS), INSIDE_HARNESS, "--proc", "/proc", "--perms", "0755", "--dir", "/dev"]
+    for site in _site_dirs(prefix):  # read-only: the root's remount below does not reach a mount on top
+        args += ["--perms", "0555", "--tmpfs", site, "--remount-ro", site]
+    # made 0755 here: a directory bwrap makes for a bind takes the mode of the source's parent
+    args += ["--perms", "0755", "--dir", "/sandbox", "--perms", "0755", "--dir", INSIDE_PACKAGES,
+             "--ro-bind", str(HARNESS), INSIDE_HARNESS]
+    for path in package_paths():
+        args += ["--ro-bind", str(path), f"{INSIDE_PACKAGES}/{path.name}"]
+    if _pch_built is not None:  # a sandbox started before this process judged C++ compiles without it
+        args += ["--ro-bind", str(_pch_built), INSIDE_PCH]
+    args += ["--proc", "/proc", "--perms", "0755", "--dir", "/dev"]
     for device in DEVICES:  # bwrap's --dev would mount a devpts: PTYs count against the host's kernel.pty.max
         args += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),

@@ -29,7 +29,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gspo_mcore.sandbox import UNSAFE_VARIABLE, SandboxSettings, SandboxUnavailable, check_sandbox
+from gspo_mcore.sandbox import UNSAFE_VARIABLE, SandboxSettings, SandboxUnavailable, check_languages, check_sandbox
 
 # `docker run` flags for bubblewrap started by root in the container (the image's user):
 # (flag, value, why). systempaths=unconfined is not among them: root does not need it, and it
@@ -187,10 +187,12 @@ def _refusal(needed_by: str, causes: list[str], said: str = "") -> str:
             "(docs/13-code-rl.md, 'On a cluster')").replace("\n", " ")
 
 
-def preflight(needed_by: str, settings: SandboxSettings | None = None, host: Host | None = None) -> None:
-    """Raise SandboxUnavailable in one line unless the sandbox runs here; `needed_by` names what in the
-    config runs model-written code (e.g. "reward.name: code"). Cheap enough for every start-up:
-    the static checks, then one trivial program in the real sandbox (~0.1-0.2 s)."""
+def preflight(needed_by: str, settings: SandboxSettings | None = None, host: Host | None = None,
+              languages=()) -> None:
+    """Raise SandboxUnavailable in one line unless the sandbox runs here, and judges `languages`
+    (reward.code.languages: C++ needs g++); `needed_by` names what in the config runs
+    model-written code (e.g. "reward.name: code"). Cheap enough for every start-up: the static
+    checks, then one trivial program in the real sandbox (~0.1-0.2 s)."""
     settings = settings or SandboxSettings.from_env()
     if not settings.unsafe_no_isolation:
         host = host or read_host()
@@ -201,3 +203,7 @@ def preflight(needed_by: str, settings: SandboxSettings | None = None, host: Hos
     except SandboxUnavailable as err:
         causes = suspects(host) if host is not None else []
         raise SandboxUnavailable(_refusal(needed_by, causes or ["the trivial program failed"], str(err))) from None
+    try:
+        check_languages(languages, settings, prepare=True)  # C++: the precompiled header built here, once per host
+    except SandboxUnavailable as err:
+        raise SandboxUnavailable(f"sandbox: {needed_by}: {str(err).removeprefix('sandbox: ')}") from None

@@ -20,8 +20,10 @@ import atexit
 import marshal
 import os
 import select
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -31,13 +33,15 @@ from typing import Iterator
 
 from gspo_mcore.sandbox.cgroup import layout as cgroup_layout
 from gspo_mcore.sandbox.cgroup import remove_parents
-from gspo_mcore.sandbox.launch import (SandboxError, SandboxSettings, SandboxUnavailable, Slot, explain_failure,
+from gspo_mcore.sandbox.launch import (COMPILE_ENV, THREAD_ENV, SandboxError, SandboxSettings, SandboxUnavailable,
+                                       Slot, cpp_command, cpp_compiler, cpp_pch, explain_failure, inside_path,
                                        start_harness)
 
 STARTUP_S = 15.0  # bwrap + interpreter start: ~15-30 ms idle; a loaded node is slower
 MARGIN_S = 5.0  # beyond a test's wall-clock limit, for the harness to report
 LOOKAHEAD_CHARS = 8192  # an input sent ahead (Session.runs): well inside a pipe's 64 KiB, UTF-8 included
 HARNESS_MEMORY = 64 * 1024**2  # the harness and bwrap in the sandbox's cgroup, beyond the test's limit
+LANGUAGES = ("python", "cpp")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,14 @@ class Limits:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    @classmethod
+    def compile(cls, cpu_s: float = 10.0, memory_bytes: int = 2 * 1024**3) -> "Limits":
+        """A C++ program's build (g++: the driver, cc1plus, as, ld), limits of its own: CPU time and
+        address space per process, the wall clock at 3x the CPU time (a loaded node), the
+        compiler's output (messages; the binary is a file: file_bytes, and the tmpfs's size)."""
+        return cls(cpu_s=cpu_s, wall_s=3 * cpu_s, memory_bytes=memory_bytes, output_bytes=1024**2,
+                   file_bytes=64 * 1024**2, open_files=256, processes=16)
 
     def sandbox_memory(self, settings: SandboxSettings) -> int:
         """The whole sandbox's memory (its cgroup): a test's address space, its tmpfs, the
@@ -70,6 +82,10 @@ class TestRun:
     wall_s: float
     cpu_s: float  # user + system of the test process and the children it waited for
     memory_killed: bool = False  # the sandbox's memory cgroup killed a process during it
+
+
+class HarnessDied(SandboxError):
+    """The harness's pipe broke: it is dead (the message holds its last words)."""
 
 
 class _Reports:
@@ -124,9 +140,13 @@ class _Sandbox:
             cgroup_layout(root=False)  # says once why there is no cgroup
         self.process: subprocess.Popen | None = None
         self.reports: _Reports | None = None
+        # a compiled program's binary: the sandbox's own /tmp, or (unsafe: the host's /tmp) a directory of its own
+        self.scratch = tempfile.mkdtemp(prefix="gspo-sandbox-") if settings.unsafe_no_isolation else None
         try:
             self.process = start_harness(settings, self.slot.cgroup if self.slot else None)
-            self.send({"kind": kind, "pid_namespace": not settings.unsafe_no_isolation})
+            self.send({"kind": kind, "pid_namespace": not settings.unsafe_no_isolation,
+                       "path": inside_path(settings), "env": dict(THREAD_ENV),
+                       "binary": os.path.join(self.scratch or "/tmp", "solution")})
         except BaseException:
             self.close()
             raise
@@ -136,15 +156,21 @@ class _Sandbox:
             self.process.stdin.write(frame(message))
             self.process.stdin.flush()
         except OSError:
-            raise SandboxError(explain_failure(self.last_words())) from None
+            raise HarnessDied(explain_failure(self.last_words())) from None
 
     def last_words(self) -> str:
-        """The harness's (bwrap's) stderr, once it is dead or killed."""
+        """The harness's (bwrap's) stderr, once it is dead or killed; how it ended when it had
+        died by itself without a word (a signal from outside, the OOM killer)."""
+        ended = self.process.poll()
         self.kill()
         try:
-            return self.process.stderr.read(4000).decode("utf-8", "replace")
+            said = self.process.stderr.read(4000).decode("utf-8", "replace")
         except (OSError, ValueError):
-            return ""
+            said = ""
+        if not said.strip() and ended is not None:
+            how = f"killed by signal {-ended}" if ended < 0 else f"exit status {ended}"
+            said = f"no message, {how}"
+        return said
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -171,6 +197,9 @@ class _Sandbox:
         if self.slot is not None:
             self.slot.release()
             self.slot = None
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
 
 class _Launcher:
@@ -263,34 +292,39 @@ def _launcher() -> _Launcher:
 class Session:
     """A program's sandbox, used for its tests one at a time; `close()` (or `with`) ends it.
     `spare=False`: a sandbox started now, not one started earlier (a check of this moment's
-    machine)."""
+    machine). `language` "cpp": the program is C++ (stdin problems), compiled in the sandbox under
+    `compile_limits` before its first test; `compiled` is the compiler's run (check `built`)."""
 
     def __init__(self, program: str, kind: str = "stdin", func_name: str | None = None,
-                 limits: Limits = Limits(), settings: SandboxSettings | None = None, spare: bool = True):
+                 limits: Limits = Limits(), settings: SandboxSettings | None = None, spare: bool = True,
+                 language: str = "python", compile_limits: Limits | None = None):
         if kind not in ("stdin", "functional") or (kind == "functional" and not func_name):
             raise ValueError(f"sandbox: kind {kind!r} (functional needs func_name)")
+        if language not in LANGUAGES or (language != "python" and kind != "stdin"):
+            raise ValueError(f"sandbox: language {language!r} (one of {LANGUAGES}; C++ on stdin problems only)")
         self.settings = settings or SandboxSettings.from_env()
-        self.limits, self.kind = limits, kind
+        self.limits, self.kind, self.language = limits, kind, language
+        self.compile_limits = compile_limits or Limits.compile()
+        self.compiled: TestRun | None = None
         self.sandbox: _Sandbox | None = None
+        message = {"program": program, "func_name": func_name, "limits": limits.as_dict()}
+        if language == "cpp":  # before any sandbox: no compiler is a one-line refusal, not a verdict
+            message["compile"] = {"argv": cpp_command(self.settings), "limits": self.compile_limits.as_dict(),
+                                  "env": COMPILE_ENV}
+        bounds = [limits] + ([self.compile_limits] if language == "cpp" else [])
         try:
-            self.sandbox = self._ready(spare)
-            cgroup = self.sandbox.slot.cgroup if self.sandbox.slot else None
-            if cgroup is not None:
-                cgroup.set_limits(limits.sandbox_memory(self.settings), limits.processes + 8)
-            self.oom_kills = cgroup.oom_kills() if cgroup is not None else 0
-            self.sandbox.send({"program": program, "func_name": func_name, "limits": limits.as_dict(),
-                               "uid": self.sandbox.slot.uid if self.sandbox.slot else None})
-        except OSError as err:  # the cgroup's files
-            self.close()
-            raise SandboxError(f"sandbox: {err}") from None
+            self.sandbox = self._started(spare, message, max(b.sandbox_memory(self.settings) for b in bounds),
+                                         max(b.processes for b in bounds) + 8)
+            if language == "cpp":
+                self.compiled = self._report(self.compile_limits)
         except BaseException:
             self.close()
             raise
 
-    def _ready(self, spare: bool) -> _Sandbox:
-        """A started sandbox that said it is ready; a spare that failed to start or died waiting
-        (its harness killed from outside, the machine short of memory) is replaced by one started
-        now."""
+    def _started(self, spare: bool, message: dict, memory_bytes: int, processes: int) -> _Sandbox:
+        """A sandbox that said it is ready and took the program (its cgroup bounded first). A
+        spare that failed to start, or died waiting before or after it said ready (its harness
+        killed from outside, the machine short of memory), is replaced by one started now."""
         launcher = _launcher()
         for attempt in (spare, False):
             try:
@@ -302,16 +336,25 @@ class Session:
             sandbox.reports = _Reports(sandbox.process.stdout.fileno(), 8 * self.limits.output_bytes + 65536)
             try:
                 ready = sandbox.reports.read(STARTUP_S)
-            except SandboxError:
-                message = explain_failure(sandbox.last_words())
+                if ready == {"ready": True}:
+                    cgroup = sandbox.slot.cgroup if sandbox.slot else None
+                    if cgroup is not None:
+                        cgroup.set_limits(memory_bytes, processes)
+                    self.oom_kills = cgroup.oom_kills() if cgroup is not None else 0
+                    sandbox.send({**message, "uid": sandbox.slot.uid if sandbox.slot else None})
+                    return sandbox
+                error = SandboxError(f"sandbox: the harness said {str(ready)[:200]}")
+            except OSError as err:  # the cgroup's files
+                error = SandboxError(f"sandbox: {err}")
+            except HarnessDied as err:  # it died after it said ready
+                error = err
+            except SandboxError:  # it died before it said ready, or did not answer
+                error = HarnessDied(explain_failure(sandbox.last_words()))
+            if attempt and isinstance(error, HarnessDied):  # a spare that died waiting: one started now instead
                 sandbox.close()
-                if attempt:
-                    continue
-                raise SandboxError(message) from None
-            if ready != {"ready": True}:
-                sandbox.close()
-                raise SandboxError(f"sandbox: the harness said {str(ready)[:200]}")
-            return sandbox
+                continue
+            sandbox.close()
+            raise error
         raise AssertionError("unreachable")
 
     def run(self, test_input: str) -> TestRun:
@@ -334,8 +377,15 @@ class Session:
                 self.sandbox.send({"input": inputs[index + 1]})
             yield self._report()
 
-    def _report(self) -> TestRun:
-        report = self.sandbox.reports.read(self.limits.wall_s + MARGIN_S)
+    @property
+    def built(self) -> bool:
+        """A compiled program's build succeeded (within its limits); True for Python."""
+        run = self.compiled
+        return run is None or (run.status == "exited" and run.exit_code == 0 and run.cpu_s <= self.compile_limits.cpu_s
+                               and not run.memory_killed)
+
+    def _report(self, limits: Limits | None = None) -> TestRun:
+        report = self.sandbox.reports.read((limits or self.limits).wall_s + MARGIN_S)
         try:
             run = TestRun(**report)
         except TypeError:
@@ -358,6 +408,14 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_languages(languages, settings: SandboxSettings | None = None, prepare: bool = False) -> None:
+    """SandboxUnavailable in one line where a language of `languages` cannot be judged here (cpp:
+    no g++ in the sandbox's /usr); with cpp, the precompiled header found (`prepare`: built where
+    missing, a few seconds once per host), so that the sandboxes started from now on hold it."""
+    if "cpp" in languages:
+        cpp_pch(cpp_compiler(settings or SandboxSettings.from_env()), build=prepare)
 
 
 _checked: set[bool] = set()

@@ -1,8 +1,10 @@
 """`python`: run a Python program for the model (rollout.tools: [gspo_mcore.tools.python:python]).
 
 The code runs in the sandbox (gspo_mcore.sandbox, docs/13-code-rl.md): a bubblewrap boundary with
-no network, no view of the host's files but the interpreter's (read-only) and a private tmpfs,
-no environment, its own non-root uid, a seccomp filter, and limits on CPU time (CPU_SECONDS),
+no network, no view of the host's files but the interpreter's and the stated packages' (numpy,
+sympy, mpmath: gspo_mcore.sandbox.launch.PACKAGES, read-only) and a private tmpfs, no
+environment (but one thread for numpy's BLAS), its own non-root uid, a seccomp filter, and
+limits on CPU time (CPU_SECONDS),
 memory (MEMORY_BYTES), processes and the wall clock; what it prints comes back (stdout, then
 stderr), cut to OUTPUT_CHARS. It cannot read the trainer's keys or checkpoints or reach the
 network. Where the sandbox cannot start, importing this tool stops the run with one line saying
@@ -23,7 +25,7 @@ check_sandbox()  # at import: the trainer's load_tools and each tool worker refu
 
 
 def python(code: str) -> str:
-    """Run a Python program and return what it prints. Use print() to see results.
+    """Run a Python program (the standard library, numpy, sympy) and return what it prints. Use print().
 
     Args:
         code: The complete program, e.g. "print(sum(range(10)))".

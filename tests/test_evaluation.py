@@ -182,6 +182,24 @@ def test_a_batched_reward_scores_the_evaluation_as_training(tmp_path):
     assert metrics["eval/toy/pass@1"] == metrics["eval/toy/mean@4"] and metrics["eval/toy/reward_errors"] == 0
 
 
+def test_each_evaluation_sample_is_seeded_by_the_dataset_the_weights_and_its_place(tmp_path):
+    """A rerun evaluates the same samples (gspo_mcore.common.seeds.eval_seed); another version
+    of the weights draws anew."""
+    from gspo_mcore.common.seeds import eval_seed
+
+    evaluator, engine, _ = _toy_evaluation(tmp_path, "reward.name=gspo_mcore.tasks.toy:category_reward",
+                                           "train.seed=5")
+    try:
+        evaluator.run(engine, version="step-10")
+        evaluator.run(engine, version="step-10")
+        evaluator.run(engine, version="step-20")
+    finally:
+        evaluator.close()
+    (_, first), (_, again), (_, later) = engine.calls
+    assert first == again == [eval_seed(5, "toy", "step-10", p, k) for p in range(8) for k in range(4)]
+    assert later == [eval_seed(5, "toy", "step-20", p, k) for p in range(8) for k in range(4)]
+
+
 def test_an_evaluation_whose_reward_fails_says_so(tmp_path, capsys):
     """Failures were dropped: a reward that raised scored 0 with nothing said. Now: counted
     (eval/<name>/reward_errors), said on stderr with the first, and all of them failing stops it."""

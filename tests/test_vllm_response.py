@@ -185,6 +185,30 @@ def test_a_request_vllm_refuses_while_a_push_pauses_it_starts_over_without_an_at
         client.close()
 
 
+def test_each_request_carries_its_seed_where_vllm_reads_it(monkeypatch):
+    """SamplingParams.seed in /inference/v1/generate's sampling_params (vLLM seeds the request's
+    own generator with it), one per request; a request sent without one carries none."""
+    import json
+
+    from gspo_mcore.engines.vllm import client as vllm_client
+
+    sent = []
+
+    async def post_events(session, url, data, timeout_s):
+        body = json.loads(data)
+        sent.append((body["token_ids"], body["sampling_params"].get("seed")))
+        return streamed(answer(spans=(("v", 0, 4),)))
+
+    monkeypatch.setattr(vllm_client, "post_events", post_events)
+    client = vllm_client.VLLMClient(["http://stand-in"], VOCAB, max_concurrency=1)
+    try:
+        client.generate([PROMPT, PROMPT[:2]], {"max_new_tokens": 4, "temperature": 1.0}, seeds=[7, 2 ** 32 - 1])
+        client.generate([PROMPT], {"max_new_tokens": 4, "temperature": 1.0})
+    finally:
+        client.close()
+    assert sorted(sent[:2]) == sorted([(PROMPT, 7), (PROMPT[:2], 2 ** 32 - 1)]) and sent[2] == (PROMPT, None)
+
+
 def test_a_long_response_that_keeps_streaming_outlives_the_request_timeout(monkeypatch):
     """request_timeout_s bounds a silence, not a whole response: an 8k-token answer under load
     outlasted the 600 s cap, and the retry started it over from nothing. A stand-in server streams

@@ -329,9 +329,11 @@ class EngineClient(ABC):
     def generate(self, prompts: list[list[int]], sampling_params: dict,
                  weight_version: str | None = None, seeds: list[int] | None = None,
                  oldest_version: int | None = None, evaluation: bool = False) -> list[Rollout]:
-        """One rollout per prompt, in prompt order. `seeds`: a sampling seed per request (a
-        retried request samples the same tokens; used by servers started with
-        --enable-deterministic-inference, ignored by others). `weight_version` / `oldest_version`:
+        """One rollout per prompt, in prompt order. `seeds`: a sampling seed per request
+        (gspo_mcore.common.seeds), so a retried request and a rerun sample the same tokens: vLLM
+        seeds the request's own generator with it; SGLang samples with it on a CPU server
+        started here (sglang_cpu/shim/gspo_sglang_seeds.py) and on GPU under
+        --enable-deterministic-inference. `weight_version` / `oldest_version`:
         what parse_generate_response accepts. `evaluation`: responses nobody trains on (greedy
         decoding allowed), whose requests go before the training requests waiting for a slot (the
         trainer waits on them)."""

@@ -25,6 +25,7 @@ import time
 from gspo_mcore.config import Config
 from gspo_mcore.data import PromptDataset
 from gspo_mcore.common.errors import InputError
+from gspo_mcore.common.seeds import eval_seed
 from gspo_mcore.rewards.runner import RewardRunner
 from gspo_mcore.rollout.generation import Generator
 
@@ -102,8 +103,11 @@ class Evaluator:
         for d, samples, runner in self.datasets:
             began = time.monotonic()
             params = {"max_new_tokens": d.max_new_tokens, "temperature": d.temperature}
-            generated = self.generator.run(client, samples, d.samples, params, weight_version=version, evaluation=True,
-                                           name=f"eval {d.name}")
+            # Seeded by (run seed, dataset, weights, prompt, sample): a rerun evaluates alike.
+            seeds = [eval_seed(self.config.train.seed, d.name, version, i, k)
+                     for i in range(len(samples)) for k in range(d.samples)]
+            generated = self.generator.run(client, samples, d.samples, params, seeds, weight_version=version,
+                                           evaluation=True, name=f"eval {d.name}")
             wrong = [size for size in generated.sizes if size != d.samples]
             if wrong:  # pass@k needs k answers per prompt
                 raise InputError(f"rollout.function {self.config.rollout.function}: returned "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gspo_mcore.common.errors import InputError, RequestRefused
+from gspo_mcore.common.seeds import turn_seed
 from gspo_mcore.batch.rollout import Rollout
 
 
@@ -21,11 +22,12 @@ class Task:
 class EngineHandle:
     """What a rollout function gets for one trajectory (see the module docstring)."""
 
-    def __init__(self, client, tokenizer, server: int, sampling: dict, seed: int, config=None,
+    def __init__(self, client, tokenizer, server: int, sampling: dict, seed: int | None, config=None,
                  weight_version: str | None = None, oldest_version: int | None = None, name: str = "", tools=None,
                  template_kwargs: dict | None = None, evaluation: bool = False):
-        """`config`: the run's RolloutConfig (max_turns, max_trajectory_tokens, ... for functions
-        that read them); `template_kwargs`: data.chat_template_kwargs, for every rendering;
+        """`seed`: the trajectory's sampling seed, each turn's derived from it (None: the server
+        draws); `config`: the run's RolloutConfig (max_turns, max_trajectory_tokens, ... for
+        functions that read them); `template_kwargs`: data.chat_template_kwargs, for every rendering;
         `evaluation`: its requests go before training's waiting ones (the trainer waits on them)."""
         self.client, self.tokenizer, self.server, self.sampling = client, tokenizer, server, sampling
         self.config, self.template_kwargs = config, dict(template_kwargs or {})
@@ -35,7 +37,9 @@ class EngineHandle:
 
     async def generate(self, input_ids: list[int], max_new_tokens: int | None = None) -> Rollout:
         """One model turn from `input_ids` (prompt + every token so far)."""
-        params = dict(self.sampling, sampling_seed=self.seed + self.calls)
+        params = dict(self.sampling)
+        if self.seed is not None:
+            params["sampling_seed"] = turn_seed(self.seed, self.calls)
         if max_new_tokens is not None:
             params["max_new_tokens"] = max_new_tokens
         self.calls += 1

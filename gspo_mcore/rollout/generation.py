@@ -40,22 +40,26 @@ class Generator:
             rollout = config.rollout
             self.tools = ToolRunner(rollout.tools, workers=rollout.tool_workers, timeout_s=rollout.tool_timeout_s)
 
-    def run(self, client, samples: list, repeats: int, params: dict, seeds_base: int = 0, *,
+    def run(self, client, samples: list, repeats: int, params: dict, seeds: list[int] | None = None, *,
             weight_version: str | None = None, oldest_version: int | None = None, evaluation: bool = False,
             name: str = "trajectory") -> Generated:
-        """`repeats` responses to each of `samples` (dataset rows) through `client`. Request i
-        samples with seed `seeds_base + i` (a function's trajectory i: `(seeds_base + i) * 1000`
-        and on). `weight_version` / `oldest_version`: what the responses' tokens may come from;
-        `evaluation`: nobody trains on them (greedy allowed, no trainer samples built)."""
+        """`repeats` responses to each of `samples` (dataset rows) through `client`. `seeds`: the
+        sampling seed of each response, in prompt order (gspo_mcore.common.seeds; a function's
+        trajectory seeds its turns from it); None: the servers draw. `weight_version` /
+        `oldest_version`: what the responses' tokens may come from; `evaluation`: nobody trains
+        on them (greedy allowed, no trainer samples built)."""
+        if seeds is not None and len(seeds) != len(samples) * repeats:
+            raise ValueError(f"{len(seeds)} seeds for {len(samples)} prompts x {repeats} responses")
         if self.function is None:
-            return self._single_turn(client, samples, repeats, params, seeds_base, weight_version, oldest_version,
+            return self._single_turn(client, samples, repeats, params, seeds, weight_version, oldest_version,
                                      evaluation)
         cfg, count = self.config, len(client.urls)
 
         def handle_for(i: int, k: int) -> EngineHandle:
             index = i * repeats + k  # spread over the servers; each trajectory stays on its own
-            return EngineHandle(client, self.tokenizer, index % count, params, (seeds_base + index) * 1_000,
-                                cfg.rollout, weight_version, oldest_version, name=f"{name} {index}", tools=self.tools,
+            seed = None if seeds is None else seeds[index]
+            return EngineHandle(client, self.tokenizer, index % count, params, seed, cfg.rollout, weight_version,
+                                oldest_version, name=f"{name} {index}", tools=self.tools,
                                 template_kwargs=cfg.data.chat_template_kwargs, evaluation=evaluation)
 
         tasks = [Task(s.messages, s.answer, dict(s.metadata)) for s in samples]
@@ -69,13 +73,13 @@ class Generator:
                          None if evaluation else [to_rollout(t, f"{n}") for n, t in enumerate(flat)], infos,
                          transcripts)
 
-    def _single_turn(self, client, samples, repeats, params, seeds_base, weight_version, oldest_version,
+    def _single_turn(self, client, samples, repeats, params, seeds, weight_version, oldest_version,
                      evaluation) -> Generated:
         template_kwargs = self.config.data.chat_template_kwargs
         prompts = [chat_prompt_ids(self.tokenizer, s.messages, template_kwargs) for s in samples]
         requests = [p for p in prompts for _ in range(repeats)]
         rollouts = client.generate(requests, params, weight_version=weight_version,
-                                   seeds=[seeds_base + i for i in range(len(requests))],
+                                   seeds=seeds,
                                    oldest_version=oldest_version, evaluation=evaluation)
         texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
         return Generated(texts, [len(r.response_ids) for r in rollouts], [repeats] * len(samples),

@@ -21,7 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from gspo_mcore.batch.rollout import Batch, Rollout
 from gspo_mcore.rollout.source import RolloutSource
-from gspo_mcore.common.seeds import step_seed
 
 
 def staleness_metrics(rollouts: list[Rollout], version: int) -> dict:
@@ -200,13 +199,14 @@ class AsyncProducer(Overlapping):
                 self._admit()
 
     def _admit(self) -> None:
-        """One more group (called with the lock held): its prompt, its seeds, the oldest version
-        its tokens may carry (the version now: the engine holds nothing older)."""
+        """One more group (called with the lock held): its prompt, drawn now so that groups hold
+        the prompts in admission order whichever thread starts first (their seeds follow the
+        draw), and the oldest version its tokens may carry (the version now: the engine holds
+        nothing older)."""
         state = self.source.state_dict()
         index, self.admitted = self.admitted, self.admitted + 1
-        seeds_base = step_seed(self.source.config.train.seed, index) * 100_003
         group = {"index": index, "state": state}
-        group["future"] = self.pool.submit(self.source.round, 1, 1, seeds_base, None, self.version)
+        group["future"] = self.pool.submit(self.source.round, 1, 1, None, self.version, self.source.draw(1))
         group["future"].add_done_callback(self._finished)
         self.pending.append(group)
 

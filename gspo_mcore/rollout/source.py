@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from gspo_mcore.rewards.code import step_figures
 from gspo_mcore.rewards.runner import RewardRunner
 from gspo_mcore.rollout.generation import Generator
 from gspo_mcore.batch.rollout import Rollout
-from gspo_mcore.common.seeds import step_seed
+from gspo_mcore.common.seeds import rollout_seed
 
 
 class RolloutSource:
@@ -82,6 +83,7 @@ class RolloutSource:
         self.client = engine.client(vocab_size, request_timeout_s=self.config.rollout.request_timeout_s,
                                     max_attempts=self.config.rollout.max_attempts, routing_shape=routing_shape,
                                     max_concurrency=max_concurrency)
+        print(reproducibility(self.config), flush=True)
 
     def collect(self, step: int, weight_version: str | None = None,
                 oldest_version: int | None = None) -> tuple[list[Rollout], list[float], dict]:
@@ -94,24 +96,29 @@ class RolloutSource:
             missing = self.config.train.rollout_batch_size - sum(r["groups_kept"] for r in rounds)
             if missing <= 0:
                 break
-            # Seeds from (run seed, step, request): with a deterministic server, a resumed run
-            # samples what the uninterrupted one did.
-            seeds_base = step_seed(self.config.train.seed, step) * 100_003 + sum(r["requests"] for r in rounds)
             kept, kept_advantages, figures = self.round(missing, math.ceil(missing * self.config.rollout.oversample),
-                                                        seeds_base, weight_version, oldest_version)
+                                                        weight_version, oldest_version)
             rollouts += kept
             advantages += kept_advantages
             rounds.append(figures)
         return rollouts, advantages, self.step_metrics(rounds)
 
-    def round(self, wanted: int, num_prompts: int, seeds_base: int, weight_version: str | None = None,
-              oldest_version: int | None = None) -> tuple[list, list, dict]:
-        """One generation round: `num_prompts` groups; keeps at most `wanted` of them, the first
-        the group filter keeps. Thread-safe: the asynchronous producer runs one per group."""
-        cfg = self.config.train
+    def draw(self, count: int) -> tuple[int, list]:
+        """The next `count` prompts: (the first one's draw index, their dataset rows)."""
         with self.lock:  # the sampler's position
-            samples = [self.dataset[i] for i in self.sampler.next_indices(num_prompts)]
-        generated = self.generator.run(self.client, samples, cfg.group_size, self.sampling_params(), seeds_base,
+            first = self.draws()
+            return first, [self.dataset[i] for i in self.sampler.next_indices(count)]
+
+    def round(self, wanted: int, num_prompts: int, weight_version: str | None = None,
+              oldest_version: int | None = None, drawn: tuple[int, list] | None = None) -> tuple[list, list, dict]:
+        """One generation round: `num_prompts` groups (`drawn`: prompts `draw` gave already, or
+        the next ones); keeps at most `wanted` of them, the first the group filter keeps.
+        Thread-safe: the asynchronous producer runs one per group. Each response samples with
+        the seed of its prompt's draw and its place in the group (gspo_mcore.common.seeds)."""
+        cfg = self.config.train
+        first, samples = drawn or self.draw(num_prompts)
+        seeds = [rollout_seed(cfg.seed, first + i, k) for i in range(len(samples)) for k in range(cfg.group_size)]
+        generated = self.generator.run(self.client, samples, cfg.group_size, self.sampling_params(), seeds,
                                        weight_version=weight_version, oldest_version=oldest_version)
         rollouts, texts, sizes, preset = generated.rollouts, generated.texts, generated.sizes, generated.preset
         answers = [s.answer for s, n in zip(samples, sizes) for _ in range(n)]
@@ -183,6 +190,13 @@ class RolloutSource:
             raise InputError(f"reward {reward.name}: {failed} of {calls} calls failed (reward.max_error_fraction "
                              f"{reward.max_error_fraction:g}); the first: {stats.messages[0]}{kept}")
 
+    def draws(self) -> int:
+        """Prompts drawn so far in the run, over its epochs: the next draw's index (a resumed
+        run's sampler continues from the checkpoint's position, so its draws are numbered as the
+        uninterrupted run's)."""
+        state = self.sampler.state_dict()
+        return state["epoch"] * state["num_samples"] + state["position"]
+
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "running": self.running.state_dict()}
 
@@ -234,3 +248,32 @@ def _turn_metrics(infos: list[dict]) -> dict:
             "tool_calls_mean": sum(i.get("tool_calls", 0) for i in infos) / len(infos),
             "tool_errors": sum(i.get("tool_errors", 0) for i in infos),
             "tool_timeouts": sum(i.get("tool_timeouts", 0) for i in infos)}
+
+
+def reproducibility(config: Config) -> str:
+    """The line a run starts with: every request is seeded from train.seed (RolloutSource.round),
+    and whether a rerun therefore samples the same tokens or what still moves them (measured on
+    CPU, docs/09-reliability.md "Reproducible runs")."""
+    rollout, why = config.rollout, []
+    if rollout.mode != "sync":
+        why.append(f"rollout.mode {rollout.mode}: which weights sample a token depends on timing")
+    if config.distributed.device == "cuda":  # GPU kernels sum in an order that follows the batch's size
+        if rollout.engine == "sglang" and "--enable-deterministic-inference" not in rollout.server_args:
+            why.append("SGLang on GPU samples with the seeds, in batch-invariant kernels, only under "
+                       "--enable-deterministic-inference (rollout.server_args)")
+        if rollout.engine == "vllm" and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
+            why.append("vLLM on GPU: a request's logits move with the batch beside it unless VLLM_BATCH_INVARIANT=1")
+    if rollout.urls:
+        why.append("rollout.urls: servers this run did not start sample with the seeds only if started as a run "
+                   "starts them (python -m gspo_mcore.engines.serve)")
+    if rollout.tools:
+        why.append("rollout.tools: a tool's results, timeouts included, are the tool's")
+    said = "sampling: each request seeded from train.seed, its prompt's draw and its place in the group"
+    if why:
+        return f"{said}; a rerun may sample other tokens: {'; '.join(why)}"
+    # Measured on CPU: SGLang's float32 log-probs moved up to ~1.4e-6 with the batch (its bfloat16
+    # ones and vLLM's did not move).
+    if rollout.engine == "sglang" and rollout.engine_dtype == "float32" and config.distributed.device == "cpu":
+        return (f"{said}; a rerun samples the same tokens (bar a float32 near-tie: SGLang's logits move ~1e-6 "
+                "with the batch)")
+    return f"{said}; a rerun samples the same tokens"

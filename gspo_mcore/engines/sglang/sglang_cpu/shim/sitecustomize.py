@@ -70,9 +70,24 @@ def _fork_children(module) -> None:
     module.Engine._launch_subprocesses = classmethod(launch_subprocesses)
 
 
+def _request_seeds(module) -> None:
+    from gspo_sglang_seeds import with_request_seeds
+
+    with_request_seeds(module)
+
+
+def _seeded_sampler(module) -> None:
+    from gspo_sglang_seeds import cpu_seeded_sampler
+
+    cpu_seeded_sampler(module)
+
+
+# Per-request sampling seeds (gspo_sglang_seeds.py beside this file says why and how).
 _PATCHES = {"sglang.srt.mem_cache.pool_host.common": _add_cpu_allocator,
             "sglang.srt.managers.load_snapshot": _snapshot_in_tmpdir,
-            "sglang.srt.entrypoints.engine": _fork_children}
+            "sglang.srt.entrypoints.engine": _fork_children,
+            "sglang.srt.sampling.sampling_batch_info": _request_seeds,
+            "sglang.srt.layers.sampler": _seeded_sampler}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

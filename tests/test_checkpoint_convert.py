@@ -83,13 +83,17 @@ def test_dtype_cast(tiny_hf_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
+@pytest.mark.parametrize("nproc, overrides", [(1, []), (2, ["model.spec=torch", "distributed.expert_parallel=2"])],
+                         ids=["local", "torch-EP2"])
+def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path, nproc, overrides):
     """Keys, global shapes, dtypes and values equal those of Megatron's own save of the model
-    (the local spec; the converter adds the extra states of the TE spec's standalone norms)."""
+    (the local spec; the converter adds the extra states of the TE spec's standalone norms), and
+    of the torch spec's stacked experts saved from two expert-parallel ranks: one checkpoint."""
     from checkpoint_convert.convert import local_spec_aliases, te_norm_extra_state_keys
     from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
 
-    run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved")])
+    run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved"), *overrides],
+               nproc=nproc)
     ours = DCPReader(converted / "release")
     megatron = DCPReader(tmp_path / "saved" / "iter_0000001")
     ours_md, theirs_md = ours.metadata.state_dict_metadata, megatron.metadata.state_dict_metadata
@@ -109,10 +113,11 @@ def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["EP2", "PP2", "TP2-SP"])
+@pytest.mark.parametrize("layout", ["EP2", "PP2", "TP2-SP", "EP2-torch-spec"])
 def test_converted_checkpoint_loads_under_layouts(tiny_hf_dir, converted, layout):
     overrides = {"EP2": ["distributed.expert_parallel=2"], "PP2": ["distributed.pipeline_parallel=2"],
-                 "TP2-SP": ["distributed.tensor_parallel=2"]}[layout]
+                 "TP2-SP": ["distributed.tensor_parallel=2"],
+                 "EP2-torch-spec": ["distributed.expert_parallel=2", "model.spec=torch"]}[layout]
     proc = run_module(["-m", "gspo_mcore.megatron.parity", f"model.hf_dir={tiny_hf_dir}", "--mcore-dir", str(converted),
                        *overrides], nproc=2)
     figures = last_json_line(proc.stdout)

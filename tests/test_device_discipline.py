@@ -14,7 +14,7 @@ FACTORIES = {"full", "zeros", "ones", "empty", "tensor", "arange", "as_tensor", 
              "randperm", "linspace", "eye", "from_numpy", "empty_strided"}
 ON_DEVICE = ["gspo_mcore/gspo/loss.py", "gspo_mcore/megatron/pipeline_loss.py", "gspo_mcore/metrics/report.py", "gspo_mcore/megatron/learner.py",
              "gspo_mcore/gspo/logprobs.py", "gspo_mcore/megatron/optimizer.py", "gspo_mcore/megatron/qwen3_moe/forward.py",
-             "gspo_mcore/megatron/qwen3_moe/routing.py",
+             "gspo_mcore/megatron/qwen3_moe/routing.py", "gspo_mcore/megatron/qwen3_moe/experts.py",
              *sorted(str(p.relative_to(REPO)) for p in (REPO / "gspo_mcore/weight_sync").glob("*.py"))]
 
 

@@ -31,7 +31,7 @@ def test_adapter_needs_no_megatron():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-@pytest.mark.parametrize("spec", ["local", "te"])
+@pytest.mark.parametrize("spec", ["local", "te", "torch"])
 def test_round_trip_is_bitwise(checkpoint, spec):
     arch, hf = checkpoint
     rules = all_rules(arch, spec)
@@ -54,6 +54,8 @@ def test_names_per_spec(checkpoint):
     assert "decoder.layers.2.mlp.experts.local_experts.7.linear_fc2.weight" in local
     assert "decoder.layers.2.mlp.experts.linear_fc2.weight7" in te
     assert "output_layer.weight" in local  # untied
+    # The torch spec's stacked experts are moved expert by expert under the local spec's names.
+    assert [r.mcore for r in all_rules(arch, "torch")] == [r.mcore for r in all_rules(arch, "local")]
 
 
 def test_qkv_is_interleaved_per_query_group(checkpoint):

@@ -25,6 +25,9 @@ def global_batch(hf_dir) -> dict:
 
 
 plan_layout_job("train_step", "train_step", LAYOUTS, OPTIMIZER, batch=global_batch)
+# model.spec torch (grouped experts) under the layouts that split the experts
+TORCH_LAYOUTS = ["EP2", "TP2-SP-ETP2"]
+plan_layout_job("train_step_torch", "train_step", TORCH_LAYOUTS, [*OPTIMIZER, "model.spec=torch"], batch=global_batch)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +49,9 @@ def hf_reference(tiny_hf_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_step_matches_hf(tiny_hf_dir, hf_reference, layout_output, layout):
+def test_step_matches_hf(tiny_hf_dir, hf_reference, layout_output, layout, job="train_step"):
     nproc, _ = LAYOUTS[layout]
-    out = layout_output(layout, "train_step")
+    out = layout_output(layout, job)
     ref_loss, ref_grad_norm, ref_weights = hf_reference
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
     losses = [r["loss"] for r in ranks if r["loss"] is not None]
@@ -66,3 +69,10 @@ def test_step_matches_hf(tiny_hf_dir, hf_reference, layout_output, layout):
     before = HFCheckpointReader(tiny_hf_dir)
     moved = max((ref_weights[n] - before[n]).abs().max().item() for n in ref_weights)
     assert moved > 1e-3
+
+
+@pytest.mark.parametrize("layout", TORCH_LAYOUTS)
+def test_a_step_with_grouped_experts_matches_hf(tiny_hf_dir, hf_reference, layout_output, layout):
+    """Gradients through model.spec torch's grouped experts, Megatron's DDP and optimizer:
+    transformers' step, as for the `local` spec."""
+    test_step_matches_hf(tiny_hf_dir, hf_reference, layout_output, layout, job="train_step_torch")

@@ -1,6 +1,10 @@
-"""Megatron module specs for Qwen3-MoE decoder layers: `te` (GPU) and `local` (pure torch: torch SDPA attention)."""
+"""Megatron module specs for Qwen3-MoE decoder layers: `te` (Transformer Engine, GPU), `local` (megatron-core's
+local modules, torch SDPA attention) and `torch` (`local` with the experts as grouped GEMMs: experts.py). All
+three read and write the same checkpoint keys."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -21,6 +25,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.megatron.qwen3_moe.attention import ScaledDotProductAttention
+from gspo_mcore.megatron.qwen3_moe.experts import TorchGroupedMLP
 
 
 class RMSNorm(torch.nn.Module):
@@ -45,9 +50,13 @@ class RMSNorm(torch.nn.Module):
         return self.weight * hidden.to(dtype)
 
 
-def _local_layer_spec(num_experts: int | None) -> ModuleSpec:
+def _local_layer_spec(num_experts: int | None, grouped_experts: bool = False) -> ModuleSpec:
+    """The `local` spec's layer; `grouped_experts`: the `torch` spec's, whose MoE experts are TorchGroupedMLP
+    (SequentialMLP's constructor, forward and checkpoint) under the same router and token dispatcher."""
     if num_experts:
         mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
+        if grouped_experts:
+            mlp.submodules.experts = ModuleSpec(module=TorchGroupedMLP)
     else:
         mlp = ModuleSpec(
             module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
@@ -107,6 +116,8 @@ def decoder_block_spec(
         from megatron.core.extensions.transformer_engine import TENorm
 
         layer_spec, norm = _te_layer_spec, TENorm
+    elif spec == "torch":
+        layer_spec, norm = partial(_local_layer_spec, grouped_experts=True), RMSNorm
     else:
         layer_spec, norm = _local_layer_spec, RMSNorm
     dense, moe = layer_spec(None), layer_spec(config.num_moe_experts)

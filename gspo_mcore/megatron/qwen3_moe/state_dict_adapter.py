@@ -24,7 +24,10 @@ import torch
 from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
 
 COPY, QKV, GLU = "copy", "qkv", "glu"
-SPECS = ("te", "local")
+SPECS = ("te", "local", "torch")
+# The `torch` spec's experts stack a layer's local experts in one tensor per linear; parallel_weights hands
+# each expert's slice over under the `local` spec's name (TorchGroupedMLP.expert_weights), so its names are local's.
+_NAMES_OF = {"torch": "local"}
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ HF_LAYER_PREFIX = "model.layers.{layer}."
 
 def _rule(row, spec: str, mcore_prefix: str = "", hf_prefix: str = "", **index) -> Rule:
     mcore, hf, kind = row
-    mcore = mcore[spec] if isinstance(mcore, dict) else mcore
+    mcore = mcore[_NAMES_OF.get(spec, spec)] if isinstance(mcore, dict) else mcore
     return Rule(
         (mcore_prefix + mcore).format(**index),
         tuple((hf_prefix + name).format(**index) for name in hf),

@@ -15,8 +15,11 @@
 #     (bf16 rounding flips some router near-ties, so the maximum is no criterion; a wrong
 #     mapping gives ~1 x std) with the exported weights bitwise the checkpoint's.
 # 2/3 colocated: the toy task on one GPU shared by SGLang (memory saver) and the trainer
-#     (configs/qwen3_30b_a3b_gspo.yaml's path: weights over CUDA IPC, Adam in host memory), the
-#     sync check after every push; 2 steps, then a resume for a third.
+#     (configs/qwen3_30b_a3b_gspo.yaml's path: weights over CUDA IPC, Megatron's precision-aware
+#     Adam on Transformer Engine's FusedAdam, the fp32 gradient buffers given back while SGLang
+#     generates), the sync check after every push; 2 steps, then a resume for a third. Then the
+#     offloaded arm (Adam in host memory, Megatron's HybridDeviceOptimizer: the 235B and one-node
+#     async configs'), 2 steps.
 # 3/3 memory: a 2-layer synthetic model with Qwen3-30B-A3B's widths (128 experts, hidden 2048,
 #     vocabulary 151,936) at the 30B config's token budget, colocated as in 2/3: the attention
 #     backend Transformer Engine chose, and the trainer's peak memory (metrics.jsonl
@@ -87,7 +90,8 @@ print(f"{'PASS' if ok else 'FAIL'} 1/3 TE parity (bf16, --spec te): mean |logit 
 sys.exit(not ok)
 EOF
 
-# ---- 2/3 colocated: CUDA IPC sync, memory saver, offloaded Adam, sync check every step, resume
+# ---- 2/3 colocated: CUDA IPC sync, memory saver, precision-aware Adam with the gradient buffers
+#      given back during rollout, sync check every step, resume; then offloaded Adam
 log=$work/2_colocated.log
 step "2/3 colocated" "$log" "$py" -m gspo_mcore.tasks.toy "$work/toy"
 step "2/3 colocated" "$log" "$py" -m checkpoint_convert hf-to-mcore --hf-dir "$work/toy/model" \
@@ -102,18 +106,29 @@ toy=("model.hf_dir=$work/toy/model" "model.mcore_dir=$work/toy-mcore" "data.path
 export GSPO_GPUS_PER_NODE=1
 step "2/3 colocated" "$log" launch/train_8xh100.sh "$config" "$work/colocated" "${toy[@]}" train.steps=2
 step "2/3 colocated" "$log" launch/train_8xh100.sh "$config" "$work/colocated" "${toy[@]}" train.steps=3  # resumes
-"$py" - "$work/colocated/metrics.jsonl" <<'EOF'
+# colocated_verdict METRICS [STEPS [ARM]]: the run's steps 1..STEPS (default 3, the last after a
+# resume), each with a sync check.
+colocated_verdict() {
+"$py" - "$@" <<'EOF'
 import json, os, sys
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+arm = sys.argv[3] if len(sys.argv) > 3 else "precision-aware Adam, gradient buffers given back"
 if not os.path.exists(sys.argv[1]):
-    print(f"FAIL 2/3 colocated: no {sys.argv[1]}")
+    print(f"FAIL 2/3 colocated ({arm}): no {sys.argv[1]}")
     sys.exit(1)
 rows = [json.loads(line) for line in open(sys.argv[1])]
 checks = [r.get("sync_check_median") for r in rows]
-ok = [r["step"] for r in rows] == [1, 2, 3] and None not in checks
-print(f"{'PASS' if ok else 'FAIL'} 2/3 colocated (CUDA IPC sync, memory saver, offloaded Adam): steps "
-      f"{[r['step'] for r in rows]} (the third after a resume), sync check medians {checks}")
+ok = [r["step"] for r in rows] == list(range(1, steps + 1)) and None not in checks
+print(f"{'PASS' if ok else 'FAIL'} 2/3 colocated (CUDA IPC sync, memory saver, {arm}): steps "
+      f"{[r['step'] for r in rows]}{' (the last after a resume)' if steps == 3 else ''}, sync check medians {checks}")
 sys.exit(not ok)
 EOF
+}
+colocated_verdict "$work/colocated/metrics.jsonl"
+offload=(optimizer.precision_aware=false optimizer.cpu_offload=true optimizer.offload_grad_buffers=false)
+step "2/3 colocated" "$log" launch/train_8xh100.sh "$config" "$work/colocated_offload" "${toy[@]}" "${offload[@]}" \
+    train.steps=2 train.save_every=0 train.save_final=false
+colocated_verdict "$work/colocated_offload/metrics.jsonl" 2 "offloaded Adam"
 
 # ---- 3/3 memory at Qwen3-30B-A3B's widths and the 30B config's token budget
 log=$work/3_memory.log

@@ -342,3 +342,35 @@ def test_checks_across_sections_pass_each_section_alone():
     config.rollout.check(), config.reward.check()
     with pytest.raises(ConfigError, match="^reward.norm: 'batch' has no batch in rollout.mode 'async'"):
         config.validate()
+
+
+# ------------------------------------------------------------------ #47 item 5
+def test_the_gradient_buffers_are_given_back_only_to_a_colocated_engine():
+    """optimizer.offload_grad_buffers makes room for an engine on the trainer's GPUs: with split
+    engines it would only cost a reallocation a step, so it is refused in one line. Colocated, it
+    goes with every optimizer: precision-aware, fp32 Adam on the GPU, and the host-offloaded one
+    (Megatron's HybridDeviceOptimizer reads the gradients afresh at each step:
+    hybrid_optimizer.py, `getattr(param, "decoupled_grad", param.grad)`), on CPU as on CUDA."""
+    with pytest.raises(ConfigError, match=r"^optimizer.offload_grad_buffers: gives the gradient buffers to a "
+                                          r"colocated engine while it generates: needs weight_sync.colocate$"):
+        load_config(None, ["optimizer.offload_grad_buffers=true"])
+    colocated = ["weight_sync.colocate=true", "weight_sync.method=disk", "optimizer.offload_grad_buffers=true"]
+    assert load_config(None, colocated).optimizer.offload_grad_buffers  # CPU: the storage resize works there too
+    gpu = ["distributed.device=cuda", "model.dtype=bfloat16", *colocated]
+    for optimizer in (["optimizer.precision_aware=true"], [], ["optimizer.cpu_offload=true"]):
+        assert load_config(None, [*gpu, *optimizer]).optimizer.offload_grad_buffers
+    assert not load_config(None).optimizer.offload_grad_buffers  # off unless a config says so
+
+
+def test_the_30b_configs_run_precision_aware_with_the_gradients_given_back_where_colocated():
+    """#47 item 5: every 30B config that shares its GPUs with the engine runs the precision-aware
+    optimizer and gives the gradient buffers back during rollout; a split one keeps them; the
+    one-node async config (EP 4) and the 235B one keep Adam on the host (tests/test_plan.py: why)."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for path in sorted(configs.glob("qwen3_*.yaml")):
+        config = load_config(path)
+        opt = config.optimizer
+        assert opt.offload_grad_buffers == config.weight_sync.colocate, path.name
+        offloaded = path.name in ("qwen3_235b_a22b_gspo.yaml", "qwen3_30b_a3b_gspo_async_1node.yaml",
+                                  "qwen3_30b_a3b_gspo_async_1node_vllm.yaml")
+        assert (opt.cpu_offload, opt.precision_aware) == (offloaded, not offloaded), path.name

@@ -107,3 +107,62 @@ def test_release_drops_a_host_optimizers_copies_and_states(monkeypatch):
     assert all(not sub.param_groups and not sub.state for sub in hybrid.sub_optimizers)
     sources = inspect.getsource(distrib_optimizer) + inspect.getsource(mixed_precision)
     assert all(f"self.{name}" in sources for name in _MAIN_PARAMS)
+
+
+# ------------------------------------------------------------------ #47 item 5
+def test_the_master_weights_are_kept_as_remainders_and_an_older_transformer_engine_is_refused(te_fused_adam,
+                                                                                           monkeypatch):
+    """store_param_remainders is asked for, not left to Megatron's default: with TE < 2.1
+    OptimizerConfig.__post_init__ turns it off silently (fp32 master weights: 8 bytes a parameter,
+    not the planner's 6), so that TE is refused in one line."""
+    cfg = load_config(None, [*GPU_BF16, "optimizer.precision_aware=true"]).optimizer
+    assert megatron_optimizer_settings(cfg, BF16_MODEL)["store_param_remainders"] is True
+    assert "if not is_te_min_version(\"2.1.0\"):\n                self.store_param_remainders = False" in \
+        inspect.getsource(MegatronOptimizerConfig.__post_init__)
+    monkeypatch.setattr(megatron.core.utils, "_te_version", Version("2.0.0"))
+    with pytest.raises(ConfigError, match=r"^optimizer.precision_aware: needs Transformer Engine >= 2.1 "):
+        megatron_optimizer_settings(cfg, BF16_MODEL)
+
+
+def test_megatrons_state_offload_is_refused_on_a_precision_aware_optimizer():
+    """megatron-core 0.16.1's MegatronOptimizer.offload_to_cpu moves each parameter of the torch
+    optimizer's groups (`p.data = p.data.cpu()`), and with the precision-aware optimizer those are
+    the bf16 shard views of the model's weights (DistributedOptimizer's `shard_float16_params_this_group`
+    as the groups' params): moved, the model would never see a step again. setup_training puts
+    this refusal on such an optimizer and each it chains (read here: only a GPU builds one)."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer as mixed_precision
+
+    from gspo_mcore.megatron import optimizer as ours
+
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(), SimpleNamespace()])
+    ours.refuse_state_offload(chained)
+    for target in (chained, *chained.chained_optimizers):
+        for method in (target.offload_to_cpu, target.restore_from_cpu):
+            with pytest.raises(RuntimeError, match=r"^optimizer.precision_aware: Megatron's offload_to_cpu / "
+                                                   r"restore_from_cpu would replace the optimizer's bf16 shard views"):
+                method()
+    assert "p.data = p.data.cpu()" in inspect.getsource(mixed_precision.MegatronOptimizer.offload_to_cpu)
+    assert "*shard_float16_params_this_group," in inspect.getsource(distrib_optimizer)
+    assert "if cfg.precision_aware:\n        refuse_state_offload(optimizer)" in inspect.getsource(ours.setup_training)
+
+
+def test_the_gradient_buffers_are_given_back_and_taken_by_megatrons_own_calls():
+    """offload_grad_buffers / restore_grad_buffers are megatron-core 0.16.1's DDP methods: the
+    storage resized to 0 (no host copy: move_params=False) and back, zeroed; synchronized, and the
+    cache emptied, only where CUDA is (this CPU-only torch has neither)."""
+    import megatron.core.distributed.distributed_data_parallel as ddp_module
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+
+    from gspo_mcore.megatron.optimizer import offload_grad_buffers, restore_grad_buffers
+
+    calls = []
+    ddp = SimpleNamespace(offload_grad_buffers=lambda **kw: calls.append(("offload", kw)),
+                          restore_grad_buffers=lambda **kw: calls.append(("restore", kw)))
+    offload_grad_buffers(ddp)
+    restore_grad_buffers(ddp)
+    assert calls == [("offload", {"synchronize": False, "empty_cache": False}), ("restore", {"synchronize": False})]
+    source = inspect.getsource(ddp_module.DistributedDataParallel.offload_grad_buffers)
+    assert "buffer.offload_to_cpu(move_params=False, move_grads=True)" in source
+    assert "self.grad_data.storage().resize_(0)" in inspect.getsource(buffers._ParamAndGradBuffer.offload_to_cpu)
+    reload = inspect.getsource(buffers._ParamAndGradBuffer.reload_from_cpu)
+    assert "self.grad_data.storage().resize_(self.grad_data_size)" in reload and "self.grad_data.zero_()" in reload

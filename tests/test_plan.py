@@ -35,6 +35,12 @@ GPU_CONFIGS = {
 # arithmetic on the shapes (activations within ~1.5x), so ~10% of the GPU stays spare (the KV room
 # the colocated configs take is the planner's, which keeps just that).
 MIN_MARGIN_GB = KV_ROOM_MARGIN_GB
+# The 30B configs' optimizer before #47 item 5 (Adam's states on the host, the gradients kept),
+# and fp32 Adam on the GPUs: the tests of those plans name them over the configs' precision-aware default.
+OFFLOADED = ["optimizer.precision_aware=false", "optimizer.cpu_offload=true", "optimizer.offload_grad_buffers=false"]
+FP32_ADAM = ["optimizer.precision_aware=false", "optimizer.cpu_offload=false", "optimizer.offload_grad_buffers=false"]
+# The logits path (model.fused_logprobs false): the tests of the logits' own count name it.
+LOGITS = ["model.fused_logprobs=false"]
 
 
 def _plan(config="qwen3_30b_a3b_gspo.yaml", overrides=(), nodes=1, hf=HF_30B, gpu_gb=H100_GB):
@@ -72,18 +78,18 @@ def test_offload_keeps_the_30b_configs_fitting():
     """Without the offload one node does not fit while training, and two nodes (expert Adam
     states sharded over 2) fit while training but not beside SGLang's KV room."""
     with pytest.raises(ConfigError, match=r"during the training phase .* need an estimated 8\d\.\d GiB per GPU > 77\.6"):
-        _plan(overrides=["optimizer.cpu_offload=false"])
+        _plan(overrides=FP32_ADAM)
     with pytest.raises(MemoryRefused, match=r"during the weight push phase .* need an estimated 8\d\.\d GiB") as refused:
-        _plan("qwen3_30b_a3b_gspo_2node.yaml", ["optimizer.cpu_offload=false"], nodes=2)
+        _plan("qwen3_30b_a3b_gspo_2node.yaml", [*FP32_ADAM, "rollout.max_total_tokens=763904"], nodes=2)
     assert refused.value.result["phases_gb"]["training"] < refused.value.result["usable_gb"]
-    one = _plan()
+    one = _plan(overrides=OFFLOADED)
     assert one["trainer_optimizer_gb"] == 0 and one["host_optimizer_gb_per_gpu"] > 30
 
 
 def test_a_config_that_fits_while_training_is_refused_at_the_sync_check():
     """Long probes (prompt + max_new_tokens) make the check forward's logits the largest
     phase; without the check the same config fits."""
-    long = ["rollout.max_new_tokens=40960"]
+    long = ["rollout.max_new_tokens=40960", *LOGITS]
     with pytest.raises(MemoryRefused, match=r"weight_sync.colocate: during the sync check phase .* GiB per GPU > "
                                             r"77\.6 GiB usable .*: lower rollout.max_new_tokens") as refused:
         _plan(overrides=long)
@@ -97,29 +103,31 @@ def test_the_phases_add_what_is_resident_in_each():
     """Training: the trainer's peak + SGLang's allowance (released); push: static + bucket +
     SGLang resident; sync check: static + the probe's forward + SGLang; rollout: static + SGLang."""
     arch = load_hf_config(HF_30B)
-    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml")
+    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", LOGITS)
     result = plan(cfg, arch, 1, 8, H100_GB, 512)
     kv_gb = cfg.rollout.max_total_tokens * result["engine_kv_bytes_per_token"] / GIB
     engine = result["engine_weights_gb"] + kv_gb + 4.0
     static = sum(result[f"trainer_{k}_gb"] for k in ("weights", "gradients", "optimizer"))
+    assert cfg.optimizer.offload_grad_buffers  # the gradient buffers given back outside the training phase
+    resident = static - result["trainer_gradients_gb"]
     probe = 512 + cfg.rollout.max_new_tokens
     logits = (arch.vocab_size * probe * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4) / GIB
     assert result["engine_resident_gb"] == pytest.approx(engine) and result["trainer_static_gb"] == pytest.approx(static)
     assert result["phases_gb"] == pytest.approx({
-        "training": result["trainer_total_gb"] + 4.0, "weight push": static + 2 * cfg.weight_sync.bucket_mb / 1024 + engine,
-        "sync check": static + result["trainer_check_forward_gb"] + engine, "rollout": static + engine})
+        "training": result["trainer_total_gb"] + 4.0, "weight push": resident + 2 * cfg.weight_sync.bucket_mb / 1024 + engine,
+        "sync check": resident + result["trainer_check_forward_gb"] + engine, "rollout": resident + engine})
     # two logits copies of the ~8.7k-token probe (~4.9 GiB) + one layer's forward
     assert logits == pytest.approx(5.0, abs=0.1) and 0 < result["trainer_check_forward_gb"] - logits < 2
     # A KV cache that pushes the sum over the GPU is refused at the push (the trainer alone fits).
     big_cache = ["rollout.max_total_tokens=1600000"]
-    assert _plan(overrides=big_cache, gpu_gb=120.0)["trainer_total_gb"] < 60
+    assert _plan(overrides=big_cache, gpu_gb=120.0)["trainer_total_gb"] < 77.6 - 4.0  # with the engine's allowance
     with pytest.raises(ConfigError, match=r"weight_sync.colocate: during the weight push phase .* > 77\.6 GiB usable"):
         _plan(overrides=big_cache)
 
 
 def test_logits_count_two_copies_and_the_recomputed_layer_twice():
     arch = load_hf_config(HF_30B)
-    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml")
+    cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", [*OFFLOADED, *LOGITS])
     result = plan(cfg, arch, 1, 8, H100_GB, 512)
     tokens, h = cfg.train.max_tokens_per_microbatch, arch.hidden_size
     # [s,b,v] then its contiguous [b,s,v] copy; in backward that copy and its gradient
@@ -139,7 +147,7 @@ def test_logits_count_two_copies_and_the_recomputed_layer_twice():
 
 
 def test_disk_estimate_counts_adam_states_and_retention():
-    result = _plan()
+    result = _plan(overrides=OFFLOADED)
     params = param_counts(load_hf_config(HF_30B))["total"]
     assert result["checkpoint_gb"] == pytest.approx(params * 14 / 1e9) and 420 < result["checkpoint_gb"] < 435
     assert result["hf_export_gb"] == pytest.approx(params * 2 / 1e9)
@@ -164,12 +172,12 @@ def test_disk_estimate_counts_adam_states_and_retention():
      "8 trainer ranks are not divisible by tensor_parallel x pipeline_parallel = 16"),
     (["train.rollout_batch_size=2", "train.group_size=8", "rollout.num_servers=4"], 2,
      "16 sequences cannot give each of 4 minibatches one per data-parallel rank"),
-    (["weight_sync.colocate=false", "weight_sync.method=distributed", "rollout.num_servers=2", "rollout.engine_tp=4"], 1,
-     "servers x engine_tp 4 = 8 GPUs leave none of the 8 for training"),
+    (["weight_sync.colocate=false", "weight_sync.method=distributed", "rollout.num_servers=2", "rollout.engine_tp=4",
+      "optimizer.offload_grad_buffers=false"], 1, "servers x engine_tp 4 = 8 GPUs leave none of the 8 for training"),
     (["rollout.engine_tp=16"], 1, "rollout.engine_tp 16 exceeds the 8 GPUs of a node"),
     (["rollout.num_servers=1"], 1, "weight_sync.colocate: 1 servers x rollout.engine_tp 4 must cover the 8 GPUs"),
-    (["rollout.engine_tp=3", "rollout.num_servers=1", "weight_sync.colocate=false", "weight_sync.method=distributed"], 1,
-     "rollout.engine_tp 3 does not split num_key_value_heads 4"),
+    (["rollout.engine_tp=3", "rollout.num_servers=1", "weight_sync.colocate=false", "weight_sync.method=distributed",
+      "optimizer.offload_grad_buffers=false"], 1, "rollout.engine_tp 3 does not split num_key_value_heads 4"),
 ])
 def test_impossible_layouts_name_the_field(overrides, nodes, message):
     with pytest.raises(InputError, match=message):
@@ -184,7 +192,7 @@ def test_a_gpu_smaller_than_the_context_is_one_line():
 def test_split_mode_reports_the_engines_kv_capacity():
     result = _plan("qwen3_30b_a3b_gspo_2node.yaml", [
         "weight_sync.colocate=false", "weight_sync.method=distributed", "rollout.num_servers=2", "rollout.engine_tp=4",
-        "distributed.expert_parallel=4"], nodes=2)
+        "distributed.expert_parallel=4", *OFFLOADED], nodes=2)
     assert (result["trainer_gpus"], result["rollout_gpus"]) == (8, 8)
     assert result["engine_kv_cache_tokens"] > 100_000
     assert "engine_resident_gb" not in result and result["phases_gb"]["rollout"] == result["trainer_static_gb"]
@@ -210,10 +218,10 @@ def test_cli_prints_the_phases_the_margin_and_the_breakdown_when_it_refuses(caps
     assert "per GPU by phase (GiB of 77.6 usable: 79.6 less 2 for the trainer's CUDA context" in proc.stdout
     for phase in PHASES:
         assert f" {phase} " in proc.stdout.split("per GPU by phase")[1].splitlines()[0]
-    assert "margin: 8.0 GiB per GPU at the sync check phase" in proc.stdout
-    assert "disk warning: each checkpoint ~427 GB (weights + fp32 master weights + 2 Adam moments)" in proc.stdout
+    assert "margin: 8.0 GiB per GPU at the weight push phase" in proc.stdout
+    assert "disk warning: each checkpoint ~366 GB" in proc.stdout  # the precision-aware optimizer's 12 B a parameter
     assert json.loads(proc.stdout.strip().splitlines()[-1])["gpus"] == 8
-    code, out, err = _plan_cli([*args, "optimizer.cpu_offload=false"], capsys)
+    code, out, err = _plan_cli([*args, *FP32_ADAM], capsys)
     assert code == 2 and "per GPU by phase" in out and "(REFUSED)" in out
     assert err.strip().splitlines()[-1].startswith("error: weight_sync.colocate: during the training phase")
     # --shell: KEY=value lines only on stdout (the scripts eval it), the plan on stderr
@@ -334,7 +342,7 @@ def test_the_precision_aware_optimizer_holds_6_bytes_a_parameter_on_the_gpu():
     and moments (12), sharded alike; gradients and weights unchanged."""
     arch = load_hf_config(HF_30B)
     counts = param_counts(arch)
-    plain = _plan("qwen3_30b_a3b_gspo_2node.yaml", ["optimizer.cpu_offload=false", "weight_sync.check_every=0",
+    plain = _plan("qwen3_30b_a3b_gspo_2node.yaml", [*FP32_ADAM, "weight_sync.check_every=0",
                                                      "rollout.max_total_tokens=65536"], nodes=2)
     aware = _plan("qwen3_30b_a3b_gspo_2node.yaml", [*PRECISION_AWARE, "weight_sync.check_every=0",
                                                      "rollout.max_total_tokens=65536"], nodes=2)
@@ -347,30 +355,33 @@ def test_the_precision_aware_optimizer_holds_6_bytes_a_parameter_on_the_gpu():
 
 
 def test_an_offloading_plan_names_the_precision_aware_optimizer_where_it_fits(capsys):
-    """Two nodes: the optimizer fits on the GPUs in bf16 at a smaller KV room (the line, with the
-    plan at that room itself); one node: no room is left for the KV cache (no line)."""
-    two = _plan("qwen3_30b_a3b_gspo_2node.yaml", nodes=2)
-    room = two["precision_aware_kv_room_tokens"]
-    direct = _plan("qwen3_30b_a3b_gspo_2node.yaml", [*PRECISION_AWARE, f"rollout.max_total_tokens={room}"], nodes=2)
-    assert 0 < room < two["kv_room_tokens"] and direct["kv_room_tokens"] == room
-    assert two["precision_aware_fits"] and two["precision_aware_margin_gb"] == pytest.approx(direct["margin_gb"])
+    """One node offloaded (the 30B configs before #47 item 5): the precision-aware optimizer fits on
+    the GPUs, the gradient buffers given back while the engine generates, at a smaller KV room (the
+    line, with the plan at that room itself: the shipped configs' optimizer); on a 62 GiB GPU the
+    training phase alone is over it (no line)."""
+    one = _plan(overrides=OFFLOADED)
+    room = one["precision_aware_kv_room_tokens"]
+    direct = _plan(overrides=[f"rollout.max_total_tokens={room}"])  # the config's own optimizer now
+    assert direct["trainer_optimizer_gb"] > 0 and "host_optimizer_gb_per_gpu" not in direct
+    assert 0 < room < one["kv_room_tokens"] and direct["kv_room_tokens"] == room
+    assert one["precision_aware_fits"] and one["precision_aware_margin_gb"] == pytest.approx(direct["margin_gb"])
     assert direct["margin_gb"] >= KV_ROOM_MARGIN_GB
-    assert two["precision_aware_optimizer_gb"] == pytest.approx(direct["trainer_optimizer_gb"])
-    assert two["precision_aware_tightest_phase"] == direct["tightest_phase"]
+    assert one["precision_aware_optimizer_gb"] == pytest.approx(direct["trainer_optimizer_gb"])
+    assert one["precision_aware_tightest_phase"] == direct["tightest_phase"]
     docs = (REPO / "docs/08-gpu.md").read_text()
-    assert f"fits it at a KV room of\n{room:,} tokens" in docs
-    one = _plan()
-    assert not one["precision_aware_fits"] and one["precision_aware_kv_room_tokens"] == 0
+    assert f"precision-aware at a KV room of\n{room:,} tokens" in docs
+    small = _plan(overrides=[*OFFLOADED, "rollout.max_total_tokens=65536"], gpu_gb=62.0)
+    assert not small["precision_aware_fits"] and small["precision_aware_margin_gb"] < 0
     assert "precision_aware_margin_gb" not in direct  # offered to offloading configs only
     line = "faster where it fits: optimizer.precision_aware: true, optimizer.cpu_offload: false fits"
-    code, out, _ = _plan_cli(["--config", "configs/qwen3_30b_a3b_gspo_2node.yaml", "--nodes", "2", "--hf-config",
-                              str(HF_30B)], capsys)
+    args = ["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(HF_30B)]
+    code, out, _ = _plan_cli([*args, *OFFLOADED], capsys)
     assert code == 0
     assert f"{line} (bf16 Adam moments on the GPU, {direct['trainer_optimizer_gb']:.1f} GiB per GPU; margin " \
            f"{direct['margin_gb']:.1f} GiB at the {direct['tightest_phase']} phase with rollout.max_total_tokens " \
-           f"{room:,}, its KV room): Megatron-Bridge measures CPU offload at 1.9-4.2x the step time on " \
-           "Qwen3-30B-A3B" in out.splitlines()
-    code, out, _ = _plan_cli(["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(HF_30B)], capsys)
+           f"{room:,}, its KV room, and optimizer.offload_grad_buffers: true): Megatron-Bridge measures CPU offload " \
+           "at 1.9-4.2x the step time on Qwen3-30B-A3B" in out.splitlines()
+    code, out, _ = _plan_cli(args, capsys)
     assert code == 0 and line not in out
 
 
@@ -461,7 +472,7 @@ def _memory(config="qwen3_30b_a3b_gspo.yaml", overrides=(), hf=HF_30B) -> dict:
 
 def test_float32_activations_and_logits_are_twice_bfloat16s():
     """#45: the byte counts assumed 2 bytes a value whatever model.dtype said."""
-    bf16, fp32 = _memory(), _memory(overrides=["model.dtype=float32"])
+    bf16, fp32 = _memory(overrides=[*OFFLOADED, *LOGITS]), _memory(overrides=[*OFFLOADED, *LOGITS, "model.dtype=float32"])
     chunk = DEFAULT_CHUNK_ELEMENTS * 4 / GIB  # gspo.logprobs' float32 chunk: float32 either way
     assert fp32["trainer_activations_gb"] == pytest.approx(2 * bf16["trainer_activations_gb"])
     assert fp32["trainer_stored_activations_gb"] == pytest.approx(2 * bf16["trainer_stored_activations_gb"])
@@ -476,7 +487,7 @@ def test_the_logits_and_a_layers_backward_count_the_larger_not_their_sum(config,
     """The logits are freed once the output layer's backward is done, before any layer's: the
     training peak is the static state, the stored activations and the larger of the two (the 30B's
     logits over a 151,936 vocabulary; the 235B's split over TP 4 while its layers are wider)."""
-    got = _plan(config, nodes=nodes, hf=hf)
+    got = _plan(config, LOGITS, nodes=nodes, hf=hf)
     static = got["trainer_weights_gb"] + got["trainer_gradients_gb"] + got["trainer_optimizer_gb"]
     stored, logits = got["trainer_stored_activations_gb"], got["trainer_logits_gb"]
     layer = got["trainer_activations_gb"] - stored
@@ -486,7 +497,7 @@ def test_the_logits_and_a_layers_backward_count_the_larger_not_their_sum(config,
     # the sync check's forward: the hidden states and the larger of a layer and the logits
     from gspo_mcore.planner.memory_model import _layer_bytes_per_token, logits_bytes
 
-    cfg, arch = load_config(REPO / "configs" / config), load_hf_config(hf)
+    cfg, arch = load_config(REPO / "configs" / config, LOGITS), load_hf_config(hf)
     probe, tp = 512 + cfg.rollout.max_new_tokens, cfg.distributed.tensor_parallel
     want = probe * 2 * arch.hidden_size + max(probe * _layer_bytes_per_token(cfg, arch), logits_bytes(arch, probe, tp))
     assert got["trainer_check_forward_gb"] == pytest.approx(want / GIB)
@@ -512,9 +523,11 @@ def test_the_busiest_expert_rank_takes_the_imbalance_factor(monkeypatch):
 
 def test_the_gpu_checks_arms_are_planned_at_the_logits_peak():
     """launch/gpu_check.py section 3's shape (30B widths, 2 layers, 4 x 4,096 tokens, bf16, EP 1, full
-    recompute): weights 3.5 + fp32 gradients 7.0 GiB, then the two bf16 logits copies (9.3 GiB) over
-    the recomputed layer and its gradients (4.2): 19.9 GiB offloaded, 40.8 with Adam on the GPU
-    (was 24.1 and 45.0, the sum of the two)."""
+    recompute): weights 3.5 + fp32 gradients 7.0 GiB, then on the logits path the two bf16 logits
+    copies (9.3 GiB) over the recomputed layer and its gradients (4.2): 19.9 GiB offloaded, 40.8
+    with Adam on the GPU (was 24.1 and 45.0, the sum of the two); with the fused log-probs (the
+    check's default) one vocabulary block, the hidden states' and the output weight's gradients
+    (1.0 GiB) under the layer's backward: 14.8 and 35.6."""
     from checkpoint_convert.synthetic import QWEN3_30B_A3B
     from gspo_mcore.megatron.qwen3_moe.hf_config import parse_hf_config
     from gspo_mcore.planner.memory_model import check_layout, memory_estimate
@@ -524,12 +537,37 @@ def test_the_gpu_checks_arms_are_planned_at_the_logits_peak():
              "train.rollout_batch_size=1", "train.group_size=4", "train.max_tokens_per_microbatch=16384",
              "rollout.max_new_tokens=4000", "weight_sync.method=disk", "rollout.num_servers=1", "rollout.engine_tp=1"]
     planned = {}
-    for arm, extra in (("offload", []), ("gpu_adam", ["optimizer.cpu_offload=false"])):
-        cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", [*check, *extra])
-        planned[arm] = memory_estimate(cfg, arch, check_layout(cfg, arch, 1, 1), 96)
-    assert planned["offload"]["trainer_peak_at"] == "logits"
-    assert (round(planned["offload"]["trainer_total_gb"], 1), round(planned["gpu_adam"]["trainer_total_gb"], 1)) \
-        == (19.9, 40.8)
+    for path, switch in (("logits", LOGITS), ("fused", [])):
+        for arm, extra in (("offload", OFFLOADED), ("gpu_adam", FP32_ADAM)):
+            cfg = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", [*check, *extra, *switch])
+            planned[path, arm] = memory_estimate(cfg, arch, check_layout(cfg, arch, 1, 1), 96)
+    assert planned["logits", "offload"]["trainer_peak_at"] == "logits"
+    assert planned["fused", "offload"]["trainer_peak_at"] == "layer backward"
+    assert [round(planned[key]["trainer_total_gb"], 1) for key in planned] == [19.9, 40.8, 14.8, 35.6]
+
+
+def test_the_fused_log_probs_count_one_block_and_the_two_gradients():
+    """model.fused_logprobs (gspo.logprobs._FusedLinearLogprobs): in training one vocabulary block's
+    logits and float32 temporaries, the hidden states' float32 gradient and the output weight's
+    gradient, never [tokens, vocabulary]; the sync check's forward only the block."""
+    from gspo_mcore.planner.memory_model import FUSED_BYTES_PER_BLOCK_LOGIT
+
+    arch = load_hf_config(HF_30B)
+    fused, logits = _memory(), _memory(overrides=LOGITS)
+    tokens, h, v = 16384, arch.hidden_size, arch.vocab_size
+    block = DEFAULT_CHUNK_ELEMENTS * FUSED_BYTES_PER_BLOCK_LOGIT
+    assert fused["trainer_logits_gb"] == pytest.approx((block + tokens * h * 4 + v * h * 2) / GIB)
+    assert logits["trainer_logits_gb"] == pytest.approx((v * tokens * 2 * 2 + DEFAULT_CHUNK_ELEMENTS * 4) / GIB)
+    probe = 512 + 8192
+    assert fused["trainer_check_forward_gb"] == pytest.approx(
+        (probe * h * 2 + max(block, probe * _layer_bytes(arch))) / GIB)
+    assert fused["trainer_total_gb"] < logits["trainer_total_gb"] - 2  # the peak moves to a layer backward
+
+
+def _layer_bytes(arch) -> float:
+    from gspo_mcore.planner.memory_model import _layer_bytes_per_token
+
+    return _layer_bytes_per_token(load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), arch)
 
 
 # ------------------------------------------------------------------ #45 item 7: KV room, save time
@@ -572,22 +610,22 @@ def test_the_preemption_window_is_torchruns_wait_inside_slurms_warning():
 
 
 def test_a_checkpoint_save_longer_than_the_preemption_window_is_warned(capsys):
-    """Save time = the checkpoint over the trainer's nodes at the stated write rate (427 GB on one
-    node at 1 GB/s: 427 s of 540, no warning; at 0.5 GB/s 855 s: warned)."""
+    """Save time = the checkpoint over the trainer's nodes at the stated write rate (the precision-aware
+    optimizer's 366 GB on one node at 1 GB/s: 366 s of 540, no warning; at 0.5 GB/s 733 s: warned)."""
     from gspo_mcore.planner.costs import CHECKPOINT_WRITE_GB_S
 
     one, two = _plan(), _plan("qwen3_30b_a3b_gspo_2node.yaml", nodes=2)
     assert CHECKPOINT_WRITE_GB_S == 1.0
-    assert one["checkpoint_save_s"] == pytest.approx(one["checkpoint_gb"] / 1.0) and 420 < one["checkpoint_save_s"] < 540
+    assert one["checkpoint_save_s"] == pytest.approx(one["checkpoint_gb"] / 1.0) and 360 < one["checkpoint_save_s"] < 540
     assert two["checkpoint_save_s"] == pytest.approx(two["checkpoint_gb"] / 2 / 1.0)  # two trainer nodes
     big = _plan("qwen3_235b_a22b_gspo.yaml", nodes=16, hf=HF_235B)  # 12 trainer nodes of 16
     assert big["checkpoint_node_gb"] == pytest.approx(big["checkpoint_gb"] / 12)
     args = ["--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "--hf-config", str(HF_30B)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "a checkpoint's save: ~427 s (~427 GB a trainer node at 1 GB/s" in out and "preemption warning" not in out
+    assert "a checkpoint's save: ~366 s (~366 GB a trainer node at 1 GB/s" in out and "preemption warning" not in out
     assert main([*args, "--checkpoint-write-gb-s", "0.5"]) == 0
-    assert "preemption warning: a checkpoint's save: ~855 s" in capsys.readouterr().out
+    assert "preemption warning: a checkpoint's save: ~733 s" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"^--checkpoint-write-gb-s 0: must be > 0$"):
         main([*args, "--checkpoint-write-gb-s", "0"])
 
@@ -612,14 +650,14 @@ def test_the_plan_prints_the_offloads_host_time_and_warns_past_the_stated_fracti
     from gspo_mcore.planner.host_adam import BUILT_IN, OFFLOAD_WARN_FRACTION
     from gspo_mcore.planner.memory_model import check_layout, optimizer_params_per_gpu
 
-    cfg, arch = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), load_hf_config(HF_30B)
+    cfg, arch = load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", OFFLOADED), load_hf_config(HF_30B)
     params = optimizer_params_per_gpu(cfg, arch, check_layout(cfg, arch, 1, 8))
     assert params / 1e9 == pytest.approx(3.82, abs=0.01)  # 30B at EP 8: the G5 note's figure
     built_in = plan(cfg, arch, 1, 8, H100_GB, 512, host_cores_per_gpu=2)
     step = params * (BUILT_IN.copy_to_host_ns_per_param + BUILT_IN.cpu_step_ns(2) + BUILT_IN.copy_back_ns_per_param) / 1e9
     assert built_in["host_adam_optimizer_step_s"] == pytest.approx(step)
     assert built_in["host_adam_training_step_s"] == pytest.approx(4 * step)  # 4 minibatches, 1 epoch
-    epochs = plan(load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", ["train.ppo_epochs=2"]), arch, 1, 8, H100_GB,
+    epochs = plan(load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", [*OFFLOADED, "train.ppo_epochs=2"]), arch, 1, 8, H100_GB,
                   512, host_cores_per_gpu=2)
     assert epochs["host_adam_training_step_s"] == pytest.approx(8 * step)
     measured = tmp_path / "gpu_check.jsonl"  # the check's --out file: other lines, then the host-Adam one
@@ -627,13 +665,13 @@ def test_the_plan_prints_the_offloads_host_time_and_warns_past_the_stated_fracti
         {"section": "host_adam", "copy_to_host_ns_per_param": 0.2, "copy_back_ns_per_param": 0.2,
          "cpu_step_ns_per_param": {"2": 5.0, "16": 0.5}, "source": "H100 node, measured"}) + "\n")
     args = ["--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "--hf-config", str(HF_30B)]
-    assert main([*args, "--host-adam", str(measured), "--host-cores-per-gpu", "2"]) == 0
+    assert main([*args, "--host-adam", str(measured), "--host-cores-per-gpu", "2", *OFFLOADED]) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["host_adam_optimizer_step_s"] == pytest.approx(params * 5.4 / 1e9)
     assert result["host_adam_source"] == "H100 node, measured" and "[H100 node, measured]" in out
     assert result["host_adam_fraction"] > OFFLOAD_WARN_FRACTION and "offload warning: the host's Adam adds" in out
-    assert main([*args, "--host-adam", str(measured), "--host-cores-per-gpu", "16"]) == 0
+    assert main([*args, "--host-adam", str(measured), "--host-cores-per-gpu", "16", *OFFLOADED]) == 0
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1])["host_adam_optimizer_step_s"] == pytest.approx(params * 0.9 / 1e9)
     assert "offload warning" not in out
@@ -661,3 +699,64 @@ def test_a_bad_host_adam_line_is_one_error_naming_the_file_and_field(tmp_path, l
         load_figures(path)
     with pytest.raises(ConfigError, match=rf"^--host-adam {tmp_path / 'none.json'}: "):
         load_figures(tmp_path / "none.json")
+
+
+# ------------------------------------------------------------------ #47 item 5: the optimizer on the GPUs
+def test_the_optimizer_modes_per_gpu_against_a_hand_count():
+    """30B at EP 8 on one node, per GPU: the weights and fp32 gradients of the parameters it holds
+    (the dense ~1.54B whole, TP 1; 1/8 of the ~29B expert ones), the optimizer over its
+    distributed shard (dense over DP 8, experts over expert-DP 1): fp32 Adam 12 bytes (master + 2
+    moments), precision-aware 6 (2 + 2 bf16 moments + 2 bits of master remainder), offloaded 0 on
+    the GPU (16 on the host with the pinned gradient copy). With the gradient buffers given back,
+    the push, check and rollout phases hold no gradients; training holds them either way."""
+    counts = param_counts(load_hf_config(HF_30B))
+    assert counts["experts"] == 48 * 128 * 3 * 2048 * 768
+    local, shard = counts["dense"] + counts["experts"] / 8, counts["dense"] / 8 + counts["experts"] / 8
+    assert (local / 1e9, shard / 1e9) == (pytest.approx(5.16, abs=0.01), pytest.approx(3.82, abs=0.01))
+    small_kv = ["rollout.max_total_tokens=65536"]  # every mode fits beside it: the terms, not the room
+    fp32 = _plan(overrides=[*FP32_ADAM, "train.max_tokens_per_microbatch=4096", *small_kv], gpu_gb=120.0)
+    offloaded = _plan(overrides=[*OFFLOADED, *small_kv])
+    aware = _plan(overrides=small_kv)  # the config's own: precision-aware, gradients given back
+    kept = _plan(overrides=[*small_kv, "optimizer.offload_grad_buffers=false"])
+    for result in (fp32, offloaded, aware, kept):
+        assert result["trainer_weights_gb"] == pytest.approx(local * 2 / GIB)
+        assert result["trainer_gradients_gb"] == pytest.approx(local * 4 / GIB)
+    assert fp32["trainer_optimizer_gb"] == pytest.approx(shard * 12 / GIB)
+    assert aware["trainer_optimizer_gb"] == kept["trainer_optimizer_gb"] == pytest.approx(shard * 6 / GIB)
+    assert offloaded["trainer_optimizer_gb"] == 0
+    assert offloaded["host_optimizer_gb_per_gpu"] == pytest.approx(shard * 16 / GIB)
+    # 9.6 + 19.2 + 21.3 GiB static while training, 9.6 + 21.3 beside the engine
+    assert (round(aware["trainer_static_gb"], 1), round(aware["trainer_gradients_gb"], 1)) == (50.2, 19.2)
+    engine = aware["engine_resident_gb"]
+    assert aware["phases_gb"]["rollout"] == pytest.approx(aware["trainer_static_gb"] - aware["trainer_gradients_gb"]
+                                                          + engine)
+    assert kept["phases_gb"]["rollout"] == pytest.approx(kept["trainer_static_gb"] + engine)
+    assert aware["phases_gb"]["training"] == kept["phases_gb"]["training"]
+    for phase in ("weight push", "sync check", "rollout"):
+        assert kept["phases_gb"][phase] - aware["phases_gb"][phase] == pytest.approx(local * 4 / GIB)
+    # SGD: one momentum buffer beside the fp32 master weights
+    sgd = _plan(overrides=[*FP32_ADAM, "optimizer.name=sgd", "train.max_tokens_per_microbatch=4096", *small_kv],
+                gpu_gb=120.0)
+    assert sgd["trainer_optimizer_gb"] == pytest.approx(shard * 8 / GIB)
+
+
+@pytest.mark.parametrize("config", ["qwen3_30b_a3b_gspo.yaml", "qwen3_30b_a3b_gspo_2node.yaml",
+                                    "qwen3_30b_a3b_gspo_vllm.yaml"])
+def test_the_30b_configs_precision_aware_default_fits_with_the_margin(config):
+    """The 30B colocated configs' optimizer (precision-aware, gradient buffers given back) fits at
+    the planner's KV room with KV_ROOM_MARGIN_GB free in every phase and the training phase under
+    the GPU by more than that; the room holds at least 50 full-length requests a server (one node
+    loses ~12% of it against the offloaded optimizer, which keeps the GPUs idle ~15 s a step)."""
+    from gspo_mcore.planner.memory_model import check_layout, kv_room_tokens
+
+    nodes = GPU_CONFIGS[config][0]
+    cfg, arch = load_config(REPO / "configs" / config), load_hf_config(HF_30B)
+    assert cfg.optimizer.precision_aware and cfg.optimizer.offload_grad_buffers and not cfg.optimizer.cpu_offload
+    room = kv_room_tokens(cfg, arch, check_layout(cfg, arch, nodes, 8), H100_GB, 512)
+    at_room = _plan(config, [f"rollout.max_total_tokens={room}"], nodes=nodes)
+    assert at_room["margin_gb"] >= KV_ROOM_MARGIN_GB
+    assert at_room["usable_gb"] - at_room["phases_gb"]["training"] > KV_ROOM_MARGIN_GB
+    assert at_room["kv_requests_per_server"] >= 50
+    offloaded = _plan(config, [*OFFLOADED, "rollout.max_total_tokens=65536"], nodes=nodes)  # rooms apart from it
+    assert offloaded["precision_aware_kv_room_tokens"] == room  # the planner's own offer, taken
+    assert 0.8 * offloaded["kv_room_tokens"] < room <= 1.5 * offloaded["kv_room_tokens"]

@@ -218,7 +218,7 @@ def test_what_a_resume_may_change_is_the_schemas_field_metadata():
         "rollout.max_attempts", "rollout.max_running_requests", "weight_sync.check_every",
         "weight_sync.master_address", "weight_sync.disk_dir", "weight_sync.bucket_mb",
         "distributed.timeout_minutes", "distributed.rollout_timeout_minutes", "reward.workers", "reward.timeout_s",
-        "reward.url", "train.strict_exactness", "train.strict_exactness_tolerance"}
+        "reward.url", "train.strict_exactness", "train.strict_exactness_tolerance", "model.fused_logprobs"}
     assert APPLIED_ON_RESUME <= set(flat(Config()))
     assert {key.name for key in keys() if key.resume} == APPLIED_ON_RESUME  # what --help-config and the page say
 

@@ -336,3 +336,46 @@ def test_python_m_gspo_mcore_train_executes_the_module_once(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[-2].startswith("error: "), proc.stderr[-2000:]
     assert lines[-1] == "train.py executed 1"
+
+
+def test_a_colocated_step_holds_the_gradient_buffers_only_while_the_engine_is_released(one_rank, signal_handlers,
+                                                                                        tmp_path):
+    """#47 item 5, optimizer.offload_grad_buffers: once the colocated engine has released its
+    memory the learner takes its gradient buffers back, before the update; it gives them back
+    before the engine resumes (its KV cache comes back into their room). Without the switch,
+    neither call."""
+    calls = []
+
+    class Learner(StandInLearner):
+        def restore_grad_buffers(self):
+            calls.append("restore grads")
+
+        def offload_grad_buffers(self):
+            calls.append("offload grads")
+
+        def update(self, batch, step, old_logprobs=None):
+            calls.append("update")
+            return super().update(batch, step, old_logprobs)
+
+    class Engine(StandInEngine):
+        def release_memory(self):
+            calls.append("engine released")
+
+        def resume_memory(self):
+            calls.append("engine resumed")
+
+    class Colocated(StandIns):
+        def build(self, *args, **kwargs):
+            parts = super().build(*args, **kwargs)
+            parts.host.engine = Engine()
+            return parts
+
+    for switch, step in ((True, ["engine released", "restore grads", "update", "offload grads", "engine resumed"]),
+                         (False, ["engine released", "update", "engine resumed"])):
+        calls.clear()
+        stand_ins = Colocated()
+        stand_ins.learner = Learner()
+        config = _config(tmp_path, "train.save_every=0", "train.steps=2", "weight_sync.colocate=true",
+                         f"optimizer.offload_grad_buffers={str(switch).lower()}")
+        assert _run(config, tmp_path / f"run_{switch}", stand_ins) is None
+        assert calls == step * 2, switch

@@ -33,8 +33,12 @@ class ModelConfig:
     mcore_dir: str | None = None
     """Initial weights from this torch_dist checkpoint (`checkpoint_convert hf-to-mcore`) instead
     of hf_dir's safetensors; hf_dir still gives the config and tokenizer."""
-    spec: Literal["local", "te"] = "local"
-    """Module set: `te` = Transformer Engine with grouped GEMM (GPU); `local` = pure torch (CPU)."""
+    spec: Literal["local", "te", "torch"] = "local"
+    """Module set, all three reading and writing the same checkpoints: `local` = megatron-core's
+    local modules, torch SDPA attention, the experts one GEMM after another (CPU, any GPU); `te` =
+    Transformer Engine, grouped GEMM (GPU image only); `torch` = `local` with each expert GEMM of a
+    layer done as one grouped GEMM (torch._grouped_mm: bf16 on sm90/sm100 GPUs, refused on other
+    GPUs; float32 and CPU run an exact per-expert loop), nothing beyond PyTorch and megatron-core."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype."""
     recompute: Literal["none", "full"] = "none"
@@ -42,6 +46,12 @@ class ModelConfig:
     in backward (about 1/3 more compute, far less activation memory)."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing aux loss. Off by default: in RL the router follows the policy gradient only."""
+    fused_logprobs: bool = field(default=True, metadata=RESUME)
+    """The output layer and the log-probs computed together a block of the vocabulary at a time
+    (forward and backward, the block's logits computed again in backward): the [tokens,
+    vocabulary] logits and their gradient never exist (at Qwen3's 151,936 words and 16k tokens,
+    two 4.6 GiB bf16 tensors). The same log-probs, entropy and gradients as the logits path to
+    float32 rounding; `false`: the logits path."""
 
 
 @dataclass
@@ -95,12 +105,19 @@ class OptimizerConfig:
     """Shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
     cpu_offload: bool = False
     """GPU runs: Adam states and step in host memory (Megatron's HybridDeviceOptimizer), for
-    models whose optimizer states do not fit beside the weights (30B-A3B on one node)."""
+    models whose optimizer states do not fit beside the weights even precision-aware (235B-A22B;
+    30B-A3B on 4 trainer GPUs). The GPUs wait while the host steps (the planner says how long)."""
     precision_aware: bool = False
     """GPU runs without cpu_offload: Megatron's precision-aware optimizer (Transformer Engine's
     FusedAdam): Adam's moments in bf16 and the fp32 master weights kept as the 16 bits a bf16
-    weight lacks (megatron-core 0.16.1 with TE >= 2.1), 6 bytes of state per parameter instead
-    of 12. Needs model.dtype bfloat16, optimizer.name adam and the distributed optimizer."""
+    weight lacks, rebuilt at each step (megatron-core 0.16.1 with TE >= 2.1), 6 bytes of state per
+    parameter instead of 12. Needs model.dtype bfloat16, optimizer.name adam and the distributed
+    optimizer."""
+    offload_grad_buffers: bool = False
+    """Colocated runs: the fp32 gradient buffers (4 bytes a parameter the GPU holds) given back
+    while the engine generates and taken again once it has released its memory, before the
+    update (megatron-core's DistributedDataParallel.offload_grad_buffers / restore_grad_buffers):
+    room for the engine's KV cache. Needs weight_sync.colocate."""
 
     def check(self) -> None:
         if self.precision_aware and self.cpu_offload:

@@ -61,6 +61,10 @@ def _optimizer(config) -> None:
                                 or config.model.dtype != "bfloat16"):
         raise ConfigError("optimizer.precision_aware: needs distributed.device 'cuda' (Transformer Engine's FusedAdam), "
                           "optimizer.distributed_optimizer, optimizer.name 'adam' and model.dtype 'bfloat16'")
+    if opt.offload_grad_buffers and not config.weight_sync.colocate:
+        # Given back to an engine on the same GPU: a split engine has GPUs of its own.
+        raise ConfigError("optimizer.offload_grad_buffers: gives the gradient buffers to a colocated engine while it "
+                          "generates: needs weight_sync.colocate")
     if not 0 <= opt.lr_warmup_steps < config.train.steps:
         raise ConfigError(f"optimizer.lr_warmup_steps: {opt.lr_warmup_steps} must be within "
                           f"[0, train.steps) ({config.train.steps})")

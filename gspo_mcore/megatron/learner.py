@@ -25,7 +25,8 @@ from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config, reference
 from gspo_mcore.megatron.qwen3_moe.forward import last_stage_rank, response_logprobs
 from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
 from gspo_mcore.megatron.qwen3_moe.routing import RouterHooks, forget_router_replay
-from gspo_mcore.megatron.optimizer import lr_scheduler, optimizer_step, release_training, setup_training
+from gspo_mcore.megatron.optimizer import (lr_scheduler, offload_grad_buffers, optimizer_step, release_training,
+                                           restore_grad_buffers, setup_training)
 from gspo_mcore.gspo.packing import (balance_across_ranks, equalize_count, input_aligned_routing, microbatch_tensors,
                                 pack_microbatches, sequence_lengths, split_minibatches, spread_over_response)
 from gspo_mcore.megatron.parallel import device, end_model_parallel, model_parallel_groups
@@ -78,6 +79,9 @@ class Learner:
             # (ending them is collective, and this rank may be the only one that failed).
             self._release()
             raise
+        self.grads_offloaded = False
+        if config.optimizer.offload_grad_buffers:  # a colocated engine starts beside it: room from the start
+            self.offload_grad_buffers()
         # The latest train-inference mismatch measured (loss.band_from_mismatch): an asynchronous
         # step whose first minibatch has no token of the current weights measures none and keeps
         # this one. Not checkpointed: a run's first step (a resume's too) generates with its own weights.
@@ -124,6 +128,22 @@ class Learner:
             memory_buffer.buffer.clear()
         self.model = self.ddp = self.optimizer = self.scheduler = self.reference = self.routers = None
 
+    # ------------------------------------------------------------ the gradient buffers
+
+    def offload_grad_buffers(self) -> None:
+        """The fp32 gradient buffers given back until the next update (optimizer.offload_grad_buffers:
+        the trainer calls it before a colocated engine takes its memory again). Forward-only work
+        (token_logprobs_of, a weight push, the sync check) needs no gradients."""
+        offload_grad_buffers(self.ddp)
+        self.grads_offloaded = True
+
+    def restore_grad_buffers(self) -> None:
+        """The gradient buffers taken again, zeroed (the trainer calls it once the colocated engine
+        has released its memory; `update` makes sure of it). Nothing to do unless given back."""
+        if self.grads_offloaded:
+            restore_grad_buffers(self.ddp)
+            self.grads_offloaded = False
+
     def __enter__(self) -> "Learner":
         return self
 
@@ -164,7 +184,8 @@ class Learner:
         microbatches = self.microbatches(list(range(len(rollouts))), rollouts, [0.0] * len(rollouts),
                                          engine_routing=policy)
         routing = self.routers if policy else None
-        found = list(response_logprobs(model, microbatches, self.config.rollout.temperature, routing).items())
+        found = list(response_logprobs(model, microbatches, self.config.rollout.temperature, routing,
+                                       fused_logprobs=self.config.model.fused_logprobs).items())
         # Only the last stage has them; every stage gets them (the loss runs on the last stage,
         # but the ranks stay consistent).
         gathered = [_gather_dp(found)]
@@ -201,6 +222,7 @@ class Learner:
             extra.update(old_logprobs=old_logprobs, engine_logprobs=[r.logprobs for r in rollouts])
         if batch.stale is not None:
             extra["stale"] = batch.stale
+        self.restore_grad_buffers()  # backward writes into them: never into a given-back storage
         self.routers.reset()
         self.ddp.train()
         parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
@@ -277,5 +299,6 @@ class Learner:
                                   band=band, on_policy=on_policy)
 
         outputs, grad_norm = optimizer_step(self.ddp, self.optimizer, microbatches, loss_for, routing=self.routers,
-                                            compare_routing=compare_routing)
+                                            compare_routing=compare_routing,
+                                            fused_logprobs=self.config.model.fused_logprobs)
         return [to_floats(out) for out in outputs], grad_norm

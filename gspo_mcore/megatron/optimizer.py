@@ -33,6 +33,8 @@ def setup_training(model, cfg: OptimizerConfig):
     except BaseException:
         release_training(ddp, None)  # a refused optimizer leaves no DDP behind, hooked to the model
         raise
+    if cfg.precision_aware:
+        refuse_state_offload(optimizer)
     return ddp, optimizer
 
 
@@ -42,11 +44,46 @@ def release_training(ddp, optimizer) -> None:
     dropped), its gradient buffers, the optimizer's states. The weights stay (the model is the
     caller's); neither can step again."""
     _remove_grad_hooks(ddp)
-    # megatron-core 0.16.1 DistributedDataParallel.offload_grad_buffers: the fp32 gradient
-    # buffers' storage resized to 0, param.main_grad and the buckets' views left empty.
-    ddp.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=False)
+    offload_grad_buffers(ddp)
     if optimizer is not None:
         release_optimizer(optimizer)
+
+
+def offload_grad_buffers(ddp) -> None:
+    """The fp32 gradient buffers given back (4 bytes a parameter this GPU holds): megatron-core
+    0.16.1 DistributedDataParallel.offload_grad_buffers resizes each buffer's storage to 0
+    (_ParamAndGradBuffer.offload_to_cpu with move_params=False: nothing is copied, the gradients
+    are dropped); param.main_grad, the buckets' and the optimizer's views of it stay, empty, until
+    `restore_grad_buffers`. Synchronized first: a step's kernels still reading them (an offloaded
+    step's non-blocking copies to the host) finish; the allocator's cache emptied after, so an
+    engine on the GPU can take the memory. A second call does nothing."""
+    cuda = torch.cuda.is_available()
+    ddp.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
+
+
+def restore_grad_buffers(ddp) -> None:
+    """The gradient buffers taken again after `offload_grad_buffers`: megatron-core 0.16.1
+    DistributedDataParallel.restore_grad_buffers resizes each storage back and zeroes it
+    (_ParamAndGradBuffer.reload_from_cpu), so every view of it is valid again. Nothing to do when
+    they were not given back."""
+    ddp.restore_grad_buffers(synchronize=torch.cuda.is_available())
+
+
+def refuse_state_offload(optimizer) -> None:
+    """megatron-core 0.16.1 MegatronOptimizer.offload_to_cpu / restore_from_cpu
+    (optimizer/optimizer.py) move each parameter of the torch optimizer's groups with
+    `p.data = p.data.cpu()` (and back). With the precision-aware optimizer those parameters are
+    the bf16 shards of the model's own weights (distrib_optimizer.py, `shard_float16_params_this_group`
+    as `orig_group["params"]`; TE's FusedAdam keeps the master weights' remainders against them):
+    moved, they are copies, and the model never sees a step again. Refused on this optimizer
+    (what a colocated run gives back is the gradient buffers: `offload_grad_buffers`)."""
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("optimizer.precision_aware: Megatron's offload_to_cpu / restore_from_cpu would replace "
+                           "the optimizer's bf16 shard views of the weights with copies; give back the gradient "
+                           "buffers instead (optimizer.offload_grad_buffers)")
+
+    for megatron in [optimizer, *getattr(optimizer, "chained_optimizers", [])]:
+        megatron.offload_to_cpu = megatron.restore_from_cpu = refuse
 
 
 def release_optimizer(optimizer) -> None:
@@ -116,8 +153,10 @@ def megatron_optimizer_settings(cfg: OptimizerConfig, model_config) -> dict:
     elif cfg.precision_aware:
         # _get_megatron_optimizer_based_on_param_groups hands the moments' dtypes to TE's FusedAdam
         # and, with fp32 main params, master_weights + use_decoupled_grad: TE keeps the master
-        # weights (store_param_remainders, Megatron's default: the 16 low bits beside the bf16
-        # weight) and reads the fp32 gradient buffer directly. OptimizerConfig.__post_init__
+        # weights (store_param_remainders: the 16 low bits beside the bf16 weight, the fp32 master
+        # rebuilt from both at each step) and reads the fp32 gradient buffer directly. The
+        # planner counts 6 bytes a parameter (2 + 2 moments, 2 remainder bits); with TE < 2.1
+        # OptimizerConfig.__post_init__ turns the remainders off (fp32 masters, 8): refused. It
         # raises RuntimeError without TE's FusedAdam: say so in our terms first. A machine without
         # TE was refused before the model was built (config.validate.check_installed); this one
         # has the package but not its FusedAdam (TE's torch extension missing).
@@ -126,8 +165,14 @@ def megatron_optimizer_settings(cfg: OptimizerConfig, model_config) -> dict:
         except ImportError:
             raise ConfigError("optimizer.precision_aware: needs Transformer Engine's FusedAdam "
                               "(transformer_engine.pytorch.optimizers), not importable here; set it false") from None
-        settings.update(use_precision_aware_optimizer=True, main_params_dtype=torch.float32,
-                        main_grads_dtype=torch.float32, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+        from megatron.core.utils import is_te_min_version
+
+        if not is_te_min_version("2.1.0"):
+            raise ConfigError("optimizer.precision_aware: needs Transformer Engine >= 2.1 (the fp32 master weights "
+                              "as 16-bit remainders, store_param_remainders); an older one keeps them in fp32")
+        settings.update(use_precision_aware_optimizer=True, store_param_remainders=True,
+                        main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                        exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     return settings
 
 
@@ -147,7 +192,7 @@ def lr_scheduler(optimizer, cfg: OptimizerConfig, total_steps: int):
 
 
 def optimizer_step(ddp, optimizer, microbatches: list[dict], loss_for, *, routing=None,
-                   compare_routing: bool = False) -> tuple[list[dict], float]:
+                   compare_routing: bool = False, fused_logprobs: bool = False) -> tuple[list[dict], float]:
     """One optimizer step over `microbatches` (forward and backward through the pipeline
     schedule, the gradient reduction in finalize_model_grads, the step). Returns the loss
     functions' outputs (last pipeline stage; [] elsewhere) and the gradient norm before clipping
@@ -157,7 +202,7 @@ def optimizer_step(ddp, optimizer, microbatches: list[dict], loss_for, *, routin
     optimizer.zero_grad()
     with deferred_input_checks() as checks:  # no host sync per microbatch (gspo_mcore.gspo.loss)
         outputs = run_schedule(ddp, microbatches, loss_for, forward_only=False, routing=routing,
-                               compare_routing=compare_routing)
+                               compare_routing=compare_routing, fused_logprobs=fused_logprobs)
     if routing is not None:
         routing.end_step()
     checks.raise_if_any()  # once per step, before the update: a non-finite pi_old never steps

@@ -165,8 +165,9 @@ def report(config: Config, result: dict, out) -> None:
         w("faster where it fits: optimizer.precision_aware: true, optimizer.cpu_offload: false fits (bf16 Adam "
           f"moments on the GPU, {r['precision_aware_optimizer_gb']:.1f} GiB per GPU; margin "
           f"{r['precision_aware_margin_gb']:.1f} GiB at the {r['precision_aware_tightest_phase']} phase"
-          + (f" with rollout.max_total_tokens {r['precision_aware_kv_room_tokens']:,}, its KV room"
-             if config.weight_sync.colocate else "") + "): Megatron-Bridge measures CPU offload at "
+          + (f" with rollout.max_total_tokens {r['precision_aware_kv_room_tokens']:,}, its KV room, and "
+             "optimizer.offload_grad_buffers: true" if config.weight_sync.colocate else "")
+          + "): Megatron-Bridge measures CPU offload at "
           f"{OFFLOAD_STEP_TIME} the step time on Qwen3-30B-A3B")
     if "code_reward_core_s" in r:
         w(f"code reward (reward.name {config.reward.name}): ~{r['code_reward_core_s']:,.0f} CPU-s of sandbox a step "
@@ -199,8 +200,11 @@ def host_adam_lines(r: dict) -> list[str]:
 def disk_lines(config: Config, r: dict) -> list[str]:
     """What checkpoints, the export and a disk weight sync write, and a save's time."""
     t = config.train
-    return [f"disk warning: each checkpoint ~{r['checkpoint_gb']:,.0f} GB (weights + fp32 master weights + 2 Adam "
-            f"moments), written {f'every {t.save_every} steps and ' if t.save_every else ''}at the end, up to "
+    # costs.disk_estimate: the precision-aware optimizer saves the master weights' 16-bit remainders
+    state = ("16-bit master remainders + 2 fp32 Adam moments" if config.optimizer.precision_aware
+             else "fp32 master weights + 2 Adam moments")
+    return [f"disk warning: each checkpoint ~{r['checkpoint_gb']:,.0f} GB (weights + {state}), written "
+            f"{f'every {t.save_every} steps and ' if t.save_every else ''}at the end, up to "
             f"{r['checkpoints_on_disk']} at once (train.keep_checkpoints {t.keep_checkpoints}): "
             f"~{r['checkpoint_gb'] * r['checkpoints_on_disk']:,.0f} GB"
             + (f"; Hugging Face export ~{r['hf_export_gb']:,.0f} GB (train.export_hf)" if r["hf_export_gb"] else "")

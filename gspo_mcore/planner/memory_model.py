@@ -164,14 +164,38 @@ def logits_bytes(arch: Qwen3MoeArch, tokens: int, tp: int, value_bytes: int = 2)
     return arch.vocab_size / tp * tokens * value_bytes * 2 + DEFAULT_CHUNK_ELEMENTS * 4
 
 
+# gspo_mcore.gspo.logprobs._FusedLinearLogprobs: a block's logits in the weight's dtype, their
+# float32 copy, its exp and shifted temporaries, the gradient block: ~22 bytes a logit of a block
+FUSED_BYTES_PER_BLOCK_LOGIT = 22
+
+
+def fused_logits_bytes(arch: Qwen3MoeArch, tokens: int, tp: int, value_bytes: int = 2, backward: bool = True) -> float:
+    """model.fused_logprobs' in place of `logits_bytes`: one block of the vocabulary's logits and
+    temporaries (DEFAULT_CHUNK_ELEMENTS logits) and, in backward, the hidden states' float32
+    gradient (summed over the blocks) and the output weight's gradient [V / TP, h]; the hidden
+    states it saves are the last layer's output, counted with the activations."""
+    block = DEFAULT_CHUNK_ELEMENTS * FUSED_BYTES_PER_BLOCK_LOGIT
+    if not backward:
+        return block
+    return block + tokens * arch.hidden_size * 4 + arch.vocab_size / tp * arch.hidden_size * value_bytes
+
+
+def output_bytes(config: Config, arch: Qwen3MoeArch, tokens: int, backward: bool = True) -> float:
+    """The output layer's and the log-probs' memory for `tokens` tokens: the logits, or with
+    model.fused_logprobs a block of them."""
+    tp = config.distributed.tensor_parallel
+    if config.model.fused_logprobs:
+        return fused_logits_bytes(arch, tokens, tp, value_bytes(config), backward)
+    return logits_bytes(arch, tokens, tp, value_bytes(config))
+
+
 def training_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict:
     """The training pass beyond the static state, at its two peaks: the logits' (the stored
     activations and the logits, after the last layer's forward) and a layer's backward (the stored
     activations and that layer's working set; the logits and their gradient are freed once the
     output layer's backward is done). `peak` is the larger, not the sum."""
     activations = activation_bytes(config, arch, layout)
-    logits = logits_bytes(arch, config.train.max_tokens_per_microbatch, config.distributed.tensor_parallel,
-                          value_bytes(config))
+    logits = output_bytes(config, arch, config.train.max_tokens_per_microbatch)
     at_logits, at_layer = activations["stored"] + logits, activations["stored"] + activations["layer"]
     return {"activations": at_layer, "stored_activations": activations["stored"], "logits": logits,
             "peak": max(at_logits, at_layer), "peak_at": "logits" if at_logits >= at_layer else "layer backward"}
@@ -190,7 +214,7 @@ def check_forward_bytes(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) 
     working set and its logits (the layers' are freed before the logits are made)."""
     probe = prompt_tokens + response_tokens(config)
     layer = probe * _layer_bytes_per_token(config, arch)
-    logits = logits_bytes(arch, probe, config.distributed.tensor_parallel, value_bytes(config))
+    logits = output_bytes(config, arch, probe, backward=False)
     return probe * arch.hidden_size * value_bytes(config) + max(layer, logits)
 
 
@@ -231,11 +255,13 @@ def optimizer_params_per_gpu(config: Config, arch: Qwen3MoeArch, layout: Layout)
 
 def optimizer_bytes_per_param(config: Config) -> int:
     """Optimizer state per parameter it holds: fp32 main weights (bf16 runs) + Adam's two fp32
-    moments; optimizer.precision_aware: TE's FusedAdam keeps the master weight as the 16 low
-    bits beside the bf16 weight (store_param_remainders, TE >= 2.1) and bf16 moments."""
+    moments (SGD: one momentum, megatron-core's sgd_momentum 0.9); optimizer.precision_aware: TE's
+    FusedAdam keeps the master weight as the 16 low bits beside the bf16 weight
+    (store_param_remainders, TE >= 2.1: gspo_mcore.megatron.optimizer refuses older) and bf16
+    moments. The fp32 gradients are apart (`trainer_state_bytes`)."""
     if config.optimizer.precision_aware:
         return 2 + 2 + 2
-    return (4 if config.model.dtype == "bfloat16" else 0) + 8
+    return (4 if config.model.dtype == "bfloat16" else 0) + (8 if config.optimizer.name == "adam" else 4)
 
 
 def requests_in_flight_estimate(config: Config, prompt_tokens: int) -> dict[str, int]:
@@ -308,6 +334,8 @@ def phase_totals(config: Config, memory: dict[str, float]) -> dict[str, float]:
     """GiB per trainer GPU in each phase of a step (the trainer's CUDA context not included);
     a colocated engine's share is in every phase (only its allowance while released)."""
     static, engine = memory["trainer_static_gb"], memory.get("engine_resident_gb", 0.0)
+    if config.optimizer.offload_grad_buffers:  # given back from the update's end to the next one's start
+        static -= memory["trainer_gradients_gb"]
     released = memory["engine_margin_gb"] if config.weight_sync.colocate else 0.0
     bucket = config.weight_sync.bucket_mb / 1024 * 2  # the flat bucket and its engine-dtype copy
     engine_push = engine + (memory["engine_push_buffers_gb"] if config.weight_sync.colocate else 0.0)
@@ -338,7 +366,8 @@ def precision_aware_alternative(config: Config, arch: Qwen3MoeArch, layout: Layo
     out of it): its optimizer GiB per GPU, that KV room, the margin at its tightest phase, and
     whether it fits (no phase over the GPU, room for a full-length request a server); {} when the
     config cannot take it (optimizer.precision_aware's own conditions)."""
-    optimizer = dataclasses.replace(config.optimizer, cpu_offload=False, precision_aware=True)
+    optimizer = dataclasses.replace(config.optimizer, cpu_offload=False, precision_aware=True,
+                                    offload_grad_buffers=config.weight_sync.colocate)
     try:
         alternative = dataclasses.replace(config, optimizer=optimizer).validate()
     except ConfigError:

@@ -308,6 +308,8 @@ class Trainer:
         with timed(timings, "time_train_s"):
             if config.weight_sync.colocate:
                 self.host.release_engine_memory()
+                if config.optimizer.offload_grad_buffers:  # the engine's memory is free: the update's gradients
+                    self.learner.restore_grad_buffers()
             self.learner.scheduler.step(1)  # this step's learning rate (optimizer.lr_warmup_steps, lr_decay)
             metrics.update(dict.fromkeys(UPDATE))  # null unless this step trains
             if batch.rollouts:
@@ -375,6 +377,8 @@ class Trainer:
         """The new weights to the engine, tagged step-N (and, every `check_every` steps, the proof)."""
         config = self.config
         if config.weight_sync.colocate:
+            if config.optimizer.offload_grad_buffers:  # room for the engine's KV cache until the next update
+                self.learner.offload_grad_buffers()
             release_cached_memory()  # the training peak must not stay reserved beside the engine
             dist.barrier()
             self.host.resume_engine_memory()

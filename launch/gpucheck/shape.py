@@ -60,7 +60,10 @@ def check_config(work: Path, shape: Shape, hf_dir: Path, dtype: str, extra=()):
                  f"data.path={work / 'prompts.jsonl'}", f"data.tokenizer_dir={hf_dir}", "eval.datasets=[]",
                  "train.num_minibatches=1", "train.rollout_batch_size=1", f"train.group_size={shape.sequences}",
                  f"train.max_tokens_per_microbatch={shape.tokens}", f"rollout.max_new_tokens={shape.response}",
-                 "weight_sync.method=disk", "rollout.num_servers=1", "rollout.engine_tp=1"]
+                 "weight_sync.method=disk", "rollout.num_servers=1", "rollout.engine_tp=1",
+                 # The arms name their optimizer against offloaded Adam (updates.ARMS), not the
+                 # config's precision-aware default (Transformer Engine, absent on a bare machine).
+                 "optimizer.precision_aware=false", "optimizer.cpu_offload=true", "optimizer.offload_grad_buffers=false"]
     if shape.device == "cpu":
         overrides.append("optimizer.cpu_offload=false")  # Megatron's HybridDeviceOptimizer is CUDA only
     return load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", [*overrides, *extra])

@@ -91,7 +91,8 @@ def cross_entropy_step(model, config, tokens: torch.Tensor) -> dict:
         return loss_func
 
     ddp.train()
-    outputs, grad_norm = optimizer_step(ddp, optimizer, microbatches, loss_for)
+    outputs, grad_norm = optimizer_step(ddp, optimizer, microbatches, loss_for,
+                                        fused_logprobs=config.model.fused_logprobs)
     loss = None
     if parallel_state.is_pipeline_last_stage():
         # Each microbatch reports its share of the global loss.

@@ -68,6 +68,12 @@ def environment(check, wheel_paths: int) -> dict:
         props = torch.cuda.get_device_properties(0)
         figures.update(gpu=props.name, gpu_uuid=str(props.uuid), gpu_memory_gb=props.total_memory / 2**30,
                        nccl=".".join(map(str, torch.cuda.nccl.version()[:3])))
+        try:  # the library the weight push to vLLM binds (engines/vllm/nccl_library.py): torch's own, or not
+            from gspo_mcore.engines.vllm import nccl
+
+            figures["nccl_binding"] = ".".join(map(str, nccl.version()))
+        except Exception as err:  # noqa: BLE001 (section 6 fails on it; this line only records it)
+            figures["nccl_binding"] = f"{type(err).__name__}: {str(err)[:200]}"
     figures["pass"] = (version_at_least(torch.__version__, (2, 11))
                        and version_at_least(transformers.__version__, (5, 17)) and figures["megatron_core"] == "0.16.1")
     return figures

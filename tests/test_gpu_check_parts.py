@@ -331,15 +331,19 @@ def test_section_9_times_each_phase_from_hooks_and_leaves_nothing_behind(output_
 def test_section_9_line_reports_mfu_against_its_target_and_fails_only_on_what_is_not_finite():
     phases = [{key: 0.1 for key in throughput.PHASES}, {key: 0.3 for key in throughput.PHASES}]
     kernels = [{"name": "sm90_xmma_gemm", "ms": 100.0, "calls": 10, "share": 0.5}]
-    common = dict(tokens=16384, update_s=[0.5, 0.7], phases=phases, flops=60e12, flops_source="costs",
+    from gspo_mcore.planner.flops import Flops
+
+    common = dict(tokens=16384, update_s=[0.5, 0.7], phases=phases, flops=Flops(model=60e12, hardware=80e12),
                   report={"loss": 0.0, "grad_norm": 0.5}, kernels=kernels)
     line = throughput.throughput_figures(peak_tflops=989.0, cuda=True, **common)
     assert line["update_s"] == pytest.approx(0.6) and line["tokens_per_s"] == pytest.approx(16384 / 0.6)
     assert line["mfu"] == pytest.approx(100.0 / 989.0) and line["mfu_target"] == 0.30
+    assert line["hfu"] == pytest.approx(80e12 / 0.6 / 989e12)  # the recomputed forwards: HFU, not MFU
     assert line["mfu_reached"] is False and line["pass"] is True  # below the target: reported, not failed
     assert line["forward_s"] == pytest.approx(0.2) and line["top_kernels"] == kernels
     assert {"logits_s", "backward_s", "optimizer_s", "phases_how", "flops_source", "update_s_each"} <= set(line)
-    assert throughput.throughput_figures(peak_tflops=None, cuda=False, **common)["mfu"] is None  # CPU: no MFU
+    cpu = throughput.throughput_figures(peak_tflops=None, cuda=False, **common)
+    assert cpu["mfu"] is None and cpu["hfu"] is None  # CPU: no peak, no MFU
     assert throughput.throughput_figures(peak_tflops=None, cuda=False, **common)["pass"] is True
     broken = [{**phases[0], "backward_s": float("nan")}, phases[1]]
     assert throughput.throughput_figures(peak_tflops=989.0, cuda=True, **{**common, "phases": broken})["pass"] is False

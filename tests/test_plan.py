@@ -415,11 +415,16 @@ def _train_flops(config: str, overrides=()) -> dict:
 
 
 def _one_more_forward(base: dict, got: dict, config: str, epochs: int = 1) -> bool:
-    """`got` makes one forward of the batch (2N per token) more than `base`, whose update is 6N
-    per token per epoch, 8N with model.recompute full (the forward again in backward)."""
-    full = load_config(REPO / "configs" / config).model.recompute == "full"
-    units = epochs * (4 if full else 3)
-    return got["train_tflops"] == pytest.approx(base["train_tflops"] * (units + 1) / units)
+    """`got`'s hardware count makes one forward of the batch more than `base`'s; the model count
+    (the update's 6N + attention per token per epoch) is the same."""
+    from gspo_mcore.planner.flops import forward_flops
+    from gspo_mcore.planner.memory_model import response_tokens
+
+    cfg = load_config(REPO / "configs" / config)
+    seq_len = 512 + response_tokens(cfg)
+    forward = forward_flops(load_hf_config(HF_30B), [seq_len] * (cfg.train.rollout_batch_size * cfg.train.group_size))
+    return (got["train_tflops"] - base["train_tflops"] == pytest.approx(sum(forward.values()) / 1e12)
+            and got["train_model_tflops"] == pytest.approx(base["train_model_tflops"]))
 
 
 @pytest.mark.parametrize("overrides, passes", [
@@ -458,7 +463,7 @@ def test_flops_count_the_strict_exactness_and_recomputed_old_logprobs_forwards(o
 def test_the_plan_says_which_forwards_its_flops_count(capsys):
     code, out, _ = _plan_cli(["--config", f"configs/{ASYNC}", "--nodes", "2", "--hf-config", str(HF_30B),
                               "loss.kl_loss_coef=0.01"], capsys)
-    assert code == 0 and "TFLOP (the update; forwards of the batch: proximal, reference)" in out
+    assert code == 0 and "hardware (the update; forwards of the batch: proximal, reference)" in out
 
 
 # ------------------------------------------------------------------ #45: the estimate, honest

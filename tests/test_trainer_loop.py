@@ -43,6 +43,8 @@ def signal_handlers():
 class StandInLearner:
     """The update as a record of what trained: its state (the "weights") is the steps it trained on."""
 
+    arch = None  # no model: on CPU the step's mfu / hfu are null without it
+
     def __init__(self, signal_in_update: tuple[int, int] | None = None):
         self.trained: list[int] = []
         self.stale: list = []  # each update's batch's stale marks

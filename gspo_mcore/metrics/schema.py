@@ -205,6 +205,15 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("generated_tokens_per_s", "response tokens generated (every round, groups kept or not) per second of "
            "step", printed="| tok/s: generated {:.0f}"),
     Metric("trained_tokens_per_s", "prompt + response tokens trained per second of step", printed="trained {:.0f}"),
+    # gspo_mcore.planner.flops: the one count the planner and the GPU check use too
+    Metric("mfu", "model FLOPs utilisation of the training: the step's model FLOPs (6 x the active parameters less "
+           "the input embedding + causal attention, a trained token an epoch; no recompute, no forward-only pass: "
+           "the count of the published figures, Megatron-Bridge's 30% and NeMo Automodel's 28% for Qwen3-30B-A3B "
+           "on H100) per second of time_train_s per trainer GPU over its dense bf16 peak; null on CPU and on a GPU "
+           "without a known peak", update=True, printed="| mfu {:.2f}"),
+    Metric("hfu", "hardware FLOPs utilisation: the same with what the GPUs run (model.recompute full's second "
+           "forward, the fused log-probs' logits again in backward, the forward-only passes of the batch: pi_old / "
+           "pi_prox, strict exactness, the KL reference)", update=True),
 )
 
 BY_NAME = {m.name: m for m in SCHEMA}

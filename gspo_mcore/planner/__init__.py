@@ -1,3 +1,4 @@
 """The layout planner's model: `memory_model` (the layout check and memory per GPU by phase, which
-the Trainer reports its measured peak against) and `costs` (disk, routed experts, FLOPs, a code
-reward's CPU). `python -m gspo_mcore.planner.cli` is its command line."""
+the Trainer reports its measured peak against), `costs` (disk, routed experts, a step's FLOPs, a
+code reward's CPU) and `flops` (model and hardware FLOPs, the one count behind every MFU and HFU).
+`python -m gspo_mcore.planner.cli` is its command line."""

@@ -30,10 +30,11 @@ machine's cores over --gpus-per-node; figures from --host-adam, launch/gpu_check
 else planner.host_adam's built-in ones), warned past OFFLOAD_WARN_FRACTION of the update (and
 whether Megatron's precision-aware optimizer, on the GPU and faster, would fit instead), the disk
 a checkpoint and the Hugging Face export take and a checkpoint's save time against the
-preemption window (warned beyond it), and the FLOPs of one step (every pass it makes: the update,
-and the forwards of the batch for pi_prox / pi_old, strict exactness and the KL reference where
-they apply). A refused plan still prints its breakdown. The model is gspo_mcore.planner
-(memory_model, costs, host_adam); this module composes it and is its command line.
+preemption window (warned beyond it), and the FLOPs of one step (gspo_mcore.planner.flops): the
+update's model FLOPs (6N + attention a token, what an MFU divides) beside its hardware FLOPs (every
+pass it makes: the recomputed forwards, and the forwards of the batch for pi_prox / pi_old, strict
+exactness and the KL reference where they apply). A refused plan still prints its breakdown. The model is gspo_mcore.planner
+(memory_model, costs, flops, host_adam); this module composes it and is its command line.
 
 The estimates are arithmetic on the shapes, not measurements: activations follow
 Korthikanti et al. 2022 (sequence parallel, fused attention) adapted to top-k experts;
@@ -58,7 +59,8 @@ from gspo_mcore.planner.costs import (CHECKPOINT_WRITE_GB_S, checkpoint_save_est
                                      disk_estimate, flops_per_step, routing_estimate)
 from gspo_mcore.planner.host_adam import (ASSUMED_UPDATE_MFU, BUILT_IN, OFFLOAD_WARN_FRACTION, HostAdamFigures,
                                           host_adam_estimate, load_figures)
-from gspo_mcore.planner.memory_model import (ESTIMATE_TOLERANCE, GB, H100_BF16_TFLOPS, H100_GB, KV_ROOM_MARGIN_GB,
+from gspo_mcore.planner.flops import H100_BF16_FLOPS
+from gspo_mcore.planner.memory_model import (ESTIMATE_TOLERANCE, GB, H100_GB, KV_ROOM_MARGIN_GB,
                                              TRAINER_CONTEXT_GB, MemoryRefused, check_fits, check_kv_budget,
                                              check_layout, engine_kv_room_gb, kv_room_tokens, memory_estimate,
                                              optimizer_params_per_gpu, param_counts, phase_totals,
@@ -103,8 +105,8 @@ def plan(config: Config, arch: Qwen3MoeArch, nodes: int, gpus_per_node: int, gpu
     if config.optimizer.cpu_offload:
         result.update(precision_aware_alternative(config, arch, layout, gpu_memory_gb, prompt_tokens))
         cores = host_cores_per_gpu or max(1, (os.cpu_count() or 1) // gpus_per_node)
-        # The update's GPU time from its FLOPs at an assumed MFU, what the host's time is weighed against.
-        update_s = flops["train_tflops"] / layout.trainer_gpus / (H100_BF16_TFLOPS * ASSUMED_UPDATE_MFU)
+        # The update's GPU time from its model FLOPs at an assumed MFU, what the host's time is weighed against.
+        update_s = flops["train_model_tflops"] * 1e12 / layout.trainer_gpus / (H100_BF16_FLOPS * ASSUMED_UPDATE_MFU)
         steps = config.train.num_minibatches * config.train.ppo_epochs
         result.update(host_adam_estimate(optimizer_params_per_gpu(config, arch, layout), steps, cores, update_s,
                                          host_adam))
@@ -175,9 +177,17 @@ def report(config: Config, result: dict, out) -> None:
           f"reward.code.cpu_s: {r['code_reward_core_s_bound']:,.0f}), ~{r['code_reward_wall_s']:,.1f} s wall at "
           f"reward.workers {config.reward.workers} (bound {r['code_reward_wall_s_bound']:,.0f} s); "
           f"~{r['code_tests_per_s_per_node']:,.0f} trivial tests/s per node")
+    w(flops_line(r))
+
+
+def flops_line(r: dict) -> str:
+    """A step's FLOPs: the model count (what an MFU divides) beside the hardware count (an HFU's)."""
     passes = ", ".join(r["train_forward_passes"])
-    w(f"one step (upper bound, full-length responses): rollout {r['rollout_tflops']:.0f} TFLOP, "
-      f"train {r['train_tflops']:.0f} TFLOP (the update" + (f"; forwards of the batch: {passes}" if passes else "") + ")")
+    return (f"one step (upper bound, full-length responses): rollout {r['rollout_tflops']:.0f} TFLOP, "
+            f"train {r['train_model_tflops']:.0f} TFLOP model, {r['train_tflops']:.0f} hardware (the update"
+            + (f"; forwards of the batch: {passes}" if passes else "") + "); a token of the batch: "
+            f"{r['model_flops_per_token'] / 1e9:.1f} GFLOP model (6N + attention: what an MFU divides), "
+            f"{r['hardware_flops_per_token'] / 1e9:.1f} hardware (+ recompute and forward-only passes: an HFU's)")
 
 
 def host_adam_lines(r: dict) -> list[str]:

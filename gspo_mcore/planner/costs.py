@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gspo_mcore.config import Config
 from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
+from gspo_mcore.planner.flops import forward_flops, update_flops
 from gspo_mcore.planner.memory_model import GB, Layout, param_counts, requests_in_flight_estimate, response_tokens
 
 DISK_GB = 1000**3  # disk in GB, as df -H and drive sizes count it
@@ -87,21 +88,22 @@ def forward_passes(config: Config) -> dict[str, int]:
 
 
 def flops_per_step(config: Config, arch: Qwen3MoeArch, prompt_tokens: int) -> dict[str, float]:
-    """Upper bound at full-length responses, every pass the step makes: generation 2N per token;
-    the update 6N per token per epoch (8N with model.recompute full); each forward of
-    `forward_passes` 2N per token; attention included."""
+    """Upper bound at full-length responses (gspo_mcore.planner.flops): generation one forward a
+    token; the update's model FLOPs (6N + attention a token an epoch) and hardware FLOPs (+ the
+    recomputed forwards, + each forward of `forward_passes`). `train_tflops` is the hardware count,
+    every pass the step makes; `*_flops_per_token` per token of the batch."""
     t = config.train
-    counts = param_counts(arch)
     sequences = t.rollout_batch_size * t.group_size
     seq_len = prompt_tokens + response_tokens(config)
-    attention = 2 * 2 * arch.num_layers * arch.num_attention_heads * arch.head_dim * seq_len / 2  # causal, per token
-    forward = 2 * counts["active"] + attention  # per token
+    forward = forward_flops(arch, [seq_len])  # per token at seq_len: 2N + causal attention
     generated = sequences * response_tokens(config)  # an upper bound: environment tokens are prefilled
     train_tokens = sequences * seq_len
     passes = forward_passes(config)
-    per_epoch = 4 if config.model.recompute == "full" else 3  # forward + backward (twice the forward) + recompute
-    training = t.ppo_epochs * train_tokens * per_epoch * forward + sum(passes.values()) * train_tokens * forward
-    return {"rollout_tflops": generated * forward / 1e12, "train_tflops": training / 1e12,
+    training = update_flops(config, arch, [seq_len], sum(passes.values()))  # one sequence: x sequences
+    return {"rollout_tflops": generated * (forward["layers"] + forward["output"]) / seq_len / 1e12,
+            "train_tflops": sequences * training.hardware / 1e12,
+            "train_model_tflops": sequences * training.model / 1e12,
+            "model_flops_per_token": training.model / seq_len, "hardware_flops_per_token": training.hardware / seq_len,
             "tokens_per_step": train_tokens, "train_forward_passes": passes}
 
 

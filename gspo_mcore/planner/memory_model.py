@@ -30,8 +30,6 @@ H100_GB = 79.6
 # Held by the trainer process beyond what torch allocates: its CUDA context and NCCL's
 # communicator buffers. A stated allowance, not a measurement.
 TRAINER_CONTEXT_GB = 2.0
-# An H100 SXM's dense bf16 peak (TFLOP/s), for times estimated from FLOPs.
-H100_BF16_TFLOPS = 989.0
 # The busiest expert rank's routed tokens over the mean. Megatron's router here is dropless (no
 # capacity factor) and GSPO adds no load-balancing loss (model.moe_aux_loss_coeff 0): a rank
 # receives what the pretrained router sends it, up to ~2x the mean on a microbatch (issue #45's

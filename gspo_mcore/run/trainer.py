@@ -50,6 +50,7 @@ from gspo_mcore.evaluation.held_out import Evaluator
 from gspo_mcore.common.http import api_key_from_env
 from gspo_mcore.megatron.learner import Learner
 from gspo_mcore.run.memory import peak_memory_gb, release_cached_memory, reset_peak
+from gspo_mcore.run.utilization import device_peak_flops, step_utilization
 from gspo_mcore.metrics.schema import ASYNC_METRICS, UPDATE
 from gspo_mcore.metrics.report import Progress, RunLog
 from gspo_mcore.megatron.qwen3_moe.bootstrap import join_process_groups
@@ -298,6 +299,7 @@ class Trainer:
         self.probes: list[tuple[list[int], int]] = []  # (tokens, first response token)
         self.last_rollouts: list = []
         self.peak_gb = 0.0
+        self.peak_flops = device_peak_flops(config, self.host.say)  # mfu / hfu's denominator; None on CPU
 
     def step(self, step: int) -> dict:
         """One rollout batch -> updates -> push (-> sync check). The step's row on every rank."""
@@ -314,6 +316,9 @@ class Trainer:
             metrics.update(dict.fromkeys(UPDATE))  # null unless this step trains
             if batch.rollouts:
                 metrics.update(self._update(batch, step))
+        if batch.rollouts:
+            metrics.update(step_utilization(config, self.learner.arch, batch.rollouts, timings["time_train_s"],
+                                            dist.get_world_size(), self.peak_flops))
         with timed(timings, "time_sync_s"):
             metrics.update(self._push_and_check(step, batch))
         peak = peak_memory_gb()  # collective: the peak over the ranks

@@ -36,6 +36,11 @@ class Shape:
     def tokens(self) -> int:
         return self.sequences * (self.prompt + self.response)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Each sequence's tokens: what attention's FLOPs grow with (gspo_mcore.planner.flops)."""
+        return [self.prompt + self.response] * self.sequences
+
 
 def make_inputs(work: Path, shape: Shape) -> Path:
     """The synthetic checkpoint (written once per shape) and a one-line prompt file the config names."""

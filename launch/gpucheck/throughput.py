@@ -35,6 +35,10 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gspo_mcore.planner.flops import Flops
 
 MFU_TARGET = 0.30  # Megatron-Bridge's published Qwen3-30B-A3B figure on H100s (model FLOPs)
 WARMUP = 1
@@ -260,37 +264,29 @@ def top_kernels(averages, cuda: bool, count: int = TOP_KERNELS) -> list[dict]:
 
 # ------------------------------------------------------------------ FLOPs and the line
 
-def model_flops_per_update(config, arch, shape) -> tuple[float, str]:
-    """Model FLOPs of one update of the check's batch and where the count comes from."""
-    from gspo_mcore.planner.costs import flops_per_step
-
-    # Today's planner counts every pass of a training step (flops_per_step: the update's 6N per
-    # token, 8N with full recompute, + the forward-only passes), N counting the input embedding.
-    # The model FLOPs of the update alone: 3 forwards (forward + backward) a token, an epoch.
-    counted = flops_per_step(config, arch, shape.prompt)
-    t = config.train
-    per_epoch = 4 if config.model.recompute == "full" else 3
-    forwards = t.ppo_epochs * per_epoch + sum(counted["train_forward_passes"].values())
-    forward = counted["train_tflops"] * 1e12 / forwards
-    return (t.ppo_epochs * 3 * forward, "fallback: 3 x gspo_mcore.planner.costs.flops_per_step's forward "
-            "(2N + causal attention a token, N counting the input embedding)")
+FLOPS_SOURCE = ("gspo_mcore.planner.flops.update_flops: model 6N + causal attention a token (N the active "
+                "parameters less the input embedding), hardware + model.recompute's and the fused log-probs' "
+                "recomputed forwards")
 
 
 def all_finite(figures: dict, keys) -> bool:
     return all(isinstance(figures.get(k), (int, float)) and math.isfinite(figures[k]) for k in keys)
 
 
-def throughput_figures(*, tokens: int, update_s: list[float], phases: list[dict], flops: float, flops_source: str,
+def throughput_figures(*, tokens: int, update_s: list[float], phases: list[dict], flops: Flops,
                        peak_tflops: float | None, report: dict, kernels: list[dict], cuda: bool) -> dict:
     """The line's figures from what the child measured: each timed update's seconds and phases
-    (averaged), the update's model FLOPs, the last update's report, the profile's top entries.
-    PASS: finite figures and a profile with entries; MFU under MFU_TARGET is reported
-    (`mfu_reached`), not failed."""
+    (averaged), the update's model and hardware FLOPs (`mfu`, `hfu` beside it), the last update's
+    report, the profile's top entries. PASS: finite figures and a profile with entries; MFU under
+    MFU_TARGET is reported (`mfu_reached`), not failed."""
+    from gspo_mcore.planner.flops import utilization
+
     mean = statistics.fmean(update_s)
     figures = {"tokens": tokens, "timed_updates": len(update_s), "warmup_updates": WARMUP,
                "update_s": mean, "update_s_each": update_s, "tokens_per_s": tokens / mean,
-               "model_tflops_per_update": flops / 1e12, "model_tflops_per_s": flops / mean / 1e12,
-               "flops_source": flops_source, "mfu_target": MFU_TARGET,
+               "model_tflops_per_update": flops.model / 1e12, "model_tflops_per_s": flops.model / mean / 1e12,
+               "hardware_tflops_per_update": flops.hardware / 1e12, "flops_source": FLOPS_SOURCE,
+               "peak_tflops": peak_tflops, "mfu_target": MFU_TARGET,
                "loss": report.get("loss"), "grad_norm": report.get("grad_norm"),
                **{key: statistics.fmean(p[key] for p in phases) for key in PHASES},
                "phases_how": "CUDA events from hooks (wall clock on CPU): forward = model pre-hook to the loss's "
@@ -298,7 +294,8 @@ def throughput_figures(*, tokens: int, update_s: list[float], phases: list[dict]
                              "reduction in it); logits = output layer + log-probs, forward and backward",
                "top_kernels_of": "CUDA kernels (self device time)" if cuda else "CPU ops (self CPU time)",
                "top_kernels": kernels}
-    figures["mfu"] = figures["model_tflops_per_s"] / peak_tflops if peak_tflops else None
+    peak = peak_tflops * 1e12 if peak_tflops else None
+    figures["mfu"], figures["hfu"] = (utilization(count, mean, 1, peak) for count in (flops.model, flops.hardware))
     figures["mfu_reached"] = figures["mfu"] >= MFU_TARGET if figures["mfu"] is not None else None
     figures["pass"] = (all_finite(figures, ("update_s", "tokens_per_s", "model_tflops_per_s", "loss", "grad_norm",
                                             *PHASES))
@@ -347,7 +344,8 @@ def measure(check) -> dict:
     from gpucheck.updates import memory_figures
     from gspo_mcore.megatron.learner import Learner
     from gspo_mcore.megatron.qwen3_moe.hf_config import parse_hf_config
-    from gspo_mcore.planner.memory_model import ESTIMATE_TOLERANCE, GB, H100_BF16_TFLOPS
+    from gspo_mcore.planner.flops import peak_flops, update_flops
+    from gspo_mcore.planner.memory_model import ESTIMATE_TOLERANCE, GB
 
     shape, cuda = check.shape, check.device == "cuda"
     extra, notes = fast_path_overrides()
@@ -381,9 +379,10 @@ def measure(check) -> dict:
                 phases.append(phase_seconds(clock, took))
         peak = torch.cuda.max_memory_allocated() if cuda else None
         kernels = profiled_update(learner, shape, cuda, WARMUP + TIMED[check.device] + 1)
-    flops, source = model_flops_per_update(config, arch, shape)
-    figures = throughput_figures(tokens=shape.tokens, update_s=seconds, phases=phases, flops=flops,
-                                 flops_source=source, peak_tflops=H100_BF16_TFLOPS if cuda else None, report=report,
+    peak = peak_flops(torch.cuda.get_device_name()) if cuda else None  # None: a GPU not in the table, no MFU
+    figures = throughput_figures(tokens=shape.tokens, update_s=seconds, phases=phases,
+                                 flops=update_flops(config, arch, shape.lengths),  # the update alone
+                                 peak_tflops=peak / 1e12 if peak else None, report=report,
                                  kernels=kernels, cuda=cuda)
     memory = memory_figures(planned(config, shape.hf, layers, shape.prompt), ESTIMATE_TOLERANCE, baseline, peak)
     return {"layers": layers, "layers_from": layers_from, "device_gb": device_gb, "overrides": extra, **notes,

@@ -1,7 +1,8 @@
 """Section 3: GSPO updates in bf16 at the 30B config's settings (its recompute and loss; the
 check's 16k-token microbatch at 2 layers of the real widths on CUDA), one child process per
 optimizer arm, the second update timed. Each arm is a line of its own as soon as it is measured:
-finite loss and gradient norm, weights moved, tokens/s and MFU, and the memory: allocated before
+finite loss and gradient norm, weights moved, tokens/s, MFU and HFU (model and hardware
+FLOPs: gspo_mcore.planner.flops), and the memory: allocated before
 the learner was built (baseline), the peak, and peak minus baseline against the planner's
 estimate for the same shape (gspo_mcore.planner.memory_model.memory_estimate), within
 ESTIMATE_TOLERANCE.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import math
 
-H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, for the MFU printed
 PRECISION_AWARE = ("optimizer.cpu_offload=false", "optimizer.precision_aware=true")
 ARMS = {"offload": (), "device_adam": ("optimizer.cpu_offload=false",), "precision_aware": PRECISION_AWARE}
 
@@ -82,7 +82,7 @@ def arm(check, extra=()) -> dict:
     from gpucheck.shape import check_config, make_inputs, param_digest, update_once
     from gspo_mcore.megatron.learner import Learner
     from gspo_mcore.megatron.qwen3_moe.hf_config import parse_hf_config
-    from gspo_mcore.planner.costs import flops_per_step
+    from gspo_mcore.planner.flops import peak_flops, update_flops, utilization
     from gspo_mcore.planner.memory_model import ESTIMATE_TOLERANCE, check_layout, memory_estimate, param_counts
 
     shape, cuda = check.shape, check.device == "cuda"
@@ -101,10 +101,12 @@ def arm(check, extra=()) -> dict:
     figures = {"overrides": list(extra), "loss": report.get("loss"), "grad_norm": report.get("grad_norm"),
                "params_moved": moved, "params": len(before), "update_s": seconds,
                "train_tokens_per_s": shape.tokens / seconds, "active_params_b": param_counts(arch)["active"] / 1e9}
-    # Training FLOPs as the planner counts them (6N per token, attention, full recompute's extra
-    # forward): the config's batch is the check's (one group of `sequences`, max_new_tokens = response).
-    flops = flops_per_step(config, arch, shape.prompt)["train_tflops"]
-    figures["mfu"] = flops / seconds / H100_BF16_TFLOPS if cuda else None
+    # The update's FLOPs as the planner counts them: MFU from the model count (6N + attention a
+    # token, the published figures'), HFU from the hardware count (+ the recomputed forwards).
+    flops = update_flops(config, arch, shape.lengths)
+    peak = peak_flops(torch.cuda.get_device_name()) if cuda else None  # None: a GPU not in the table
+    figures.update(peak_tflops=peak / 1e12 if peak else None, mfu=utilization(flops.model, seconds, 1, peak),
+                   hfu=utilization(flops.hardware, seconds, 1, peak))
     planned = memory_estimate(config, arch, check_layout(config, arch, 1, 1), shape.prompt)
     figures.update(memory_figures(planned, ESTIMATE_TOLERANCE, baseline, peak))
     finite = all(isinstance(figures[k], float) and math.isfinite(figures[k]) for k in ("loss", "grad_norm"))

@@ -29,6 +29,7 @@ PROBE = textwrap.dedent("""
     # program {index}
     import gc, os, sys
     others = ['# program ' + str(i) for i in range(3) if i != {index}]
+    gc.unfreeze()  # the harness's objects, frozen before the fork, back in reach
     texts, frame = [x for x in gc.get_objects() if type(x) is str], sys._getframe()
     while frame is not None:  # the harness's frames: the request it holds
         texts += [repr(v) for k, v in frame.f_locals.items() if k not in ('others', 'texts') and v is not globals()]

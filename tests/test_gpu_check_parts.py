@@ -372,11 +372,11 @@ def test_top_kernels_are_the_device_entries_with_the_most_self_time():
 # ------------------------------------------------------------------ the registry
 
 def test_the_sections_fit_the_budget_and_the_parent_imports_nothing_heavy():
-    """Numbered 1..N in order, their estimates within the 8 minutes on one H100; importing the
+    """Numbered 1..N in order, their estimates within 500 s on one H100 (a call's 600 less a margin); importing the
     check (what the parent of a CPU run does) imports neither torch nor megatron-core."""
     numbers = [section.number for section in registry.SECTIONS]
     assert numbers == list(range(1, len(numbers) + 1))
-    assert sum(section.estimate_s for section in registry.SECTIONS) <= registry.BUDGET_S == 480
+    assert sum(section.estimate_s for section in registry.SECTIONS) <= registry.BUDGET_S == 500
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); import gpucheck.main; "
              "print(sorted(m for m in ('torch', 'megatron.core', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe, str(REPO / "launch")], capture_output=True, text=True,

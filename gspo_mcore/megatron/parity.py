@@ -47,17 +47,23 @@ def sample_tokens(vocab_size: int, batch: int = 4, seq_len: int = 16, seed: int 
     return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
 
 
-def run(config: Config, tokens: torch.Tensor, mcore_dir: str | None = None) -> dict | None:
+def run(config: Config, tokens: torch.Tensor, mcore_dir: str | None = None,
+        reference: torch.Tensor | None = None) -> dict | None:
     """Build the model under `config.distributed`, load the HF weights (or the converted
     torch_dist checkpoint `mcore_dir`), compare logits and the exported weights with the
-    checkpoint. Returns the figures on global rank 0, None on other ranks."""
+    checkpoint (`reference`: transformers' logits for `tokens`, when the caller has them already).
+    Returns the figures on global rank 0, None on other ranks."""
     arch, model = model_from_config(config, load_weights=not mcore_dir)
     if mcore_dir:
         load_model_weights(model, mcore_dir)
     model.eval()
     reader = HFCheckpointReader(config.model.hf_dir)
     logits = megatron_logits(model, tokens)
-    figures = compare(hf_logits(config.model.hf_dir, tokens), logits.cpu()) if logits is not None else None
+    if logits is not None:
+        reference = hf_logits(config.model.hf_dir, tokens) if reference is None else reference
+        figures = compare(reference, logits.cpu())
+    else:
+        figures = None
     # Export back (gathering TP shards): bitwise equal to the file, and all ranks together
     # give back every tensor of the checkpoint.
     exported, identical = set(), True

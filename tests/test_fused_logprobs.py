@@ -10,6 +10,8 @@ import pytest
 
 from helpers import run_module
 
+pytestmark = pytest.mark.slow  # a learner in a process of its own, torchrun for two ranks
+
 # In a process of its own: the learner joins gloo process groups and the CPU bridge patches torch.cuda.
 AB = """
 import json, sys

@@ -6,7 +6,11 @@ its buffers takes, bit for bit. The trainer's order of the calls: tests/test_tra
 
 import json
 
+import pytest
+
 from helpers import run_module
+
+pytestmark = pytest.mark.slow  # a learner in a process of its own
 
 # In a process of its own: the learner joins gloo process groups and the CPU bridge patches torch.cuda.
 ROUND_TRIP = """

@@ -206,6 +206,7 @@ def test_every_config_name_users_were_shown_resolves():
         assert callable(by_name(name, {}, "reward.name")), name
 
 
+@pytest.mark.slow  # a CLI subprocess each (~8 s)
 @pytest.mark.parametrize("old", ["plan", "plot", "parity", "torchrun", "evaluate", "toy_task", "train"])
 def test_a_moved_command_still_runs(old):
     """`python -m gspo_mcore.<old> --help` as users ran it: the command answers, and only the

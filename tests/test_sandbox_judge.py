@@ -121,15 +121,23 @@ def test_sysv_ipc_mqueues_xattrs_and_syncfs_are_denied():
     assert judge(HONEST, ADD, limits=FAST).passed
 
 
+# Each child says `held` only once every child has had its turn to allocate (the barrier: the
+# parent's byte, 1 s after the forks): the count is of blocks resident at once. Printed as each
+# allocated, a child the cgroup killed later was counted too (4 seen, once forks got faster).
 HOARD = textwrap.dedent("""
     import os, time
+    r, w = os.pipe()
     for _ in range(6):
         if os.fork() == 0:
+            os.close(w)
             block = b'x' * (100 * 1024**2)  # touched: resident, within each process's RLIMIT_AS
+            os.read(r, 1)
             print('held', flush=True)
-            time.sleep(1.0)
+            time.sleep(0.5)
             os._exit(0)
-    time.sleep(1.5)
+    time.sleep(1.0)
+    os.write(w, b'x' * 6)
+    time.sleep(1.0)
 """)
 
 

@@ -153,6 +153,7 @@ def vllm_reads(snippet: str, data: dict, env: dict | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # vLLM's worker side in .venv-vllm's processes (~24 s)
 def test_a_push_over_vllms_nccl_transfer_engine(nccl_stand_in, tmp_path):
     """One group (rank 0 + the server's 2 workers, by unique id), one push of two buckets in
     bf16 and fp32: the routes in vLLM's order, each bucket one broadcast of its packed bytes,

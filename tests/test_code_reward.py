@@ -18,7 +18,7 @@ import pytest
 from gspo_mcore.data.prepare_code import prepare
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.rewards import load_reward_fn
-from gspo_mcore.rewards.code import (answer_from_problem, code_reward, last_code_block, problem_from_record, score,
+from gspo_mcore.rewards.code import (answer_from_problem, code_reward, last_program, problem_from_record, score,
                                      take_stats, training_tests)
 from gspo_mcore.rewards.code_config import CodeRewardConfig
 from gspo_mcore.sandbox import Limits, Problem, Test
@@ -108,14 +108,12 @@ def test_a_row_whose_tests_cannot_be_read_is_named(record, said):
 # ---- scoring
 
 def test_the_last_fenced_block_is_the_program():
-    assert last_code_block("think\n```python\nprint(1)\n```\nthen\n```\nprint(2)\n```") == "print(2)\n"
-    assert last_code_block("no code here") is None
+    assert last_program("think\n```python\nprint(1)\n```\nthen\n```\nprint(2)\n```") == ("python", "print(2)\n")
+    assert last_program("no code here") is None
 
 
 def test_the_program_is_the_last_block_in_a_judged_language():
     """Issue 46, item 5: the tag says the language (before: every block ran as Python)."""
-    from gspo_mcore.rewards.code import last_program
-
     assert last_program("```python\nprint(1)\n```\nthen\n```\nprint(2)\n```") == ("python", "print(2)\n")
     for tag in ("cpp", "C++", "c++", "cxx", "cc"):
         assert last_program(f"```{tag}\nint main(){{}}\n```") == ("cpp", "int main(){}\n")

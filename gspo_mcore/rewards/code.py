@@ -281,12 +281,6 @@ def problem_from_answer(answer: str, where: str = "answer") -> Problem:
 
 # ---- scoring
 
-def last_code_block(response: str) -> str | None:
-    """The last fenced block (```python ...```, any language tag or none), or None."""
-    blocks = FENCE.findall(response)
-    return blocks[-1][1] if blocks else None
-
-
 def last_program(response: str, languages=("python", "cpp")) -> tuple[str, str] | None:
     """(language, source) of the last fenced block whose tag names one of `languages`
     (LANGUAGE_TAGS: untagged is Python), or None; blocks of other tags (```text, ```java, ```cpp

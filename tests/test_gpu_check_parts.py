@@ -335,20 +335,20 @@ def test_section_9_line_reports_mfu_against_its_target_and_fails_only_on_what_is
 
     common = dict(tokens=16384, update_s=[0.5, 0.7], phases=phases, flops=Flops(model=60e12, hardware=80e12),
                   report={"loss": 0.0, "grad_norm": 0.5}, kernels=kernels)
-    line = throughput.throughput_figures(peak_tflops=989.0, cuda=True, **common)
+    line = throughput.throughput_figures(peak=989e12, cuda=True, **common)
     assert line["update_s"] == pytest.approx(0.6) and line["tokens_per_s"] == pytest.approx(16384 / 0.6)
     assert line["mfu"] == pytest.approx(100.0 / 989.0) and line["mfu_target"] == 0.30
     assert line["hfu"] == pytest.approx(80e12 / 0.6 / 989e12)  # the recomputed forwards: HFU, not MFU
     assert line["mfu_reached"] is False and line["pass"] is True  # below the target: reported, not failed
     assert line["forward_s"] == pytest.approx(0.2) and line["top_kernels"] == kernels
     assert {"logits_s", "backward_s", "optimizer_s", "phases_how", "flops_source", "update_s_each"} <= set(line)
-    cpu = throughput.throughput_figures(peak_tflops=None, cuda=False, **common)
+    cpu = throughput.throughput_figures(peak=None, cuda=False, **common)
     assert cpu["mfu"] is None and cpu["hfu"] is None  # CPU: no peak, no MFU
-    assert throughput.throughput_figures(peak_tflops=None, cuda=False, **common)["pass"] is True
+    assert throughput.throughput_figures(peak=None, cuda=False, **common)["pass"] is True
     broken = [{**phases[0], "backward_s": float("nan")}, phases[1]]
-    assert throughput.throughput_figures(peak_tflops=989.0, cuda=True, **{**common, "phases": broken})["pass"] is False
-    assert throughput.throughput_figures(peak_tflops=989.0, cuda=True, **{**common, "kernels": []})["pass"] is False
-    assert throughput.throughput_figures(peak_tflops=989.0, cuda=True,
+    assert throughput.throughput_figures(peak=989e12, cuda=True, **{**common, "phases": broken})["pass"] is False
+    assert throughput.throughput_figures(peak=989e12, cuda=True, **{**common, "kernels": []})["pass"] is False
+    assert throughput.throughput_figures(peak=989e12, cuda=True,
                                          **{**common, "report": {"loss": None, "grad_norm": 0.5}})["pass"] is False
 
 

@@ -274,7 +274,7 @@ def all_finite(figures: dict, keys) -> bool:
 
 
 def throughput_figures(*, tokens: int, update_s: list[float], phases: list[dict], flops: Flops,
-                       peak_tflops: float | None, report: dict, kernels: list[dict], cuda: bool) -> dict:
+                       peak: float | None, report: dict, kernels: list[dict], cuda: bool) -> dict:
     """The line's figures from what the child measured: each timed update's seconds and phases
     (averaged), the update's model and hardware FLOPs (`mfu`, `hfu` beside it), the last update's
     report, the profile's top entries. PASS: finite figures and a profile with entries; MFU under
@@ -286,7 +286,7 @@ def throughput_figures(*, tokens: int, update_s: list[float], phases: list[dict]
                "update_s": mean, "update_s_each": update_s, "tokens_per_s": tokens / mean,
                "model_tflops_per_update": flops.model / 1e12, "model_tflops_per_s": flops.model / mean / 1e12,
                "hardware_tflops_per_update": flops.hardware / 1e12, "flops_source": FLOPS_SOURCE,
-               "peak_tflops": peak_tflops, "mfu_target": MFU_TARGET,
+               "peak_tflops": peak / 1e12 if peak else None, "mfu_target": MFU_TARGET,
                "loss": report.get("loss"), "grad_norm": report.get("grad_norm"),
                **{key: statistics.fmean(p[key] for p in phases) for key in PHASES},
                "phases_how": "CUDA events from hooks (wall clock on CPU): forward = model pre-hook to the loss's "
@@ -294,7 +294,6 @@ def throughput_figures(*, tokens: int, update_s: list[float], phases: list[dict]
                              "reduction in it); logits = output layer + log-probs, forward and backward",
                "top_kernels_of": "CUDA kernels (self device time)" if cuda else "CPU ops (self CPU time)",
                "top_kernels": kernels}
-    peak = peak_tflops * 1e12 if peak_tflops else None
     figures["mfu"], figures["hfu"] = (utilization(count, mean, 1, peak) for count in (flops.model, flops.hardware))
     figures["mfu_reached"] = figures["mfu"] >= MFU_TARGET if figures["mfu"] is not None else None
     figures["pass"] = (all_finite(figures, ("update_s", "tokens_per_s", "model_tflops_per_s", "loss", "grad_norm",
@@ -379,10 +378,11 @@ def measure(check) -> dict:
                 phases.append(phase_seconds(clock, took))
         peak = torch.cuda.max_memory_allocated() if cuda else None
         kernels = profiled_update(learner, shape, cuda, WARMUP + TIMED[check.device] + 1)
-    peak = peak_flops(torch.cuda.get_device_name()) if cuda else None  # None: a GPU not in the table, no MFU
+    # The dense bf16 FLOP/s (None: CPU, or a GPU not in the table: no MFU); `peak` is the memory's
+    device_flops = peak_flops(torch.cuda.get_device_name()) if cuda else None
     figures = throughput_figures(tokens=shape.tokens, update_s=seconds, phases=phases,
                                  flops=update_flops(config, arch, shape.lengths),  # the update alone
-                                 peak_tflops=peak / 1e12 if peak else None, report=report,
+                                 peak=device_flops, report=report,
                                  kernels=kernels, cuda=cuda)
     memory = memory_figures(planned(config, shape.hf, layers, shape.prompt), ESTIMATE_TOLERANCE, baseline, peak)
     return {"layers": layers, "layers_from": layers_from, "device_gb": device_gb, "overrides": extra, **notes,

@@ -104,9 +104,11 @@ def arm(check, extra=()) -> dict:
     # The update's FLOPs as the planner counts them: MFU from the model count (6N + attention a
     # token, the published figures'), HFU from the hardware count (+ the recomputed forwards).
     flops = update_flops(config, arch, shape.lengths)
-    peak = peak_flops(torch.cuda.get_device_name()) if cuda else None  # None: a GPU not in the table
-    figures.update(peak_tflops=peak / 1e12 if peak else None, mfu=utilization(flops.model, seconds, 1, peak),
-                   hfu=utilization(flops.hardware, seconds, 1, peak))
+    # The dense bf16 FLOP/s (None: CPU, or a GPU not in the table); `peak` is the memory's
+    device_flops = peak_flops(torch.cuda.get_device_name()) if cuda else None
+    figures.update(peak_tflops=device_flops / 1e12 if device_flops else None,
+                   mfu=utilization(flops.model, seconds, 1, device_flops),
+                   hfu=utilization(flops.hardware, seconds, 1, device_flops))
     planned = memory_estimate(config, arch, check_layout(config, arch, 1, 1), shape.prompt)
     figures.update(memory_figures(planned, ESTIMATE_TOLERANCE, baseline, peak))
     finite = all(isinstance(figures[k], float) and math.isfinite(figures[k]) for k in ("loss", "grad_norm"))

@@ -68,13 +68,18 @@ def test_the_sync_check_keeps_the_other_ranks_waiting_on_the_host_group(monkeypa
         def prompt_logprobs(self, url, probes):
             return [[-1.0, -2.0] for _ in probes]
 
-    monkeypatch.setattr(check, "sequence_logprobs", lambda model, probes: [[-1.0, -2.0] for _ in probes])
+    fused = []
+    monkeypatch.setattr(check, "sequence_logprobs",
+                        lambda model, probes, fused_logprobs: fused.append(fused_logprobs) or [[-1.0, -2.0] for _ in probes])
     monkeypatch.setattr(check, "last_stage_rank", lambda: 0)
     monkeypatch.setattr(check.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(check, "broadcast_from_host", on_host)
     monkeypatch.setattr(check.dist, "broadcast_object_list", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     stats = check.check_sync(None, Engine(), [[1, 2, 3]], median_tolerance=0.01)
     assert waits == [0] and stats["sync_check_median"] == 0.0
+    # the forward as training's: model.fused_logprobs (the planner counts the check's forward so)
+    check.check_sync(None, Engine(), [[1, 2, 3]], median_tolerance=0.01, fused_logprobs=True)
+    assert fused == [False, True]
 
 
 def test_a_colocated_push_waits_for_the_servers_on_the_host_group(monkeypatch):

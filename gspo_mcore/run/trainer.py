@@ -404,7 +404,8 @@ class Trainer:
             return figures
         tokens, scored_from = zip(*self.probes)
         figures.update(weight_sync.check_sync(self.learner.model, self.engine, list(tokens),
-                                              config.sync_check_tolerance, list(scored_from)))
+                                              config.sync_check_tolerance, list(scored_from),
+                                              fused_logprobs=config.model.fused_logprobs))
         release_cached_memory()  # the check forward's logits
         return figures
 

@@ -12,15 +12,16 @@ from gspo_mcore.megatron.parallel import broadcast_from_host
 
 
 def check_sync(model, engine, probes: list[list[int]], median_tolerance: float,
-               scored_from: list[int] | None = None) -> dict:
+               scored_from: list[int] | None = None, fused_logprobs: bool = False) -> dict:
     """Every server's log-probs of `probes` (one prefill each) against the trainer's forward of
     the same tokens, from token `scored_from[i]` of probe i on (a rollout's response: its own
     tokens are likely ones; a prompt's unlikely tokens spread bf16 noise to ~0.1). Collective;
     returns the figures (the worst server's) on every rank and raises WeightSyncError naming the
     server when its median difference exceeds `median_tolerance` (a wrong, stale or renumbered
-    tensor moves most tokens by ~1)."""
+    tensor moves most tokens by ~1). `fused_logprobs`: the trainer's forward as its training's
+    (model.fused_logprobs: no [tokens, vocabulary] logits, as the planner counts this phase)."""
     last = last_stage_rank()
-    ours = sequence_logprobs(model, probes)
+    ours = sequence_logprobs(model, probes, fused_logprobs=fused_logprobs)
     found = [None]
     if dist.get_rank() == last:
         starts = [max(0, first - 1) for first in scored_from] if scored_from else [0] * len(probes)  # log-prob t: token t+1

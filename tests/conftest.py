@@ -77,11 +77,13 @@ def server(toy, tmp_path_factory):
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
+    def command(port):
+        return sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
+                              extra_args=("--disable-radix-cache",))
+
     port = free_port()
-    cmd = sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
-                         extra_args=("--disable-radix-cache",))
-    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",
-                       env=server_env()) as managed:
+    with ManagedServer(command(port), f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",
+                       env=server_env(), command_for_port=command) as managed:
         yield managed.url
 
 @pytest.fixture(scope="session")
@@ -100,10 +102,13 @@ def vllm_server(model_dir, log, env: dict | None = None, **options):
     from gspo_mcore.common.netaddr import free_port
     from gspo_mcore.common.processes import ManagedServer
 
+    def command(port):
+        return vllm_command(str(model_dir), port, python=str(REPO / ".venv-vllm" / "bin" / "python"), dtype="float32",
+                            **options)
+
     port = free_port()
-    cmd = vllm_command(str(model_dir), port, python=str(REPO / ".venv-vllm" / "bin" / "python"), dtype="float32",
-                       **options)
-    return ManagedServer(cmd, f"http://127.0.0.1:{port}", log, env={**server_env(), **(env or {})})
+    return ManagedServer(command(port), f"http://127.0.0.1:{port}", log, env={**server_env(), **(env or {})},
+                         command_for_port=command)
 
 
 # ------------------------------------------------------------ one torchrun launch per layout

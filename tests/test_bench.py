@@ -44,10 +44,13 @@ def long_task_server(long_task, tmp_path_factory):
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
 
+    def command(port):
+        return sglang_command(str(long_task / "model"), port, max_running_requests=64,
+                              extra_args=("--enable-return-routed-experts",))
+
     port = free_port()
-    cmd = sglang_command(str(long_task / "model"), port, max_running_requests=64, extra_args=("--enable-return-routed-experts",))
-    with ManagedServer(cmd, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",
-                       env=server_env()) as managed:
+    with ManagedServer(command(port), f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",
+                       env=server_env(), command_for_port=command) as managed:
         yield managed.url
 
 

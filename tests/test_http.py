@@ -275,6 +275,44 @@ def test_a_server_whose_port_was_taken_is_started_again_not_waited_on(tmp_path):
         server.start()
 
 
+_BINDING_SERVER = """
+import http.server, sys, time
+port = int(sys.argv[1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), H)
+except OSError as exc:  # as SGLang: logged, and the process lives on without answering
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): {exc}", flush=True)
+    time.sleep(60)
+server.serve_forever()
+"""
+
+
+def test_a_port_another_process_holds_is_given_up_for_a_new_one(tmp_path):
+    """Two processes drew the same free port (free_port() closes its socket before the server
+    binds): the other one kept it, and the retry on the same port failed again (the suite, CI-like,
+    2026-11-28: an async run exited 2). The retry now asks for the command on a new port."""
+    import socket
+
+    from gspo_mcore.common.processes import ManagedServer, ServerStartError
+
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        command = lambda p: [sys.executable, "-c", _BINDING_SERVER, str(p)]  # noqa: E731
+        with ManagedServer(command(port), f"http://127.0.0.1:{port}", tmp_path / "server.log", startup_timeout_s=30,
+                           command_for_port=command) as server:
+            assert server.healthy() and server.url != f"http://127.0.0.1:{port}"
+        assert "address already in use" in (tmp_path / "server.log").read_text().lower()
+        # Without the command for another port, the retry goes to the same one, and fails.
+        with pytest.raises(ServerStartError, match="could not bind its port"):
+            ManagedServer(command(port), f"http://127.0.0.1:{port}", tmp_path / "again.log",
+                          startup_timeout_s=30).start()
+
+
 def test_a_second_stop_does_not_signal_the_old_process_group_again(tmp_path, monkeypatch):
     """Once the group is gone the kernel gives its id to a new process (a sandbox's bwrap, say,
     which would die without a word)."""

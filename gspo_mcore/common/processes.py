@@ -16,6 +16,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
+from urllib.parse import urlsplit, urlunsplit
 
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.common.http import HTTPRequestError, get_json
@@ -94,9 +96,9 @@ def _copy_redacted(source, out, secrets: tuple[str, ...]) -> None:
 
 
 class ServerStartError(InputError):
-    def __init__(self, message: str, transient: bool = False):
+    def __init__(self, message: str, transient: bool = False, port_taken: bool = False):
         super().__init__(message)
-        self.transient = transient
+        self.transient, self.port_taken = transient or port_taken, port_taken
 
 
 def log_tail(log_file: Path, tail_bytes: int = 65536, since: int = 0) -> list[str]:
@@ -169,11 +171,14 @@ def stop_at_once() -> None:
 class ManagedServer:
     """A server subprocess in its own process group, its output streamed to `log_file` (with
     `secrets` redacted). `with ManagedServer(...) as server:` starts it, waits for /health, and
-    always stops it."""
+    always stops it. `command_for_port(port)`: its command on another port, for a retry when its
+    port was taken (`url` then names the new port: read it after `ready`)."""
 
     def __init__(self, cmd: list[str], url: str, log_file: str | Path, env: dict | None = None,
-                 startup_timeout_s: float = 300.0, secrets: tuple[str, ...] = ()):
+                 startup_timeout_s: float = 300.0, secrets: tuple[str, ...] = (),
+                 command_for_port: Callable[[int], list[str]] | None = None):
         self.cmd, self.url, self.log_file = cmd, url.rstrip("/"), Path(log_file)
+        self.command_for_port = command_for_port
         self.env, self.startup_timeout_s, self.secrets = env, startup_timeout_s, secrets
         self.process: subprocess.Popen | None = None
         self._group_killed = False
@@ -200,7 +205,9 @@ class ManagedServer:
     def ready(self, attempts: int = 2) -> "ManagedServer":
         """Wait for /health. A start that dies by a signal (SGLang's launcher SIGKILLs its own
         tree when a worker fails to initialise) or on a port taken in the meantime is retried
-        once: both are races with other processes on the host, not bad input."""
+        once: both are races with other processes on the host, not bad input. A port taken is
+        taken for good by whoever holds it (another server that drew the same free port): the
+        retry goes to a new port when `command_for_port` can say the command for it."""
         for attempt in range(attempts):
             try:
                 self.wait_healthy()
@@ -209,7 +216,14 @@ class ManagedServer:
                 self.stop()
                 if attempt + 1 == attempts or not exc.transient:
                     raise
-                print(f"{exc}; starting it again", file=sys.stderr, flush=True)
+                if exc.port_taken and self.command_for_port is not None:
+                    from gspo_mcore.common.netaddr import free_port  # torch.distributed: not at import
+
+                    port = free_port()
+                    self.cmd = self.command_for_port(port)
+                    self.url = urlunsplit(urlsplit(self.url)._replace(netloc=f"{urlsplit(self.url).hostname}:{port}"))
+                print(f"{exc}; starting it again" + (f" at {self.url}" if exc.port_taken else ""), file=sys.stderr,
+                      flush=True)
                 self.launch()
         return self
 
@@ -231,7 +245,7 @@ class ManagedServer:
                 raise ServerStartError(
                     f"server {self.url} exited with code {code} while starting"
                     + (f" ({reason})" if reason else "") + f"; see {self.log_file}",
-                    transient=code < 0 or "address already in use" in reason.lower())
+                    transient=code < 0, port_taken="address already in use" in reason.lower())
             if self.healthy():
                 return
             # The port taken between free_port() and the server's bind: SGLang logs it and keeps its
@@ -240,7 +254,7 @@ class ManagedServer:
                      if "address already in use" in ln.lower()]
             if taken:
                 raise ServerStartError(f"server {self.url} could not bind its port ({taken[-1][:300]}); "
-                                       f"see {self.log_file}", transient=True)
+                                       f"see {self.log_file}", port_taken=True)
             time.sleep(0.5)
         self.stop()
         raise InputError(f"server {self.url} not healthy after {self.startup_timeout_s:.0f} s; see {self.log_file}")

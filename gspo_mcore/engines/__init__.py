@@ -48,7 +48,8 @@ def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None =
         port = free_port()
         cmd, env = kind.launch_command(config, port, api_key=api_key)
         server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_dir / f"{kind.name}_{index}.log", env=env,
-                               secrets=(api_key,))
+                               secrets=(api_key,),
+                               command_for_port=lambda p: kind.launch_command(config, p, api_key=api_key)[0])
         stack.callback(server.stop)
         servers.append(server.launch())
     print(f"starting {count} {kind.name} server(s) for {config.model.hf_dir} (logs: {log_dir}/{kind.name}_*.log)",

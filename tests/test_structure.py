@@ -280,16 +280,46 @@ def test_a_reward_or_tool_worker_imports_neither_torch_nor_transformers():
     assert done.returncode == 0 and done.stdout.split() == ["[]"], (done.stdout, done.stderr[-2000:])
 
 
-def test_megatron_is_imported_without_wandb_and_wandb_still_imports_after():
+def test_megatron_is_imported_without_wandb_nor_the_compiler_and_wandb_still_imports_after():
     """megatron.core imports wandb for its inference engine's logging (~0.5 s a trainer process);
-    the project hides it for that import only: the W&B sink imports it afterwards."""
+    the project hides it for that import only: the W&B sink imports it afterwards. Its fused
+    functions' torch.compile imported Inductor at import (~2 s a process): not any more, and
+    torch.compile is torch's again after it."""
     import subprocess
     import sys
 
     from helpers import environment
 
-    script = ("import sys\nimport gspo_mcore.megatron.learner\nprint('wandb' in sys.modules)\n"
+    script = ("import sys, torch\ncompile = torch.compile\nimport gspo_mcore.megatron.learner\n"
+              "print('wandb' in sys.modules, 'torch._inductor.compile_fx' in sys.modules, torch.compile is compile)\n"
               "import wandb\nprint(wandb.__name__)")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment(), capture_output=True,
                           text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.split() == ["False", "wandb"], (done.stdout, done.stderr[-2000:])
+    assert done.returncode == 0 and done.stdout.split() == ["False", "False", "True", "wandb"], (
+        done.stdout, done.stderr[-2000:])
+
+
+def test_megatrons_fused_functions_are_compiled_at_their_first_call_with_their_options():
+    import torch
+
+    from gspo_mcore.megatron import _compile_at_first_call
+
+    compiled = []
+
+    def compile_now(model, **options):
+        compiled.append((getattr(model, "__name__", model), options))
+        return lambda *args: ("compiled", model(*args))
+
+    lazy = _compile_at_first_call(compile_now)
+
+    def double(x):
+        return 2 * x
+
+    decorated, with_options = lazy(double), lazy(dynamic=True)(double)
+    assert compiled == [] and decorated.__name__ == "double"
+    assert decorated(3) == ("compiled", 6) and decorated(4) == ("compiled", 8)
+    assert with_options(1) == ("compiled", 2)
+    assert compiled == [("double", {}), ("double", {"dynamic": True})]  # once each, at the first call
+    layer = torch.nn.Linear(1, 1)
+    lazy(layer)
+    assert compiled[-1][0] is layer  # a module: compiled when asked, as torch.compile does

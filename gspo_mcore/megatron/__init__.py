@@ -3,29 +3,61 @@ DDP, optimizer), the loss inside Megatron's pipeline schedule, checkpoints, the 
 runs megatron-core with gloo, routed-expert delivery, HF parity, and the model (`qwen3_moe`:
 layer spec, forward, HF <-> Megatron weights, which the checkpoint converter shares)."""
 
+import functools as _functools
 import importlib.machinery as _machinery
 import sys as _sys
 
 
-class _WithoutWandb:
-    """megatron.core's __init__ imports its inference contexts, which import wandb when it is installed
-    (megatron/core/inference/contexts/dynamic_context.py, for its inference engine's logging: ~0.5 s a
-    process, and this project never runs that engine). While megatron.core's own __init__ runs,
-    wandb is hidden (an import of it raises ImportError: megatron takes its no-wandb branch); the
-    W&B sink (train.wandb_project) imports it afterwards as usual. Nothing is imported here, so
-    modules of this package that need no Megatron (the HF <-> Megatron table) stay light."""
+class _MegatronImport:
+    """What megatron.core's own __init__ does at import that this project never uses, skipped while
+    it runs (a finder for that one module; nothing is imported here, so modules of this package
+    that need no Megatron, the HF <-> Megatron table, stay light):
+
+    - wandb: its inference contexts import it when installed
+      (megatron/core/inference/contexts/dynamic_context.py, its inference engine's logging: ~0.5 s
+      a process, and this project never runs that engine). Hidden (an import of it raises
+      ImportError: megatron takes its no-wandb branch); the W&B sink (train.wandb_project) imports
+      it afterwards as usual.
+    - torch.compile at decoration time: megatron.core.jit binds `jit_fuser = torch.compile` and
+      decorates its fused functions with it at import, and each such call imports TorchDynamo and
+      Inductor (~2 s of CPU a process, measured: 5.1-5.4 s -> 3.1-3.6 s for megatron.core.tensor_parallel;
+      every trainer rank pays it, the suite ~200 times). `_compile_at_first_call` stands in while
+      __init__ runs: the function is compiled by the real torch.compile, with its options, the
+      first time it is called (torch.compile's own result compiles at first call too), so a GPU run
+      that uses the fusions compiles them as before and a CPU run that does not never imports the
+      compiler."""
 
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name != "megatron.core" or "wandb" in _sys.modules:
+        if name != "megatron.core":
             return None
         spec = _machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _HidingLoader(spec.loader)
+            spec.loader = _MegatronLoader(spec.loader)
         return spec
 
 
-class _HidingLoader:
+def _compile_at_first_call(compile_now):
+    def compile(model=None, **options):
+        if model is None:  # @torch.compile(**options)
+            return lambda fn: compile(fn, **options)
+        if not callable(model) or isinstance(model, type) or hasattr(model, "parameters"):
+            return compile_now(model, **options)  # modules and classes: as asked, at once
+        compiled = None
+
+        @_functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return compile
+
+
+class _MegatronLoader:
     def __init__(self, loader):
         self.loader = loader
 
@@ -33,12 +65,16 @@ class _HidingLoader:
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
+        import torch
+
         hidden = "wandb" not in _sys.modules
         if hidden:
             _sys.modules["wandb"] = None
+        compile_now, torch.compile = torch.compile, _compile_at_first_call(torch.compile)
         try:
             self.loader.exec_module(module)
         finally:
+            torch.compile = compile_now
             if hidden and _sys.modules.get("wandb", 0) is None:
                 del _sys.modules["wandb"]
 
@@ -46,5 +82,5 @@ class _HidingLoader:
         return getattr(self.loader, name)
 
 
-if "megatron.core" not in _sys.modules and not any(isinstance(f, _WithoutWandb) for f in _sys.meta_path):
-    _sys.meta_path.insert(0, _WithoutWandb())
+if "megatron.core" not in _sys.modules and not any(isinstance(f, _MegatronImport) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _MegatronImport())

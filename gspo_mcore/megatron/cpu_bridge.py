@@ -10,6 +10,7 @@ never calls it, so nothing here can change GPU numerics.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -108,9 +109,11 @@ def install() -> None:
                             category=UserWarning)
 
     # Megatron decorates small fused functions with torch.compile; on CPU that would
-    # compile C++ kernels at first call for no gain.
+    # compile C++ kernels at first call for no gain. TorchDynamo reads the variable when it is
+    # imported (megatron.core's import no longer does: gspo_mcore.megatron), else its config.
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
-    torch._dynamo.config.disable = True
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.config.disable = True
 
     cuda = torch.cuda
     cuda.current_device = lambda: "cpu"

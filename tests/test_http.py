@@ -300,7 +300,10 @@ def test_a_port_another_process_holds_is_given_up_for_a_new_one(tmp_path):
 
     from gspo_mcore.common.processes import ManagedServer, ServerStartError
 
-    with socket.create_server(("127.0.0.1", 0)) as held:
+    # Bound, not listening: a health check is refused at once (one listening but never answering
+    # would hold each check for its 5 s timeout).
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
         port = held.getsockname()[1]
         command = lambda p: [sys.executable, "-c", _BINDING_SERVER, str(p)]  # noqa: E731
         with ManagedServer(command(port), f"http://127.0.0.1:{port}", tmp_path / "server.log", startup_timeout_s=30,

@@ -224,6 +224,8 @@ def test_a_long_response_that_keeps_streaming_outlives_the_request_timeout(monke
 
     class Handler(ToyHandler):
         def do_POST(self):
+            if self.path == "/abort_requests":  # the client's close
+                return self.json(200, {})
             if not self.body().get("stream"):  # vLLM answers once the whole response is generated
                 time.sleep(gap["s"] * 6)
                 return self.json(200, whole)
@@ -232,6 +234,8 @@ def test_a_long_response_that_keeps_streaming_outlives_the_request_timeout(monke
             self.end_headers()
             for event in streamed(whole):
                 time.sleep(gap["s"])
+                if gap["s"] > 1:  # the silent server: the client gave up, no 6 x 1.5 s to wait for
+                    return
                 self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")

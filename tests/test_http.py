@@ -174,9 +174,10 @@ def test_a_server_log_never_holds_the_api_key(tmp_path):
     from gspo_mcore.common.processes import ManagedServer, start_redacted
 
     script = "import sys, time; print('server_args=api_key=s3cret-k3y port=1', flush=True); time.sleep(30)"
+    # 4 s: enough for the interpreter to start and print under a loaded suite (it was 8: half the test).
     with pytest.raises(InputError, match="not healthy"):
         with ManagedServer([sys.executable, "-c", script], "http://127.0.0.1:9", tmp_path / "server.log",
-                           startup_timeout_s=8, secrets=("s3cret-k3y",)):
+                           startup_timeout_s=4, secrets=("s3cret-k3y",)):
             pass
     assert _eventually(tmp_path / "server.log") == "server_args=api_key=<redacted> port=1\n"
     with open(tmp_path / "plain.log", "wb") as out:  # open until the copying thread wrote (as a server's log is)

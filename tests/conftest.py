@@ -72,7 +72,6 @@ def toy(tmp_path_factory):
 def server(toy, tmp_path_factory):
     """A float32 engine of the toy model for runs that do not start their own: each run pushes its
     initial weights first, so a previous run's weights do not leak in."""
-    from gspo_mcore.common.netaddr import free_port
     from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
@@ -81,9 +80,8 @@ def server(toy, tmp_path_factory):
         return sglang_command(str(toy / "model"), port, dtype="float32", max_running_requests=128,
                               extra_args=("--disable-radix-cache",))
 
-    port = free_port()
-    with ManagedServer(command(port), f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",
-                       env=server_env(), command_for_port=command) as managed:
+    log = tmp_path_factory.mktemp("logs") / "sglang.log"
+    with ManagedServer.on_free_port(command, log, env=server_env()) as managed:
         yield managed.url
 
 @pytest.fixture(scope="session")
@@ -98,17 +96,14 @@ def vllm_toy(tmp_path_factory):
 def vllm_server(model_dir, log, env: dict | None = None, **options):
     """A float32 vLLM server (.venv-vllm) of `model_dir`, as a run would start it; `env`: variables
     added to its environment."""
-    from gspo_mcore.engines.vllm.server import server_env, vllm_command
-    from gspo_mcore.common.netaddr import free_port
     from gspo_mcore.common.processes import ManagedServer
+    from gspo_mcore.engines.vllm.server import server_env, vllm_command
 
     def command(port):
         return vllm_command(str(model_dir), port, python=str(REPO / ".venv-vllm" / "bin" / "python"), dtype="float32",
                             **options)
 
-    port = free_port()
-    return ManagedServer(command(port), f"http://127.0.0.1:{port}", log, env={**server_env(), **(env or {})},
-                         command_for_port=command)
+    return ManagedServer.on_free_port(command, log, env={**server_env(), **(env or {})})
 
 
 # ------------------------------------------------------------ one torchrun launch per layout

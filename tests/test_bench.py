@@ -39,7 +39,6 @@ def long_task():
 def long_task_server(long_task, tmp_path_factory):
     """The long task's model served with its routed experts (bench/claim.py asks for them): every
     bench that trains pushes its own weights first."""
-    from gspo_mcore.common.netaddr import free_port
     from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import sglang_command
     from gspo_mcore.engines.sglang.sglang_cpu import server_env
@@ -48,9 +47,8 @@ def long_task_server(long_task, tmp_path_factory):
         return sglang_command(str(long_task / "model"), port, max_running_requests=64,
                               extra_args=("--enable-return-routed-experts",))
 
-    port = free_port()
-    with ManagedServer(command(port), f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("logs") / "sglang.log",
-                       env=server_env(), command_for_port=command) as managed:
+    log = tmp_path_factory.mktemp("logs") / "sglang.log"
+    with ManagedServer.on_free_port(command, log, env=server_env()) as managed:
         yield managed.url
 
 

@@ -311,6 +311,10 @@ def test_a_port_another_process_holds_is_given_up_for_a_new_one(tmp_path):
                            command_for_port=command) as server:
             assert server.healthy() and server.url != f"http://127.0.0.1:{port}"
         assert "address already in use" in (tmp_path / "server.log").read_text().lower()
+        # The factory pairs the port it draws with the URL (and keeps the command for a retry).
+        with ManagedServer.on_free_port(command, tmp_path / "free.log", startup_timeout_s=30) as server:
+            assert server.healthy() and server.url == f"http://127.0.0.1:{server.cmd[-1]}"
+            assert server.command_for_port is command
         # Without the command for another port, the retry goes to the same one, and fails.
         with pytest.raises(ServerStartError, match="could not bind its port"):
             ManagedServer(command(port), f"http://127.0.0.1:{port}", tmp_path / "again.log",

@@ -185,6 +185,17 @@ class ManagedServer:
         self.log_start = 0
         self.tmp_dir: Path | None = None
 
+    @classmethod
+    def on_free_port(cls, command_for_port: Callable[[int], list[str]], log_file: str | Path,
+                     host: str = "127.0.0.1", **options) -> "ManagedServer":
+        """A server on `host` at a port free now: its command `command_for_port(port)`, its URL that
+        port's, and a retry after the port was taken goes to another (`ready`)."""
+        from gspo_mcore.common.netaddr import free_port  # torch.distributed: not at import
+
+        port = free_port()
+        return cls(command_for_port(port), f"http://{host}:{port}", log_file, command_for_port=command_for_port,
+                   **options)
+
     def launch(self) -> "ManagedServer":
         """Start the process (not waiting for it: `ready` does; several servers start at once)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)

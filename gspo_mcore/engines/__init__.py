@@ -12,7 +12,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from gspo_mcore.engines.base import Engine, EngineMemory, check_sampling_params
-from gspo_mcore.common.netaddr import free_port
 from gspo_mcore.common.processes import ManagedServer
 
 # rollout.engine -> the class implementing it (imported when asked for: an engine's package may
@@ -44,12 +43,10 @@ def start_servers(config, log_dir: Path, stack: ExitStack, api_key: str | None =
     all are healthy."""
     kind = engine_class(config.rollout.engine)
     servers, count = [], config.rollout.num_servers
+    env = kind.launch_command(config, 0, api_key=api_key)[1]  # the same for every port
     for index in range(count):
-        port = free_port()
-        cmd, env = kind.launch_command(config, port, api_key=api_key)
-        server = ManagedServer(cmd, f"http://127.0.0.1:{port}", log_dir / f"{kind.name}_{index}.log", env=env,
-                               secrets=(api_key,),
-                               command_for_port=lambda p: kind.launch_command(config, p, api_key=api_key)[0])
+        server = ManagedServer.on_free_port(lambda port: kind.launch_command(config, port, api_key=api_key)[0],
+                                            log_dir / f"{kind.name}_{index}.log", env=env, secrets=(api_key,))
         stack.callback(server.stop)
         servers.append(server.launch())
     print(f"starting {count} {kind.name} server(s) for {config.model.hf_dir} (logs: {log_dir}/{kind.name}_*.log)",

@@ -25,10 +25,14 @@ LAYOUTS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Tests that need a parallel layout's torchrun launch are slow (`pytest -m "not slow"`
     skips them) and share one xdist group, so each layout launches once under `make test`'s
-    two workers; modules that start torchrun or SGLang otherwise mark themselves."""
+    workers; modules that start torchrun or SGLang otherwise mark themselves. First of the hooks:
+    xdist's worker names an item's group (its node id's `@group`) in its own hook, which ran before
+    this one, so the layout tests had no group and each worker launched every layout it met again,
+    with all of that layout's planned jobs."""
     for item in items:
         if "layout_output" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)

@@ -71,3 +71,38 @@ def test_ci_runs_the_fast_tier_then_the_rest_each_test_once():
     assert pytest_line("test-slow") == whole.removesuffix(" tests") + " -m slow tests"
     commands = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("make ")]
     assert commands == ["make test-fast", "make test-slow"]
+
+
+_NODE_ID_DUMP = """
+import os, pytest
+
+def pytest_collection_finish(session):  # on the worker, after every collection hook
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(os.environ["NODE_ID_DUMP"], "w") as f:
+            f.write("\\n".join(item.nodeid for item in session.items))
+
+def pytest_runtest_setup(item):
+    pytest.skip("collection only")
+"""
+
+
+def test_the_layout_tests_share_one_xdist_group_on_the_workers(tmp_path):
+    """conftest puts the tests that need a layout's torchrun launch in the `layouts` group: under
+    `--dist loadgroup` the workers name an item's group in its node id (`...@layouts`) in their own
+    collection hook, which ran before conftest's, so these tests had no group, each worker launched
+    the layouts it met again, and the `layouts` group never showed in the times per group."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "node_id_dump.py").write_text(_NODE_ID_DUMP)
+    dump = tmp_path / "node_ids.txt"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "NODE_ID_DUMP": str(dump)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "1", "--dist", "loadgroup", "-m", "slow",
+                          "-p", "node_id_dump", "-p", "no:cacheprovider", "tests/test_gspo_step.py"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    ids = dump.read_text().splitlines()
+    layout_tests = [i for i in ids if "layout_invariant" in i]
+    assert layout_tests and all(i.endswith("@layouts") for i in layout_tests), ids

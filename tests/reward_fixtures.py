@@ -77,3 +77,9 @@ def category_or_raise(response: str, answer: str) -> float:
     if not response.split()[0].startswith(f"{answer}_"):
         raise RuntimeError(f"cannot score {response!r}")
     return 1.0
+
+
+def slow_reward(response: str, answer: str) -> float:
+    """Scores after a second: a close of the run's source meets it mid-score."""
+    time.sleep(1.0)
+    return 1.0

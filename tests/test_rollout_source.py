@@ -273,3 +273,34 @@ def test_reward_failures_under_the_bound_are_logged_and_the_round_goes_on(task, 
             source._check_rewards(RewardStats(errors=3, messages=["response 0: KeyError: 'k'"] * 3), 8)
     finally:
         source.close()
+
+
+def test_closing_the_source_while_a_group_thread_scores_waits_for_it_and_leaves_no_worker(task):
+    """An asynchronous producer's close does not wait for its group threads: the source's close
+    killed the reward workers of a group mid-score, closed their pipes as it wrote (CI, fast tier:
+    `ValueError: PyMemoryView_FromBuffer(): info->buf must not be NULL` from kill_worker) and the
+    scoring thread started a new worker for the dead one, which nothing stopped."""
+    import threading
+
+    source, _ = source_for(task, "reward.name=tests.reward_fixtures:slow_reward", rollout_batch_size=1)
+    outcome = {}
+
+    def score():
+        try:
+            outcome["round"] = source.round(1, 1)
+        except Exception as exc:  # noqa: BLE001 - what a closing run's group thread meets
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=score)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not any(w.busy_with is not None for w in source.rewards._pool) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = [w.process for w in source.rewards._pool]
+    assert workers, "the round never reached its reward"
+    source.close()  # waits for the score in flight, then kills its workers
+    thread.join(30)
+    assert "round" in outcome, outcome  # the score in flight finished
+    assert source.rewards._pool == [] and all(p.poll() is not None for p in workers)
+    with pytest.raises(RuntimeError, match="scored after its runner was closed"):
+        source.rewards.score(["a"], ["b"])

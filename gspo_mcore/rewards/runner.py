@@ -93,6 +93,7 @@ class RewardRunner:
         self.reward_name, self.timeout_s, self.workers = reward_name, timeout_s, workers
         self.batched, self.url, self.options, self.masking = batched, url, options, masking
         self._pool: list[_Worker] = []
+        self.closed = False
 
     @classmethod
     def from_config(cls, reward, name: str | None = None, samples=(), evaluation: bool = False) -> "RewardRunner":
@@ -148,6 +149,8 @@ class RewardRunner:
               groups: list[int] | None = None) -> tuple[list[float | None], RewardStats]:
         """`contexts`: per response, the CONTEXT of gspo_mcore.rewards (needed when the reward asks
         for any of it); `groups`: per response, its prompt's group (the calls of a batched reward)."""
+        if self.closed:
+            raise RuntimeError(f"reward {self.reward_name!r}: scored after its runner was closed")
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
         if self.wanted and contexts is None:
@@ -204,6 +207,8 @@ class RewardRunner:
         self._pool += self._start(1)
 
     def close(self) -> None:
+        """Kill the workers; a later `score` is refused (a group thread of a closed run's producer)."""
         for worker in self._pool:
             worker.kill()
         self._pool = []
+        self.closed = True

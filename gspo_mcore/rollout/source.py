@@ -205,7 +205,11 @@ class RolloutSource:
         self.running.load_state_dict(state["running"])
 
     def close(self) -> None:
-        self.rewards.close()
+        # Under the lock: an asynchronous producer's group thread may be scoring (its close does not
+        # wait for its threads); its reward workers were killed under it, their pipes closed while it
+        # wrote (ValueError in close) and a new worker started for the dead one, left running.
+        with self.lock:
+            self.rewards.close()
         self.generator.close()
 
 

@@ -300,3 +300,22 @@ def test_the_python_tool_runs_in_the_sandbox(tmp_path):
     assert "FileNotFoundError" in tool.python(f"print(open({str(secret)!r}).read())")  # the host's files
     assert "PermissionError" in tool.python("import socket; socket.create_connection(('1.1.1.1', 80))")
     assert tool.python("import os; print(os.getuid() != 0)") == "True"
+
+
+def test_a_close_while_a_thread_calls_a_tool_ends_the_call_and_no_worker_starts_after():
+    """The run closes its tools while a group thread is inside a call (an asynchronous producer does
+    not wait for its threads): the call ends in an error result, and a later call is refused; it
+    was given a fresh worker that nothing would ever stop."""
+    runner = ToolRunner([f"{F}:sleep_forever", f"{F}:lookup"], workers=1, timeout_s=30)
+    [worker] = [w.process for w in runner._live]
+    results = []
+    thread = threading.Thread(target=lambda: results.append(run_one(runner, "sleep_forever")))
+    thread.start()
+    time.sleep(0.5)  # the call is in the worker
+    runner.close()
+    thread.join(30)
+    assert not thread.is_alive() and worker.poll() is not None
+    assert [r.status for r in results] == ["error"], results
+    with pytest.raises(RuntimeError, match="called after their runner was closed"):
+        run_one(runner, "lookup", key="paris")
+    assert runner._live == set()

@@ -334,5 +334,5 @@ def kill_worker(process: subprocess.Popen) -> None:
     for pipe in (process.stdin, process.stdout):
         try:
             pipe.close()
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a thread was writing to it (a tool call a close overtook)
             pass

@@ -197,9 +197,9 @@ class _ToolWorker:
         try:
             self.process.stdin.write(json.dumps({"name": call.name, "arguments": call.arguments}) + "\n")
             self.process.stdin.flush()
-        except OSError:
+            return self.read(timeout_s)
+        except (OSError, ValueError):  # ValueError: its pipes were closed under it (the runner's close)
             return None
-        return self.read(timeout_s)
 
     def read(self, timeout_s: float):
         return read_json_reply(self.process, timeout_s)
@@ -218,6 +218,7 @@ class ToolRunner:
         self.stats = ToolStats()
         self._lock = threading.Lock()  # guards stats and _live
         self._live: set[_ToolWorker] = set()
+        self.closed = False  # no worker starts after close (a closing run's thread still calling)
         self._idle: queue.Queue[_ToolWorker | None] = queue.Queue()  # None: a slot to start a worker in
         for _ in range(workers):  # here, usually on the main thread, where the kernel ties them to us
             self._idle.put(self._start())
@@ -262,8 +263,13 @@ class ToolRunner:
             raise
 
     def _start(self) -> _ToolWorker:
+        if self.closed:
+            raise RuntimeError(f"tools {', '.join(self.tools.names)}: called after their runner was closed")
         worker = _ToolWorker(self.tools, self.max_output_chars)
         with self._lock:
+            if self.closed:  # closed while it started: it would outlive the run
+                worker.kill()
+                raise RuntimeError(f"tools {', '.join(self.tools.names)}: called after their runner was closed")
             self._live.add(worker)
         return worker
 
@@ -288,7 +294,10 @@ class ToolRunner:
         return stats
 
     def close(self) -> None:
+        """Kill the workers, also one a thread is calling (its call ends in an error); a later
+        call is refused rather than given a new worker nothing would stop."""
         with self._lock:
+            self.closed = True
             workers, self._live = list(self._live), set()
         for worker in workers:
             worker.kill()

@@ -200,8 +200,8 @@ def test_engine_idle_fraction_sees_a_synchronous_run_idle_the_engine_while_it_tr
     little beside it: at 0.05 s a call and a 0.1 s update, under load (beside the code reward's
     tests), async once read idle 0.83 and 0.63 against sync's 0.35 and 0.29. With eight busy
     processes beside it now: async <= 0.01, sync >= 0.2."""
-    idle = {mode: [m["engine_idle_fraction"] for _, _, m in _producer_run(task, mode, steps=3, delay_s=0.2, update_s=0.3)[0][1:]]
-            for mode in ("sync", "async")}
+    runs = {mode: _producer_run(task, mode, steps=3, delay_s=0.2, update_s=0.3)[0] for mode in ("sync", "async")}
+    idle = {mode: [m["engine_idle_fraction"] for _, _, m in rows[1:]] for mode, rows in runs.items()}
     assert all(0.1 < f < 1 for f in idle["sync"]), idle
     assert sum(idle["async"]) < sum(idle["sync"]), idle
     assert all(m["tokens_regenerated"] == 0 for _, _, m in _producer_run(task, "sync", steps=1)[0])

@@ -263,15 +263,18 @@ class ToolRunner:
             raise
 
     def _start(self) -> _ToolWorker:
-        if self.closed:
-            raise RuntimeError(f"tools {', '.join(self.tools.names)}: called after their runner was closed")
+        if self.closed:  # before a process is started for nothing
+            raise self._closed_error()
         worker = _ToolWorker(self.tools, self.max_output_chars)
         with self._lock:
             if self.closed:  # closed while it started: it would outlive the run
                 worker.kill()
-                raise RuntimeError(f"tools {', '.join(self.tools.names)}: called after their runner was closed")
+                raise self._closed_error()
             self._live.add(worker)
         return worker
+
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"tools {', '.join(self.tools.names)}: called after their runner was closed")
 
     def _forget(self, worker: _ToolWorker) -> None:
         worker.kill()

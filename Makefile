@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow install install-vllm clean docker shellcheck sandbox
+.PHONY: demo test test-fast test-slow install install-vllm venvs clean docker shellcheck sandbox
 
 SGLANG_CPU := gspo_mcore/engines/sglang/sglang_cpu
 
@@ -55,6 +55,12 @@ install: $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
+# Both venvs at once (what the tests need): two pip processes, each mostly one core unpacking
+# wheels, measured 2:10 against 3:17 one after the other on a fresh 2-core machine. A sub-make:
+# the rest (apt installs of shellcheck and the sandbox) stays one thing at a time.
+venvs:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
+
 # DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds) or --resume
 # (continue it from its last checkpoint).
 demo: $(STAMP)
@@ -64,16 +70,16 @@ demo: $(STAMP)
 # two workers kept 1.35 of the 2 cores busy). Tests that share a module's server (or a layout's
 # launch) stay together (xdist_group).
 PYTEST := $(PY) -m pytest -q -n 3 --dist loadgroup --durations=25
-test: $(STAMP) $(VLLM_STAMP) shellcheck sandbox
+test: venvs shellcheck sandbox
 	$(PYTEST) tests
 
 # The two tiers of `make test`, each test in exactly one: the fast one (pure functions, configs,
 # static checks, clients against stand-in servers; under 2 minutes) fails a broken build early.
 # Both install everything `make test` does: some fast tests run vLLM's Python (.venv-vllm).
-test-fast: $(STAMP) $(VLLM_STAMP) shellcheck sandbox
+test-fast: venvs shellcheck sandbox
 	$(PYTEST) -m "not slow" tests
 
-test-slow: $(STAMP) $(VLLM_STAMP) shellcheck sandbox
+test-slow: venvs shellcheck sandbox
 	$(PYTEST) -m slow tests
 
 # A command from a Debian package, installed when missing (as root, or through sudo).

@@ -15,6 +15,7 @@ from checkpoint_convert import convert
 from checkpoint_convert.dcp_io import DCPReader
 from gspo_mcore.common.safetensors_io import HFCheckpointReader
 from checkpoint_convert.synthetic import QWEN3_30B_A3B, QWEN3_235B_A22B, write_synthetic_checkpoint
+from conftest import plan_layout_job
 from helpers import REPO, last_json_line, run_module
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.megatron.qwen3_moe.tiny import make_tiny_checkpoint
@@ -82,20 +83,25 @@ def test_dtype_cast(tiny_hf_dir, tmp_path):
     assert figures["ok"] and figures["weights_rounded_to"] == "bfloat16"  # a float32 model, compared as converted
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc, overrides", [(1, []), (2, ["model.spec=torch", "distributed.expert_parallel=2"])],
+# Megatron's own saves and the converter's output loaded under parallel layouts: jobs of the
+# layouts' shared torchrun launches (conftest.layout_output), no launch of their own.
+plan_layout_job("save_mcore", "save_mcore", ["single", "EP2"])
+plan_layout_job("save_mcore_torch", "save_mcore", ["EP2"], ["model.spec=torch"])
+plan_layout_job("parity_converted", "parity_converted", ["EP2", "PP2", "TP2-SP"])
+plan_layout_job("parity_converted_torch", "parity_converted", ["EP2"], ["model.spec=torch"])
+
+
+@pytest.mark.parametrize("layout, job", [("single", "save_mcore"), ("EP2", "save_mcore_torch")],
                          ids=["local", "torch-EP2"])
-def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path, nproc, overrides):
+def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, layout_output, layout, job):
     """Keys, global shapes, dtypes and values equal those of Megatron's own save of the model
     (the local spec; the converter adds the extra states of the TE spec's standalone norms), and
     of the torch spec's stacked experts saved from two expert-parallel ranks: one checkpoint."""
     from checkpoint_convert.convert import local_spec_aliases, te_norm_extra_state_keys
     from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
 
-    run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved"), *overrides],
-               nproc=nproc)
     ours = DCPReader(converted / "release")
-    megatron = DCPReader(tmp_path / "saved" / "iter_0000001")
+    megatron = DCPReader(layout_output(layout, job) / "saved" / "iter_0000001")
     ours_md, theirs_md = ours.metadata.state_dict_metadata, megatron.metadata.state_dict_metadata
     arch = load_hf_config(tiny_hf_dir)
     te_only = {key for layer in [None, *range(arch.num_layers)] for key in te_norm_extra_state_keys(arch, layer)}
@@ -112,25 +118,18 @@ def test_same_checkpoint_as_megatron_saves(tiny_hf_dir, converted, tmp_path, npr
             assert torch.equal(ours.read(key), megatron.read(key)), key
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["EP2", "PP2", "TP2-SP", "EP2-torch-spec"])
-def test_converted_checkpoint_loads_under_layouts(tiny_hf_dir, converted, layout):
-    overrides = {"EP2": ["distributed.expert_parallel=2"], "PP2": ["distributed.pipeline_parallel=2"],
-                 "TP2-SP": ["distributed.tensor_parallel=2"],
-                 "EP2-torch-spec": ["distributed.expert_parallel=2", "model.spec=torch"]}[layout]
-    proc = run_module(["-m", "gspo_mcore.megatron.parity", f"model.hf_dir={tiny_hf_dir}", "--mcore-dir", str(converted),
-                       *overrides], nproc=2)
-    figures = last_json_line(proc.stdout)
+@pytest.mark.parametrize("layout, job", [("EP2", "parity_converted"), ("PP2", "parity_converted"),
+                                         ("TP2-SP", "parity_converted"), ("EP2", "parity_converted_torch")],
+                         ids=["EP2", "PP2", "TP2-SP", "EP2-torch-spec"])
+def test_converted_checkpoint_loads_under_layouts(layout_output, layout, job):
+    figures = json.loads((layout_output(layout, job) / "figures.json").read_text())
     assert figures["max_abs_logit_diff"] <= 1e-4 and figures["export_bitwise_identical"], figures
 
 
-@pytest.mark.slow
-def test_trainer_checkpoint_under_ep2_back_to_hf(tiny_hf_dir, tmp_path):
+def test_trainer_checkpoint_under_ep2_back_to_hf(tiny_hf_dir, layout_output, tmp_path):
     """A checkpoint Megatron saved with experts split over 2 ranks: every expert comes back."""
-    run_module(["tests/workers/save_checkpoint.py", str(tiny_hf_dir), str(tmp_path / "saved"),
-                "distributed.expert_parallel=2"], nproc=2)
-    cli("mcore-to-hf", "--mcore-dir", str(tmp_path / "saved"), "--hf-config-dir", str(tiny_hf_dir),
-        "--output-dir", str(tmp_path / "back"), "--quiet")
+    cli("mcore-to-hf", "--mcore-dir", str(layout_output("EP2", "save_mcore") / "saved"), "--hf-config-dir",
+        str(tiny_hf_dir), "--output-dir", str(tmp_path / "back"), "--quiet")
     assert_same_checkpoint(tiny_hf_dir, tmp_path / "back")
 
 

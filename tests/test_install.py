@@ -63,13 +63,6 @@ def test_make_install_says_what_it_does_and_asks_for_the_cpu_torch_by_its_local_
         torch = [line for line in dry.stdout.splitlines() if re.search(r"pip install .*\btorch==", line)]
         assert torch and all(re.search(r"\btorch==2\.13\.0\+cpu\b", line) for line in torch), torch
         # pip's own configuration first (a mirror, a wheel directory; here only PyPI is reachable), then PyTorch's index
-        assert torch[0].split(" || ")[0] == (f"{venv}/bin/python -m pip install --quiet --no-compile "
-                                             "torch==2.13.0+cpu 2>/dev/null")
-        # Nothing byte-compiled at install (~50,000 modules, most never imported) but the sandbox's
-        # packages, which a program inside cannot compile into their read-only place.
-        installs = [line for line in dry.stdout.splitlines() if " -m pip install " in line]
-        assert installs and all("--no-compile" in part for line in installs for part in line.split(" || ")), installs
-        if venv == ".venv":
-            assert re.search(r"compileall\.compile_dir\(.*for n in PACKAGES", dry.stdout), dry.stdout
+        assert torch[0].split(" || ")[0] == f"{venv}/bin/python -m pip install --quiet torch==2.13.0+cpu 2>/dev/null"
         assert "--extra-index-url https://download.pytorch.org/whl/cpu" in torch[0].split(" || ")[1]
         assert re.search(r"^echo \"install", dry.stdout, re.M), dry.stdout

@@ -50,12 +50,12 @@ MULTI_TURN = ["rollout.function=tests.rollout_fixtures:three_turns", "rollout.re
 
 @pytest.mark.parametrize("mode, nproc, options", [
     ("async", 2, ["distributed.expert_parallel=2"]),
-    ("async", 2, []),  # DP2
     ("one_step_off", 2, ["loss.proximal=first_minibatch"]),  # DP2
-    # one_step_off under EP2 is not run: async-EP2 covers EP2, and the modes differ on rank 0's
-    # producer only, which the layout does not reach (the suite's time budget).
+    # Not run (the suite's time budget): one_step_off under EP2 and async under DP2. The modes
+    # differ on rank 0's producer only, which the layout does not reach: async-EP2 covers the
+    # async producer over two ranks, one_step_off-DP2 the DP2 layout under a producer.
     ("one_step_off", 1, MULTI_TURN),
-], ids=["async-EP2", "async-DP2", "one_step_off-DP2-free-prox", "one_step_off-1-multi-turn"])
+], ids=["async-EP2", "one_step_off-DP2-free-prox", "one_step_off-1-multi-turn"])
 def test_asynchronous_modes_train_with_bounded_staleness(toy, servers, tmp_path, mode, nproc, options):
     """Two servers: full batches, every step's staleness within rollout.max_staleness (a
     trajectory counts its oldest model token), the trainer not waiting once generation runs

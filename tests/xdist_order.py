@@ -1,12 +1,13 @@
-"""The order `make test`'s workers take the slow tier's work in: the heaviest xdist group first
-(longest processing time first), then the ungrouped tests in collection order.
+"""The order `make test`'s workers take work in: the heaviest xdist group first (longest
+processing time first), then the ungrouped tests in collection order.
 
-xdist's loadgroup queue is ordered by test count: the 3-test vllm_train group (~430 s) went after
-groups of more, shorter tests, and the tier ended with one worker finishing a long group while the
-others had nothing left (sum of group times / workers was 1,184-1,289 s, the wall 1,240-1,370 s).
-Seconds are a group's total on this 2-core machine under the suite (the `time per xdist group`
-line the suite prints); only their order matters, a group missing from them goes with the
-ungrouped tests (tests/test_test_layout.py holds every group named here)."""
+xdist's loadgroup queue is ordered by test count, which can leave a long group of few tests (the
+3-test vllm_train group, ~430 s) to late in the tier, when the other workers may have nothing left.
+Measured: the slow tier's wall was 34-121 s above its groups' sum / workers with this order, 56-81 s
+with xdist's: within this machine's noise, so the gain is not shown. Seconds are a group's total on
+this 2-core machine under the suite (the `time per xdist group` line the suite prints); only their
+order matters, a group missing from them goes with the ungrouped tests (tests/test_test_layout.py
+holds every group named here)."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def vllm_server(model_dir, log, env: dict | None = None, **options):
         return vllm_command(str(model_dir), port, python=str(REPO / ".venv-vllm" / "bin" / "python"), dtype="float32",
                             **options)
 
-    return ManagedServer.on_free_port(command, log, env={**server_env(), **(env or {})})
+    return ManagedServer.on_free_port(command, log, env={**server_env(device="cpu"), **(env or {})})
 
 
 # ------------------------------------------------------------ one torchrun launch per layout

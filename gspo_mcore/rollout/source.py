@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from gspo_mcore.gspo import advantages as adv
 from gspo_mcore.config import Config
@@ -34,6 +33,8 @@ class RolloutSource:
     def __init__(self, config: Config):
         """Loads the tokenizer, the dataset and the reward (bad input fails here, before any
         server starts); `connect` then names the servers."""
+        from transformers import AutoTokenizer  # ~1 s of imports: rank 0's alone, not every rank's at import
+
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or config.model.hf_dir)
         if not config.data.path:

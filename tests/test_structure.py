@@ -323,3 +323,25 @@ def test_megatrons_fused_functions_are_compiled_at_their_first_call_with_their_o
     layer = torch.nn.Linear(1, 1)
     lazy(layer)
     assert compiled[-1][0] is layer  # a module: compiled when asked, as torch.compile does
+
+
+def test_with_the_compiler_disabled_a_fused_function_runs_as_written_and_dynamo_is_never_imported(tmp_path):
+    """The CPU path sets TORCH_COMPILE_DISABLE=1 (cpu_bridge): torch.compile's result would run the
+    function eagerly, but calling torch.compile imported TorchDynamo and Inductor (~2 s of CPU) at
+    the first MoE routing of every CPU rank (the router's `_apply_expert_bias` is fused)."""
+    import subprocess
+    import sys
+
+    from helpers import environment
+
+    script = ("import sys, types, torch\nfrom gspo_mcore.megatron import _compile_at_first_call\n"
+              "calls = []\nlazy = _compile_at_first_call(lambda model, **o: calls.append(model))\n"
+              "double = lazy(lambda x: 2 * x)\nprint(double(3), double(4), calls)\n"
+              "from megatron.core.transformer.moe.router import TopKRouter\n"
+              "router = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(4))\n"
+              "TopKRouter._apply_expert_bias(router, torch.eye(4, dtype=torch.bool)[[0, 2, 2]])\n"
+              "print(router.local_tokens_per_expert.tolist(), 'torch._inductor' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=environment(TORCH_COMPILE_DISABLE="1"))
+    assert done.returncode == 0 and done.stdout.split() == ["6", "8", "[]", "[1.0,", "0.0,", "2.0,", "0.0]",
+                                                            "False"], (done.stdout, done.stderr[-2000:])

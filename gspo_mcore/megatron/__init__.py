@@ -4,6 +4,7 @@ runs megatron-core with gloo, routed-expert delivery, HF parity, and the model (
 layer spec, forward, HF <-> Megatron weights, which the checkpoint converter shares)."""
 
 import functools as _functools
+import os as _os
 import importlib.machinery as _machinery
 import sys as _sys
 
@@ -24,8 +25,11 @@ class _MegatronImport:
       every trainer rank pays it, the suite ~200 times). `_compile_at_first_call` stands in while
       __init__ runs: the function is compiled by the real torch.compile, with its options, the
       first time it is called (torch.compile's own result compiles at first call too), so a GPU run
-      that uses the fusions compiles them as before and a CPU run that does not never imports the
-      compiler."""
+      that uses the fusions compiles them as before. Where TorchDynamo is disabled
+      (TORCH_COMPILE_DISABLE=1, which the CPU path sets: gspo_mcore.megatron.cpu_bridge) torch.compile's
+      result runs the function as written, and so does this, without torch.compile: calling it
+      imported TorchDynamo and Inductor (~2 s of CPU) at the first MoE routing of every CPU rank
+      (megatron/core/transformer/moe/router.py, `_apply_expert_bias`, runs on every forward)."""
 
     @staticmethod
     def find_spec(name, path=None, target=None):
@@ -49,12 +53,21 @@ def _compile_at_first_call(compile_now):
         def call(*args, **kwargs):
             nonlocal compiled
             if compiled is None:
-                compiled = compile_now(model, **options)
+                compiled = model if _compiler_disabled() else compile_now(model, **options)
             return compiled(*args, **kwargs)
 
         return call
 
     return compile
+
+
+def _compiler_disabled() -> bool:
+    """TorchDynamo's `config.disable` (read from TORCH_COMPILE_DISABLE when it is imported), without
+    importing it."""
+    dynamo = _sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        return bool(dynamo.config.disable)
+    return _os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
 
 
 class _MegatronLoader:

@@ -2,7 +2,7 @@
 processing time first), then the ungrouped tests in collection order.
 
 xdist's loadgroup queue is ordered by test count, which can leave a long group of few tests (the
-3-test vllm_train group, ~430 s) to late in the tier, when the other workers may have nothing left.
+3-test vllm_train group, ~300 s) to late in the tier, when the other workers may have nothing left.
 Measured: the slow tier's wall was 34-121 s above its groups' sum / workers with this order, 56-81 s
 with xdist's: within this machine's noise, so the gain is not shown. Seconds are a group's total on
 this 2-core machine under the suite (the `time per xdist group` line the suite prints); only their
@@ -11,9 +11,9 @@ holds every group named here)."""
 
 from __future__ import annotations
 
-GROUP_SECONDS = {
-    "train": 700, "bench": 450, "vllm_train": 430, "async_train": 330, "sglang_server": 210, "layouts": 180,
-    "agent_cpu": 170, "code_cpu": 170, "bf16_server": 130, "vllm_engine": 115, "async_engine": 45,
+GROUP_SECONDS = {  # 2026-11-29, after the servers' and ranks' start-up cuts (90e18d3, ff6aae0)
+    "train": 510, "vllm_train": 300, "bench": 290, "async_train": 235, "sglang_server": 215, "agent_cpu": 205,
+    "layouts": 180, "code_cpu": 175, "bf16_server": 90, "vllm_engine": 65, "async_engine": 20,
 }
 
 

@@ -24,9 +24,9 @@ the server's TMPDIR instead, which the process that started the server removes
 SGLang's tensor dumper (`sglang.srt.debug_utils.dumper`, imported by every scheduler through its
 model runner) tries `import megatron.core` at class definition for its Megatron plugin, a
 debugging aid for training processes: where megatron-core is installed, as beside this trainer,
-each server start imported it for nothing (~1.2 s of CPU, measured 10.6 -> 9.4 s a start). Hidden
-from the server's processes: the plugin takes its not-available branch, nothing else of SGLang
-imports megatron.
+each server start imported it for nothing (0.7 s of CPU in a process that has the scheduler's
+modules already, measured; a whole start is ~9-11 s). Hidden from the server's processes: the
+plugin takes its not-available branch, nothing else of SGLang imports megatron.
 
 On SIGTERM the tokenizer manager's `sigterm_watchdog` notices the signal's flag on its next 5 s
 poll (`await asyncio.sleep(5)`), so every stop waited 0-5 s doing nothing (the tests stop some 30

@@ -40,6 +40,7 @@ def unserved_model_modules() -> list[str]:
 def server_env(base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["TORCH_COMPILE_DISABLE"] = "1"  # nothing compiled on CPU (shim/sitecustomize.py)
     if "SGLANG_DISABLED_MODEL_ARCHS" not in env:  # a user's own list is kept
         env["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(unserved_model_modules())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM), env.get("PYTHONPATH", "")) if p)

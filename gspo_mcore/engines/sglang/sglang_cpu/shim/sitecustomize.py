@@ -28,6 +28,16 @@ each server start imported it for nothing (0.7 s of CPU in a process that has th
 modules already, measured; a whole start is ~9-11 s). Hidden from the server's processes: the
 plugin takes its not-available branch, nothing else of SGLang imports megatron.
 
+Two imports at every start that a CPU server never uses (together, measured on the toy model: the
+launcher's CPU 13.1 s -> 9.5 s, ready in 12.6 s instead of 16.6; 32 seeded requests' tokens and
+log-probs bit for bit the same): `torch.compile` as a decorator at module level (the first, in SGLang's deep_gemm
+runner, imported TorchDynamo and Inductor; a CPU server runs no compiled function, and
+TORCH_COMPILE_DISABLE=1, which `server_env` sets, would make each run as written anyway): where
+TorchDynamo is disabled it returns the function itself, without importing it. And
+`hf_transformers_patches._patch_removed_symbols`, which imports transformers' Llama modeling (and
+through it modeling_utils, quantizers, kernels) to re-export `LlamaFlashAttention2` for
+DeepSeek-OCR's remote code: not a model these servers load.
+
 On SIGTERM the tokenizer manager's `sigterm_watchdog` notices the signal's flag on its next 5 s
 poll (`await asyncio.sleep(5)`), so every stop waited 0-5 s doing nothing (the tests stop some 30
 servers): a poll of 0.1 s stands in before the watchdog itself runs, which then drains and stops
@@ -108,8 +118,25 @@ def _seeded_sampler(module) -> None:
     cpu_seeded_sampler(module)
 
 
+def _compile_off_when_disabled(module) -> None:
+    compile_ = module.compile
+
+    def compile(model=None, *args, **kwargs):
+        if os.environ.get("TORCH_COMPILE_DISABLE", "0") != "1":
+            return compile_(model, *args, **kwargs)
+        return (lambda fn: fn) if model is None else model
+
+    module.compile = compile
+
+
+def _no_llama_reexport(module) -> None:
+    module._patch_removed_symbols = lambda: None  # looked up at call time by apply_all
+
+
 # Per-request sampling seeds (gspo_sglang_seeds.py beside this file says why and how).
-_PATCHES = {"sglang.srt.mem_cache.pool_host.common": _add_cpu_allocator,
+_PATCHES = {"torch": _compile_off_when_disabled,
+            "sglang.srt.utils.hf_transformers_patches": _no_llama_reexport,
+            "sglang.srt.mem_cache.pool_host.common": _add_cpu_allocator,
             "sglang.srt.managers.load_snapshot": _snapshot_in_tmpdir,
             "sglang.srt.entrypoints.engine": _fork_children,
             "sglang.srt.managers.tokenizer_manager": _prompt_sigterm_watchdog,

@@ -17,6 +17,7 @@ from gspo_mcore.engines.base import Engine
 from gspo_mcore.engines.capabilities import (DiskLoad, MemoryRelease, ProcessGroupPush, SharedMemoryPush, SyncProbe,
                                              dtype_name)
 from gspo_mcore.engines.sglang.client import SGLangClient
+from gspo_mcore.engines.sglang.process_group import weight_update_group
 from gspo_mcore.engines.sglang.server import server_for_config
 from gspo_mcore.common.errors import WeightSyncError
 from gspo_mcore.common.netaddr import address_towards, listening_store
@@ -152,12 +153,10 @@ class SGLangEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryR
         self.on_all("/update_weights_from_disk", {"model_path": str(hf_dir), "weight_version": weight_version})
 
     def open_weight_group(self, url: str, name: str, master_address: str, backend: str, timeout_s: float):
-        """SGLang's `init_custom_process_group` on our side, `/init_weights_update_group` on the
-        server's (its TP workers are ranks 1..tp). Our own store, not a tcp:// init_method: under
-        torchrun that would connect to the elastic agent's store instead of hosting one
-        (TORCHELASTIC_USE_AGENT_STORE); it listens on that one address only."""
-        from sglang.srt.utils import init_custom_process_group  # heavy (SGLang): this method only
-
+        """SGLang's `init_custom_process_group` on our side (process_group.py: without importing
+        SGLang), `/init_weights_update_group` on the server's (its TP workers are ranks 1..tp). Our
+        own store, not a tcp:// init_method: under torchrun that would connect to the elastic
+        agent's store instead of hosting one (TORCHELASTIC_USE_AGENT_STORE); it listens on that one address only."""
         world_size = 1 + self.tp_size(url)
         if master_address == "auto":  # multi-node: the address this rank reaches the server from
             master_address = address_towards(urlparse(url).hostname)
@@ -167,9 +166,8 @@ class SGLangEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryR
         with ThreadPoolExecutor(max_workers=1) as pool:
             answer = pool.submit(self.call, url, "/init_weights_update_group", body)
             # The servers wrap the store in a PrefixStore named after the group; so do we.
-            group = init_custom_process_group(backend=backend, store=dist.PrefixStore(name, store),
-                                              world_size=world_size, rank=0, group_name=name,
-                                              timeout=timedelta(seconds=timeout_s))
+            group = weight_update_group(backend, dist.PrefixStore(name, store), world_size, 0, name,
+                                        timedelta(seconds=timeout_s))
             answer.result()
         self._stores[name] = store  # the group needs its store alive
         return group

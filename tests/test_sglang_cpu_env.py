@@ -18,7 +18,8 @@ from gspo_mcore.engines.sglang.sglang_cpu import SHIM, server_env
 def test_the_registry_skips_every_model_module_but_qwen3_moe():
     skipped = server_env({})["SGLANG_DISABLED_MODEL_ARCHS"].split(",")
     # Where SGLang is, without importing it (~2 s in each of the suite's workers).
-    installed = {p.stem for p in (Path(importlib.util.find_spec("sglang").origin).parent / "srt" / "models").glob("*.py")}
+    models = Path(importlib.util.find_spec("sglang").origin).parent / "srt" / "models"
+    installed = {p.stem for p in models.glob("*.py")}
     assert "qwen3_moe" not in skipped and {"llama", "qwen2_moe", "qwen3"} <= set(skipped)
     assert set(skipped) == installed - {"qwen3_moe", "__init__", "registry"}
 

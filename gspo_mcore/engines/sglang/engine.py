@@ -156,7 +156,8 @@ class SGLangEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryR
         """SGLang's `init_custom_process_group` on our side (process_group.py: without importing
         SGLang), `/init_weights_update_group` on the server's (its TP workers are ranks 1..tp). Our
         own store, not a tcp:// init_method: under torchrun that would connect to the elastic
-        agent's store instead of hosting one (TORCHELASTIC_USE_AGENT_STORE); it listens on that one address only."""
+        agent's store instead of hosting one (TORCHELASTIC_USE_AGENT_STORE); it listens on that one
+        address only."""
         world_size = 1 + self.tp_size(url)
         if master_address == "auto":  # multi-node: the address this rank reaches the server from
             master_address = address_towards(urlparse(url).hostname)

@@ -30,10 +30,10 @@ plugin takes its not-available branch, nothing else of SGLang imports megatron.
 
 Two imports at every start that a CPU server never uses (together, measured on the toy model: the
 launcher's CPU 13.1 s -> 9.5 s, ready in 12.6 s instead of 16.6; 32 seeded requests' tokens and
-log-probs bit for bit the same): `torch.compile` as a decorator at module level (the first, in SGLang's deep_gemm
-runner, imported TorchDynamo and Inductor; a CPU server runs no compiled function, and
-TORCH_COMPILE_DISABLE=1, which `server_env` sets, would make each run as written anyway): where
-TorchDynamo is disabled it returns the function itself, without importing it. And
+log-probs bit for bit the same): `torch.compile` as a decorator at module level (the first, in
+SGLang's deep_gemm runner, imported TorchDynamo and Inductor; a CPU server runs no compiled
+function, and TORCH_COMPILE_DISABLE=1, which `server_env` sets, would make each run as written
+anyway): where TorchDynamo is disabled it returns the function itself, without importing it. And
 `hf_transformers_patches._patch_removed_symbols`, which imports transformers' Llama modeling (and
 through it modeling_utils, quantizers, kernels) to re-export `LlamaFlashAttention2` for
 DeepSeek-OCR's remote code: not a model these servers load.

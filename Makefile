@@ -72,7 +72,11 @@ demo: $(STAMP)
 # Three workers on two cores: the slow tests wait on servers and processes starting (measured:
 # two workers kept 1.35 of the 2 cores busy). Tests that share a module's server (or a layout's
 # launch) stay together (xdist_group).
-PYTEST := $(PY) -m pytest -q -n 3 --dist loadgroup --durations=25
+# Bytecode written and reused even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
+# this project's machines): else each worker's collection rewrites the test modules' asserts again
+# (~3.5 s of CPU) and every process a test starts (a few hundred: ranks, CLIs, workers) compiles this
+# checkout's modules again (~0.15 s each).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 3 --dist loadgroup --durations=25
 test: venvs shellcheck sandbox
 	$(PYTEST) tests
 

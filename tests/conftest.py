@@ -4,6 +4,11 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports megatron.core: gspo_mcore.megatron installs the finder that keeps
+# megatron's import from compiling its fused functions at decoration (TorchDynamo and Inductor
+# imported, ~2 s of CPU in each worker's collection otherwise). The package itself imports nothing.
+import gspo_mcore.megatron  # noqa: F401
+
 # Re-exported for the modules that still import them from here; new code imports tests/helpers.py.
 from helpers import REPO, last_json_line, run_module  # noqa: F401
 

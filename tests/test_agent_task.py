@@ -8,7 +8,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from transformers import AutoTokenizer
 
 from gspo_mcore.tasks import agent as agent_task
 from gspo_mcore.tasks.agent import lookup, lookup_reward, make_agent_task, tool_call
@@ -20,6 +19,8 @@ TOOLS = ["gspo_mcore.tasks.agent:lookup"]
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer  # here, not at collection: ~2.5 s of imports in every worker
+
     path = tmp_path_factory.mktemp("agent_tokenizer")
     agent_task.toy.make_tokenizer(path, agent_task.vocabulary(), agent_task.CHAT_TEMPLATE)
     return AutoTokenizer.from_pretrained(path)

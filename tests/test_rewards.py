@@ -103,7 +103,7 @@ def test_a_worker_that_cannot_start_is_one_line():
 
 SLOW_MAIN = """
 import json, sys, time
-time.sleep(3)  # a heavy main module (the trainer imports torch and megatron at the top)
+time.sleep(1.5)  # a heavy main module (the trainer imports torch and megatron at the top)
 from gspo_mcore.rewards.runner import RewardRunner
 if __name__ == "__main__":
     runner = RewardRunner(sys.argv[1], timeout_s=1.0, workers=2)
@@ -115,9 +115,9 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("reward", ["tests.reward_fixtures:length_reward", "tests.slow_import_reward:reward"])
 def test_the_limit_counts_the_reward_only(tmp_path, reward):
-    """A 1 s limit with a fast reward, under a main module that takes 3 s to import (spawned
+    """A 1 s limit with a fast reward, under a main module that takes 1.5 s to import (spawned
     workers used to re-import it inside the first response's limit: every response timed out)
-    or a reward module that takes 3 s to import."""
+    or a reward module that takes 1.5 s to import."""
     script = tmp_path / "main.py"
     script.write_text(SLOW_MAIN)
     env = environment(warnings=True)

@@ -345,3 +345,41 @@ def test_with_the_compiler_disabled_a_fused_function_runs_as_written_and_dynamo_
                           env=environment(TORCH_COMPILE_DISABLE="1"))
     assert done.returncode == 0 and done.stdout.split() == ["6", "8", "[]", "[1.0,", "0.0,", "2.0,", "0.0]",
                                                             "False"], (done.stdout, done.stderr[-2000:])
+
+
+OPTIMIZER_STEPS = """
+import os, sys, torch
+if os.environ["TORCH_COMPILE_DISABLE"] == "1":
+    from gspo_mcore.megatron import cpu_bridge
+    cpu_bridge.install()
+torch.manual_seed(0)
+weights = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+for optimizer in (torch.optim.AdamW(weights, lr=0.1, weight_decay=0.1), torch.optim.SGD(weights, lr=0.1, momentum=0.9)):
+    for step in range(3):
+        optimizer.zero_grad()
+        (weights[0].sum(0) * weights[1]).square().sum().backward()
+        optimizer.step()
+    assert torch.is_grad_enabled()
+    optimizer.load_state_dict(optimizer.state_dict())
+print(repr([w.tolist() for w in weights]), 'torch._dynamo' in sys.modules)
+"""
+
+
+def test_the_cpu_path_steps_torchs_optimizers_without_importing_dynamo_and_to_the_same_numbers():
+    """torch.optim imported TorchDynamo (~1.2 s of CPU a rank) at Megatron's optimizer setup and
+    first step, only to keep its functions from being compiled: with the compiler disabled
+    (TORCH_COMPILE_DISABLE=1, the CPU path's default) it is not imported, and the steps are the
+    same as torch's own, TorchDynamo imported (TORCH_COMPILE_DISABLE=0, without the bridge)."""
+    import subprocess
+    import sys
+
+    from helpers import environment
+
+    outputs = {}
+    for disabled in ("1", "0"):
+        done = subprocess.run([sys.executable, "-c", OPTIMIZER_STEPS], cwd=REPO, capture_output=True, text=True,
+                              timeout=120, env=environment(TORCH_COMPILE_DISABLE=disabled))
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[disabled] = done.stdout.strip().rsplit(" ", 1)
+    assert outputs["1"][1] == "False" and outputs["0"][1] == "True", outputs
+    assert outputs["1"][0] == outputs["0"][0]

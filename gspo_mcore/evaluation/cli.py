@@ -25,9 +25,8 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from gspo_mcore.config import ConfigError, load_config
+from gspo_mcore.data.tokenizer import load_tokenizer
 from gspo_mcore.common.errors import InputError, run_cli
 from gspo_mcore.evaluation.held_out import Evaluator
 from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
         config = load_config(args.config, [*args.overrides, f"model.hf_dir={hf_dir}"])
         if not config.eval.datasets:
             raise ConfigError(f"eval.datasets: {args.config} names no dataset to evaluate on")
-        tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or hf_dir)
+        tokenizer = load_tokenizer(config.data.tokenizer_dir or hf_dir)
         evaluator = Evaluator(config, tokenizer)
         stack.callback(evaluator.close)
         key = api_key_from_env()

@@ -9,6 +9,7 @@ never calls it, so nothing here can change GPU numerics.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -86,6 +87,68 @@ def _type_reporting_cuda(original):
     return tensor_type
 
 
+def _optimizers_without_dynamo() -> None:
+    """torch.optim imports TorchDynamo (~1.2 s of CPU; every CPU rank paid it in Megatron's optimizer
+    setup and first step) only to keep its functions from being compiled and to break the graph
+    around `step`, where TorchDynamo is disabled (TORCH_COMPILE_DISABLE=1) and nothing is compiled:
+    - `torch._disable_dynamo` (torch/_compile.py) wraps add_param_group, zero_grad, state_dict, ...
+      and each optimizer's functional step; its first call imports TorchDynamo to make the disabled
+      function and caches it on the function (`__dynamo_disable`): that cache is filled here with
+      the function itself, what TorchDynamo's disable runs when nothing compiles;
+    - `_use_grad_for_differentiable` (torch/optim/optimizer.py) wraps each optimizer's `step`: it
+      sets grad mode to the optimizer's `differentiable` around the step between two
+      `torch._dynamo.graph_break()`s, no-ops outside compiled code: here the same grad mode without
+      them.
+    Wrappers of another shape are left as they are (they import TorchDynamo as before)."""
+    if "torch._dynamo" in sys.modules:
+        return
+    from torch.optim import optimizer
+
+    disable_code = torch._disable_dynamo(lambda: None).__code__
+    use_grad_code = optimizer._use_grad_for_differentiable(lambda self: None).__code__
+
+    def fill(function, depth=0) -> None:
+        code = getattr(function, "__code__", None)
+        if code is None or depth > 2:
+            return
+        cells = dict(zip(code.co_freevars, function.__closure__ or ()))
+        if code is disable_code:
+            wrapped = cells["fn"].cell_contents
+            wrapped.__dynamo_disable = wrapped
+            return
+        for cell in cells.values():  # _disable_dynamo_if_unsupported's wrapper holds one
+            try:
+                fill(cell.cell_contents, depth + 1)
+            except ValueError:  # an empty cell
+                pass
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.optim") or module is None:
+            continue
+        for value in vars(module).values():
+            if not isinstance(value, type):
+                fill(value)
+                continue
+            for member in vars(value).values():
+                fill(getattr(member, "__func__", member))
+            step = value.__dict__.get("step")
+            if issubclass(value, optimizer.Optimizer) and getattr(step, "__code__", None) is use_grad_code:
+                value.step = _in_grad_mode_of_differentiable(step.__wrapped__)
+
+
+def _in_grad_mode_of_differentiable(step):
+    @functools.wraps(step)
+    def in_grad_mode(self, *args, **kwargs):
+        before = torch.is_grad_enabled()
+        try:
+            torch.set_grad_enabled(self.defaults["differentiable"])
+            return step(self, *args, **kwargs)
+        finally:
+            torch.set_grad_enabled(before)
+
+    return in_grad_mode
+
+
 def _on_cpu(function):
     """`function` with its literal device="cuda" factories made on the CPU, in any thread."""
     def on_cpu(*args, **kwargs):
@@ -114,6 +177,8 @@ def install() -> None:
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     if "torch._dynamo" in sys.modules:
         torch._dynamo.config.disable = True
+    elif os.environ["TORCH_COMPILE_DISABLE"] == "1":
+        _optimizers_without_dynamo()
 
     cuda = torch.cuda
     cuda.current_device = lambda: "cpu"

@@ -33,10 +33,10 @@ class RolloutSource:
     def __init__(self, config: Config):
         """Loads the tokenizer, the dataset and the reward (bad input fails here, before any
         server starts); `connect` then names the servers."""
-        from transformers import AutoTokenizer  # ~1 s of imports: rank 0's alone, not every rank's at import
+        from gspo_mcore.data.tokenizer import load_tokenizer  # transformers: rank 0's alone, not every rank's
 
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer_dir or config.model.hf_dir)
+        self.tokenizer = load_tokenizer(config.data.tokenizer_dir or config.model.hf_dir)
         if not config.data.path:
             raise InputError("data.path: no prompt dataset given")
         self.dataset = PromptDataset.load(config.data.path, config.data.prompt_key, config.data.messages_key,

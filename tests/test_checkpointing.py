@@ -94,6 +94,7 @@ if __name__ == "__main__":  # Megatron's own Manager is spawned: it imports this
 """
 
 
+@pytest.mark.slow  # saves in a Python of its own (~6 s of CPU)
 @pytest.mark.parametrize("how", ["ours"])  # "megatron": its Manager process stays (and dies of Ctrl-C)
 def test_a_torch_dist_save_leaves_no_process_behind(tmp_path, how):
     """A save starts no process that outlives it: the writer's Manager, spawned by Megatron, re-imported the
@@ -113,6 +114,7 @@ def test_a_torch_dist_save_leaves_no_process_behind(tmp_path, how):
     assert proc.stdout.strip() == "0"
 
 
+@pytest.mark.slow  # tests/workers/checkpoint_layout.py in a Python of its own (~8 s of CPU)
 def test_checkpoints_of_the_layout_before_registered_parts_still_load(tiny_hf_dir, tmp_path):
     """A run's checkpoint as the Checkpointer wrote it before parts registered with it (with and
     without the lr schedule's state) loads into the registered parts: weights, RNG, schedule,

@@ -62,6 +62,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow  # a Python of its own builds and drops the learners (~8 s of CPU)
 def test_a_closed_learner_is_collected_with_what_it_filled(tiny_hf_dir, tmp_path):
     """After close and `del`, nothing keeps the model, its parameters, DDP, the gradient buffer, the
     optimizer and its moments or the reference model (DDP's hooks on the gradient accumulators held

@@ -260,6 +260,7 @@ def test_the_launch_asks_for_the_nccl_transfer_engine(monkeypatch, vllm_toy):
     assert "--weight-transfer-config" not in cmd
 
 
+@pytest.mark.slow  # vLLM's own IPCWeightTransferUpdateInfo in .venv-vllm's Python (~9 s of CPU)
 def test_a_colocated_push_over_vllms_ipc_transfer_engine(monkeypatch, vllm_toy):
     """Colocated (TP 2 server on the GPUs of trainer ranks 0 and 1): the IPC engine initialised
     once per server (packed), per push start / one /update_weights per bucket with one entry per

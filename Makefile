@@ -71,17 +71,19 @@ venvs:
 
 # DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds) or --resume
 # (continue it from its last checkpoint).
+# Bytecode written and reused even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
+# this project's machines): the install compiles none (above), so every process (the demo's trainer,
+# server and workers; the few hundred a test run starts) would compile what it imports again, ~5 s of
+# CPU for torch's and megatron's modules; and each test worker's collection would rewrite the test
+# modules' asserts again (~3.5 s of CPU).
+WRITE_BYTECODE := env -u PYTHONDONTWRITEBYTECODE
 demo: $(STAMP)
-	$(PY) -m gspo_mcore.run.demo $(DEMO_ARGS)
+	$(WRITE_BYTECODE) $(PY) -m gspo_mcore.run.demo $(DEMO_ARGS)
 
 # Three workers on two cores: the slow tests wait on servers and processes starting (measured:
 # two workers kept 1.35 of the 2 cores busy). Tests that share a module's server (or a layout's
 # launch) stay together (xdist_group).
-# Bytecode written and reused even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
-# this project's machines): else each worker's collection rewrites the test modules' asserts again
-# (~3.5 s of CPU) and every process a test starts (a few hundred: ranks, CLIs, workers) compiles this
-# checkout's modules again (~0.15 s each).
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 3 --dist loadgroup --durations=25
+PYTEST := $(WRITE_BYTECODE) $(PY) -m pytest -q -n 3 --dist loadgroup --durations=25
 test: venvs shellcheck sandbox
 	$(PYTEST) tests
 

@@ -64,7 +64,8 @@ install: $(STAMP)
 install-vllm: $(VLLM_STAMP)
 
 # Both venvs at once (what the tests need): two pip processes, each mostly one core unpacking
-# wheels, measured 2:10 against 3:17 one after the other on a fresh 2-core machine. A sub-make:
+# wheels, measured 2:10 against 3:17 one after the other on a fresh 2-core machine when pip still
+# byte-compiled (82-96 s at once without). A sub-make:
 # the rest (apt installs of shellcheck and the sandbox) stays one thing at a time.
 venvs:
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)

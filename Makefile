@@ -70,14 +70,15 @@ install-vllm: $(VLLM_STAMP)
 venvs:
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 
-# DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds) or --resume
-# (continue it from its last checkpoint).
 # Bytecode written and reused even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
 # this project's machines): the install compiles none (above), so every process (the demo's trainer,
 # server and workers; the few hundred a test run starts) would compile what it imports again, ~5 s of
 # CPU for torch's and megatron's modules; and each test worker's collection would rewrite the test
 # modules' asserts again (~3.5 s of CPU).
 WRITE_BYTECODE := env -u PYTHONDONTWRITEBYTECODE
+
+# DEMO_ARGS: --output-dir DIR (default outputs/demo), --overwrite (replace the run DIR holds) or --resume
+# (continue it from its last checkpoint).
 demo: $(STAMP)
 	$(WRITE_BYTECODE) $(PY) -m gspo_mcore.run.demo $(DEMO_ARGS)
 

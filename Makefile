@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow install install-vllm venvs clean docker shellcheck sandbox
+.PHONY: demo test test-fast test-slow install install-vllm venvs clean docker shellcheck sandbox rehearse
 
 SGLANG_CPU := gspo_mcore/engines/sglang/sglang_cpu
 
@@ -107,6 +107,14 @@ define debian_command
 	  $$SUDO apt-get install -y -q $(2) >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $(2) >/dev/null; }; }
 endef
+
+# The GPU step rehearsed on CPU (gspo_mcore/rehearsal): the fake CUDA device library compiled with g++
+# against the venv's torch headers into build/rehearsal/ (only `python -m gspo_mcore.rehearse` loads
+# it), then REHEARSE_ARGS (default: the 30B config at 2 layers) rehearsed.
+REHEARSE_ARGS ?= --config configs/qwen3_30b_a3b_gspo.yaml --hf-config configs/hf/qwen3-30b-a3b.config.json --layers 2
+rehearse: $(STAMP) sandbox
+	$(WRITE_BYTECODE) $(PY) -c 'from gspo_mcore.rehearsal.device import build; print("rehearse: fake CUDA devices in", build())'
+	$(WRITE_BYTECODE) $(PY) -m gspo_mcore.rehearse $(REHEARSE_ARGS)
 
 # The launch scripts' linter (the tests run it).
 shellcheck:

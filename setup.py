@@ -25,8 +25,9 @@ setup(
     description="Megatron-Core backend for GSPO reinforcement learning of Qwen3-MoE models",
     python_requires=">=3.11",
     packages=find_packages(include=["gspo_mcore", "gspo_mcore.*", "checkpoint_convert", "checkpoint_convert.*"]),
-    entry_points={"console_scripts": ["gspo-train = gspo_mcore.run.cli:train_cli", "gspo-eval = gspo_mcore.evaluation.cli:cli"]},
-    package_data={"gspo_mcore": ["data/samples/*.jsonl"]},
+    entry_points={"console_scripts": ["gspo-train = gspo_mcore.run.cli:train_cli", "gspo-eval = gspo_mcore.evaluation.cli:cli",
+                                        "gspo-rehearse = gspo_mcore.rehearsal.cli:cli"]},
+    package_data={"gspo_mcore": ["data/samples/*.jsonl", "rehearsal/fake_cuda.cpp"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "gpu": ["transformer-engine[core_cu13,pytorch]>=2.9,<2.12", "sglang>=0.5.23,<0.6"],

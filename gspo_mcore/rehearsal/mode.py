@@ -1,0 +1,308 @@
+"""The rehearsal's dispatch mode, entered above torch's FakeTensorMode: it sees every op the
+production step runs (forward, backward, the recompute inside backward, the optimizer) first, and
+
+1. refuses what a GPU refuses and fake kernels accept: a GEMM whose operands differ in dtype (the
+   meta kernels of mm, addmm, bmm, baddbmm and F.linear check none), `_grouped_mm` offsets that are
+   not int32 or not on the device; a device mix FakeTensorMode itself finds is re-raised the same
+   way. Each as one line naming the op and the project line that called it (`Mismatch`);
+2. answers the host reads (`.item()`, `.tolist()`, copies to the host) that a fake tensor has no
+   value for: small tensors made from host values carry those values along (a shadow computed on
+   the host beside the fake one: a count made on the host and all-reduced is this rank's own, as
+   in a world of equal ranks); the dispatcher's token counts and the routing map's selections come
+   from the routing plan (gspo_mcore.rehearsal.plan); anything else reads as zeros, and its line
+   is listed (`unanswered`);
+3. runs ops on host tensors that never met the device for real (index tensors megatron builds on
+   the host, the host RNG's state checks);
+4. counts the device's live storages (gspo_mcore.rehearsal.memory) and the FLOPs by kind
+   (gspo_mcore.rehearsal.flops).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from gspo_mcore.rehearsal.plan import RoutingPlan
+
+aten = torch.ops.aten
+SHADOW_NUMEL = 4096  # tensors up to this size made from host values carry them
+_GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
+          aten.matmul.default}
+# Collectives after which a rank's tensor holds its own value in a world of equal ranks.
+_KEEPS_VALUES = {"allreduce_", "broadcast_", "all_reduce", "all_reduce_"}
+_UNINITIALIZED = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like}
+_HOST_READS = {aten._local_scalar_dense.default}
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # gspo_mcore/
+_REHEARSAL = str(Path(__file__).resolve().parent)
+
+
+class Mismatch(RuntimeError):
+    """A device or dtype slip a GPU would raise: one line, the op and the project line."""
+
+
+def project_line(depth_limit: int = 80) -> str:
+    """The innermost caller in this project (outside the rehearsal) or in megatron, as path:line."""
+    frame = sys._getframe(2)
+    megatron = None
+    for _ in range(depth_limit):
+        if frame is None:
+            break
+        name = frame.f_code.co_filename
+        if name.startswith(_PACKAGE_ROOT) and not name.startswith(_REHEARSAL):
+            return f"{Path(name).relative_to(Path(_PACKAGE_ROOT).parent)}:{frame.f_lineno}"
+        if megatron is None and "/megatron/" in name:
+            megatron = f"megatron/{name.split('/megatron/', 1)[1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    if megatron is not None:
+        return megatron
+    node = torch._C._current_autograd_node()
+    return f"autograd {node.name()}" if node is not None else "torch"
+
+
+def project_function(depth_limit: int = 80) -> str | None:
+    """The innermost caller in this project (outside the rehearsal) as path:function."""
+    frame = sys._getframe(2)
+    for _ in range(depth_limit):
+        if frame is None:
+            return None
+        name = frame.f_code.co_filename
+        if name.startswith(_PACKAGE_ROOT) and not name.startswith(_REHEARSAL):
+            return f"{Path(name).relative_to(Path(_PACKAGE_ROOT).parent)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
+
+
+def _find_frame(function_name: str, depth_limit: int = 40):
+    frame = sys._getframe(2)
+    for _ in range(depth_limit):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == function_name:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+class FakeCuda(FakeTensorMode):
+    """FakeTensorMode as on a machine without CUDA (`avoid_device_init`: torch.tensor(..., device=
+    "cuda") is made on the host and lifted; no constant folding through a device move) although
+    torch.cuda answers as an H100 here (gspo_mcore.rehearsal.device)."""
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True
+
+
+class Rehearsal(TorchDispatchMode):
+    def __init__(self, plan: RoutingPlan, counters: dict, flops=None, answers: dict | None = None):
+        """`answers`: host reads answered by the project function that makes them (path:function ->
+        the value every element reads as)."""
+        super().__init__()
+        self.plan, self.counters, self.flops, self.answers = plan, counters, flops, answers or {}
+        self.shadows = WeakTensorKeyDictionary()
+        self.unanswered: dict[str, int] = {}
+
+    # ------------------------------------------------------------ dispatch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        fakes = [t for t in flat if isinstance(t, FakeTensor)]
+        if not fakes and self._host_only(func, flat, kwargs):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        if func in _GEMMS or func is aten._grouped_mm.default:
+            self._check_gemm(func, args, kwargs)
+        if func in _HOST_READS:
+            return self._scalar(args[0])
+        if func is aten._to_copy.default and _to_host(args[0], kwargs):
+            return self._host_copy(args[0], kwargs.get("dtype"))
+        if func is aten.copy_.default and _is_host(args[0]) and isinstance(args[1], FakeTensor) \
+                and args[1].device.type == "cuda":
+            with _disable_current_modes():
+                return args[0].copy_(self._host_copy(args[1], args[0].dtype))
+        if func is aten.masked_select.default:
+            out = self._masked_select(args[0], args[1])
+            if out is not None:
+                return out
+        try:
+            out = func(*args, **kwargs)
+        except Mismatch:
+            raise
+        except Exception as error:
+            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            if "device" in message.lower() or "Unhandled FakeTensor" in message:
+                raise Mismatch(f"{func.__name__} at {project_line()}: {message}") from None
+            raise
+        self._shadow(func, args, kwargs, out)
+        self._count(func, args, kwargs, out)
+        return out
+
+    @staticmethod
+    def _host_only(func, flat, kwargs) -> bool:
+        """Host tensors in, no device asked for: run it for real. A factory with no tensor input is
+        faked (on the host too: the model's parameters made there, megatron's router weight)."""
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "cpu":
+            return False
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+
+    # ------------------------------------------------------------ checks
+
+    def _check_gemm(self, func, args, kwargs) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func is aten._grouped_mm.default:
+            offsets = args[2] if len(args) > 2 else kwargs.get("offs")
+            if offsets is not None:
+                if offsets.dtype != torch.int32:
+                    raise Mismatch(f"_grouped_mm at {project_line()}: offsets are {offsets.dtype}, a GPU takes "
+                                   "int32 only")
+                if offsets.device != tensors[0].device:
+                    raise Mismatch(f"_grouped_mm at {project_line()}: offsets on {offsets.device}, operands on "
+                                   f"{tensors[0].device}")
+            tensors = tensors[:2]
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            names = " x ".join(str(t.dtype).replace("torch.", "") for t in tensors)
+            raise Mismatch(f"{func.__name__} at {project_line()}: operands {names}; a GPU refuses mixed dtypes")
+        devices = {t.device for t in tensors if t.dim() > 0}
+        if len(devices) > 1:
+            raise Mismatch(f"{func.__name__} at {project_line()}: operands on {' and '.join(map(str, devices))}")
+
+    # ------------------------------------------------------------ host reads
+
+    def _scalar(self, tensor):
+        shadow = self.shadows.get(tensor) if isinstance(tensor, FakeTensor) else tensor
+        if shadow is not None:
+            with _disable_current_modes():
+                return shadow.item()
+        answer = self.answers.get(project_function())
+        if answer is not None:
+            return answer
+        self._note_unanswered()
+        return False if tensor.dtype == torch.bool else (0 if not tensor.dtype.is_floating_point else 0.0)
+
+    def _host_copy(self, tensor, dtype):
+        """A device tensor read on the host: its shadow, the plan's counts, or zeros."""
+        dtype = dtype or tensor.dtype
+        shadow = self.shadows.get(tensor)
+        if shadow is None:
+            shadow = self._dispatcher_counts(tensor)
+        answer = self.answers.get(project_function())
+        if shadow is None and answer is not None:
+            with _disable_current_modes():
+                return torch.full(tensor.shape, answer, dtype=dtype)
+        if shadow is None:
+            self._note_unanswered()
+            with _disable_current_modes():
+                return torch.zeros(tensor.shape, dtype=dtype)
+        with _disable_current_modes():
+            return shadow.to(dtype=dtype).clone()
+
+    def _dispatcher_counts(self, tensor):
+        mover = _find_frame("maybe_move_tensor_to_cpu")
+        caller = mover.f_back if mover is not None else None
+        dispatcher = caller.f_locals.get("self") if caller is not None else None
+        if dispatcher is None or not hasattr(dispatcher, "routing_map"):
+            return None
+        counts = self.plan.dispatcher_counts(int(dispatcher.routing_map.shape[0]))
+        candidates = {name: getattr(dispatcher, name, None) for name in counts}
+        candidates["tokens_per_expert"] = caller.f_locals.get("tokens_per_expert")
+        for name, value in candidates.items():
+            if value is tensor:
+                with _disable_current_modes():
+                    return torch.from_numpy(np.ascontiguousarray(counts[name])).reshape(tensor.shape)
+        return None
+
+    def _masked_select(self, source, mask):
+        count = self.plan.masked_count(tuple(mask.shape))
+        if count is None:
+            return None
+        return torch.empty(count, dtype=source.dtype, device=source.device)
+
+    def _note_unanswered(self) -> None:
+        line = project_line()
+        self.unanswered[line] = self.unanswered.get(line, 0) + 1
+
+    # ------------------------------------------------------------ shadows and counts
+
+    def _shadow(self, func, args, kwargs, out) -> None:
+        """Values of small tensors made from host values, computed beside the fake ones."""
+        if func.namespace in ("c10d", "_c10d_functional"):
+            if func.__name__.split(".")[0] not in _KEEPS_VALUES:  # another rank's data lands here
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, FakeTensor):
+                        self.shadows.pop(t, None)
+            return
+        if torch.Tag.nondeterministic_seeded in func.tags or func.overloadpacket in _UNINITIALIZED:
+            return
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, FakeTensor)]
+        if not outs or any(t.numel() > SHADOW_NUMEL for t in outs):
+            return
+        flat = tree_flatten((args, kwargs))[0]
+        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) and t not in self.shadows for t in inputs):
+            return
+        as_host = lambda t: self.shadows[t] if isinstance(t, FakeTensor) else t  # noqa: E731
+        host_args, host_kwargs = tree_map_only(torch.Tensor, as_host, (args, kwargs))
+        if "device" in host_kwargs:
+            host_kwargs = {**host_kwargs, "device": "cpu"}
+        try:
+            with _disable_current_modes():
+                values = func(*host_args, **host_kwargs)
+        except Exception:
+            return
+        for fake, value in zip(outs, [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]):
+            self.shadows[fake] = value
+
+    def _count(self, func, args, kwargs, out) -> None:
+        site = None
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, FakeTensor):
+                continue
+            counter = self.counters.get(tensor.device.type)
+            if counter is None:
+                continue
+            storage = tensor.untyped_storage()
+            if storage._cdata not in counter.entries:
+                if site is None:
+                    site = f"{project_line()} ({func.__name__})"
+                counter.register(storage, site)
+        if self.flops is not None:
+            self.flops.count(func, args, kwargs, out)
+
+
+def _is_host(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and not isinstance(tensor, FakeTensor) and tensor.device.type == "cpu"
+
+
+def _to_host(tensor, kwargs) -> bool:
+    device = kwargs.get("device")
+    return isinstance(tensor, FakeTensor) and tensor.device.type == "cuda" and device is not None \
+        and torch.device(device).type == "cpu"
+
+
+def _data_keeps_device() -> None:
+    """`tensor.data = other` on a fake tensor swaps the implementation (TensorBase.data's setter,
+    not an op any mode sees) and keeps the old fake device: a parameter built on the host and put
+    in DDP's device buffer (megatron's router weight, router.py) kept reporting the host. The
+    setter here carries the new data's device over."""
+    base = torch._C.TensorBase.data
+
+    def set_data(self, value):
+        base.__set__(self, value)
+        if isinstance(value, FakeTensor):
+            self.fake_device = value.fake_device
+
+    FakeTensor.data = property(base.__get__, set_data)
+
+
+_data_keeps_device()

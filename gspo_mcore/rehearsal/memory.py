@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 
 KINDS = ("weights", "gradients", "optimizer", "other static", "activations", "temporaries")
+_BY_SITE = ("other static", "activations", "temporaries")  # the kinds counted by the line that made them
 _COUNTER: "Counter | None" = None
 
 
@@ -73,20 +74,22 @@ class Counter:
     def _add(self, entry: _Entry, nbytes: int) -> None:
         self.live += nbytes
         self.by_kind[entry.kind] += nbytes
-        if entry.kind in ("activations", "temporaries"):
-            self.by_site[entry.site] = self.by_site.get(entry.site, 0) + nbytes
+        if entry.kind in _BY_SITE:
+            site = f"{entry.kind}: {entry.site}"
+            self.by_site[site] = self.by_site.get(site, 0) + nbytes
         if self.live > self.peak.bytes:
             self.peak = Peak(self.live, dict(self.by_kind), dict(self.by_site))
 
     def _remove(self, entry: _Entry) -> None:
         self.live -= entry.nbytes
         self.by_kind[entry.kind] -= entry.nbytes
-        if entry.kind in ("activations", "temporaries"):
-            left = self.by_site[entry.site] - entry.nbytes
+        if entry.kind in _BY_SITE:
+            site = f"{entry.kind}: {entry.site}"
+            left = self.by_site[site] - entry.nbytes
             if left:
-                self.by_site[entry.site] = left
+                self.by_site[site] = left
             else:
-                del self.by_site[entry.site]
+                del self.by_site[site]
 
     def _free(self, key: int) -> None:
         entry = self.entries.pop(key, None)

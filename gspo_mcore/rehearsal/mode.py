@@ -19,6 +19,7 @@ production step runs (forward, backward, the recompute inside backward, the opti
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -40,28 +41,36 @@ _KEEPS_VALUES = {"allreduce_", "broadcast_", "all_reduce", "all_reduce_"}
 _UNINITIALIZED = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like}
 _HOST_READS = {aten._local_scalar_dense.default}
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # gspo_mcore/
+_REPO = str(Path(_PACKAGE_ROOT).parent)
 _REHEARSAL = str(Path(__file__).resolve().parent)
+_SKIPPED = (str(Path(torch.__file__).parent), _REHEARSAL, str(Path(contextlib.__file__).parent) + "/")
 
 
 class Mismatch(RuntimeError):
     """A device or dtype slip a GPU would raise: one line, the op and the project line."""
 
 
+def _is_caller(filename: str) -> bool:
+    """A frame of the code being rehearsed: not torch's, the standard library's or the rehearsal's."""
+    return not filename.startswith(_SKIPPED) and not filename.startswith("<")
+
+
+def _shown(filename: str) -> str:
+    if "/site-packages/" in filename:
+        return filename.split("/site-packages/", 1)[1]
+    return filename[len(_REPO) + 1:] if filename.startswith(_REPO + "/") else filename
+
+
 def project_line(depth_limit: int = 80) -> str:
-    """The innermost caller in this project (outside the rehearsal) or in megatron, as path:line."""
+    """The innermost caller outside torch, the standard library and the rehearsal (this project's,
+    megatron-core's) as path:line; in backward with none, the autograd node running."""
     frame = sys._getframe(2)
-    megatron = None
     for _ in range(depth_limit):
         if frame is None:
             break
-        name = frame.f_code.co_filename
-        if name.startswith(_PACKAGE_ROOT) and not name.startswith(_REHEARSAL):
-            return f"{Path(name).relative_to(Path(_PACKAGE_ROOT).parent)}:{frame.f_lineno}"
-        if megatron is None and "/megatron/" in name:
-            megatron = f"megatron/{name.split('/megatron/', 1)[1]}:{frame.f_lineno}"
+        if _is_caller(frame.f_code.co_filename):
+            return f"{_shown(frame.f_code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
-    if megatron is not None:
-        return megatron
     node = torch._C._current_autograd_node()
     return f"autograd {node.name()}" if node is not None else "torch"
 
@@ -306,3 +315,12 @@ def _data_keeps_device() -> None:
 
 
 _data_keeps_device()
+
+
+@contextlib.contextmanager
+def rehearsed(plan: RoutingPlan, counters: dict | None = None):
+    """Fake CUDA tensors and the rehearsal's checks around a block (the fake devices loaded first:
+    gspo_mcore.rehearsal.device.load); yields the mode (its `unanswered` reads)."""
+    fake, mode = FakeCuda(allow_non_fake_inputs=True), Rehearsal(plan, counters or {})
+    with fake, mode:
+        yield mode

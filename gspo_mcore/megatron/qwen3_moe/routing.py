@@ -164,3 +164,23 @@ def local_real_tokens(mb: dict, key: str = "real_inputs") -> torch.Tensor:
     if tp > 1:
         real = real.chunk(tp)[parallel_state.get_tensor_model_parallel_rank()]
     return real.reshape(-1)
+
+
+# What megatron-core 0.16.1's MoE token dispatchers (transformer/moe/token_dispatcher.py,
+# MoEAlltoAllTokenDispatcher.dispatch_preprocess) keep of the last microbatch until the next forward
+# sets them again: `probs` carries the autograd graph of the last (recomputed) forward, and through
+# it the layer's detached input and that input's gradient (two [tokens, hidden] tensors a layer).
+DISPATCH_STATE = ("probs", "routing_map", "reversed_local_input_permutation_mapping", "tokens_per_expert")
+
+
+def release_dispatch_state(model) -> None:
+    """Drop what each MoE layer's dispatcher keeps of the last microbatch (DISPATCH_STATE), once a
+    schedule is done: the rehearsal counted 3.4 GiB per GPU so kept through the weight push, the
+    sync check and the rollout at 48 layers and 16k tokens (docs/08-gpu.md)."""
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if dispatcher is None:
+            continue
+        for name in DISPATCH_STATE:
+            if getattr(dispatcher, name, None) is not None:
+                setattr(dispatcher, name, None)

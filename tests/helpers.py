@@ -24,6 +24,21 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_DEFAULT = "configs/tiny_cpu.yaml"
+HF_30B = REPO / "configs/hf/qwen3-30b-a3b.config.json"
+HF_235B = REPO / "configs/hf/qwen3-235b-a22b.config.json"
+GIB = 1024**3
+# Every GPU config in configs/ (a new one must be added here): nodes, the model's config.json.
+GPU_CONFIGS = {
+    "qwen3_30b_a3b_gspo.yaml": (1, HF_30B),
+    "qwen3_30b_a3b_gspo_2node.yaml": (2, HF_30B),
+    "qwen3_30b_a3b_gspo_async.yaml": (2, HF_30B),  # split: 8 trainer GPUs, 8 SGLang GPUs
+    "qwen3_30b_a3b_gspo_async_1node.yaml": (1, HF_30B),  # split on one node: 4 + 4
+    "qwen3_30b_a3b_gspo_tools.yaml": (1, HF_30B),  # multi-turn with a Python tool
+    "qwen3_30b_a3b_gspo_code.yaml": (1, HF_30B),  # code RL (the sandbox reward)
+    "qwen3_30b_a3b_gspo_vllm.yaml": (1, HF_30B),  # vLLM colocated, weights through CUDA IPC
+    "qwen3_30b_a3b_gspo_async_1node_vllm.yaml": (1, HF_30B),  # vLLM, async, weights over NCCL
+    "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
+}
 
 
 # ------------------------------------------------------------ child processes

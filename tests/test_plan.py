@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import GIB, GPU_CONFIGS, HF_30B, HF_235B, REPO
 from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.common.errors import InputError
 from gspo_mcore.gspo.logprobs import DEFAULT_CHUNK_ELEMENTS
@@ -16,21 +16,6 @@ from gspo_mcore.planner.cli import main, plan
 from gspo_mcore.planner.memory_model import (H100_GB, KV_ROOM_MARGIN_GB, PHASES, TRAINER_CONTEXT_GB, MemoryRefused,
                                              param_counts)
 
-HF_30B = REPO / "configs/hf/qwen3-30b-a3b.config.json"
-HF_235B = REPO / "configs/hf/qwen3-235b-a22b.config.json"
-GIB = 1024**3
-# Every GPU config in configs/ (a new one must be added here): nodes, the model's config.json.
-GPU_CONFIGS = {
-    "qwen3_30b_a3b_gspo.yaml": (1, HF_30B),
-    "qwen3_30b_a3b_gspo_2node.yaml": (2, HF_30B),
-    "qwen3_30b_a3b_gspo_async.yaml": (2, HF_30B),  # split: 8 trainer GPUs, 8 SGLang GPUs
-    "qwen3_30b_a3b_gspo_async_1node.yaml": (1, HF_30B),  # split on one node: 4 + 4
-    "qwen3_30b_a3b_gspo_tools.yaml": (1, HF_30B),  # multi-turn with a Python tool
-    "qwen3_30b_a3b_gspo_code.yaml": (1, HF_30B),  # code RL (the sandbox reward)
-    "qwen3_30b_a3b_gspo_vllm.yaml": (1, HF_30B),  # vLLM colocated, weights through CUDA IPC
-    "qwen3_30b_a3b_gspo_async_1node_vllm.yaml": (1, HF_30B),  # vLLM, async, weights over NCCL
-    "qwen3_235b_a22b_gspo.yaml": (16, HF_235B),
-}
 # What the shipped configs keep free on an H100 in their tightest phase: the estimates are
 # arithmetic on the shapes (activations within ~1.5x), so ~10% of the GPU stays spare (the KV room
 # the colocated configs take is the planner's, which keeps just that).

@@ -87,20 +87,23 @@ def utilization(flops: float, seconds: float, gpus: int, peak: float | None) -> 
     return flops / seconds / gpus / peak
 
 
-def flops_by_kind(config: Config, arch: Qwen3MoeArch, lengths: Iterable[int], expert_share: float = 1.0) -> dict[str, float]:
+def flops_by_kind(config: Config, arch: Qwen3MoeArch, lengths: Iterable[int], expert_share: float = 1.0,
+                  last_stage: bool = True) -> dict[str, float]:
     """One training microbatch's hardware FLOPs on one trainer GPU by kind, for sequences of
     `lengths` (what gspo_mcore.rehearse counts op by op): forward, backward (2 x), and model.recompute
-    full's second forward of the layers, model.fused_logprobs' second output GEMM; `dense` (attention's
-    projections, the router, dense MLPs, the norms) and `attention` and `output` split by TP, `experts`
-    by expert-TP, at `expert_share` times this rank's own routed tokens (an expert rank receiving more
-    than its share computes more)."""
+    full's second forward of the layers, model.fused_logprobs' second output GEMM; the layers of one
+    pipeline stage (1 / PP of them); `dense` (attention's projections, the router, dense MLPs, the
+    norms), `attention` and `output` split by TP; `experts` over this rank's 1/TP of the tokens
+    (sequence parallel) and expert-TP, at `expert_share` times its own routed copies (an expert rank
+    receiving more than its share computes more); the output layer on the last stage only."""
     lengths = list(lengths)
     d, tokens = config.distributed, sum(lengths)
     passes = 3 + (1 if config.model.recompute == "full" else 0)
     experts_per_token = sum(arch.moe_layers) * arch.num_experts_per_tok * 3 * arch.hidden_size * arch.moe_intermediate_size
     dense_per_token = gemm_params(arch)["layers"] - experts_per_token
-    return {"dense": 2 * dense_per_token * tokens * passes / d.tensor_parallel,
-            "experts": 2 * experts_per_token * tokens * passes * expert_share / d.expert_tensor_parallel,
-            "attention": sum(attention_forward(arch, n) for n in lengths) * passes / d.tensor_parallel,
+    stage = d.tensor_parallel * d.pipeline_parallel
+    return {"dense": 2 * dense_per_token * tokens * passes / stage,
+            "experts": 2 * experts_per_token * tokens * passes * expert_share / (stage * d.expert_tensor_parallel),
+            "attention": sum(attention_forward(arch, n) for n in lengths) * passes / stage,
             "output": 2 * gemm_params(arch)["output"] * tokens * (3 + (1 if config.model.fused_logprobs else 0))
-            / d.tensor_parallel}
+            / d.tensor_parallel if last_stage else 0.0}

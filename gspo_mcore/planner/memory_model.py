@@ -129,12 +129,15 @@ def _layer_bytes_per_token(config: Config, arch: Qwen3MoeArch) -> float:
     """Bytes one layer's forward keeps per token of the microbatch, in model.dtype: attention (norm
     in, qkv, fused attention's output, o-proj in) split by TP under sequence parallel; experts: for
     each of the k routed copies, one at the sending rank (dispatch) and, at the expert rank, the
-    received token and 3 FFN tensors, at the busiest expert rank's share (`expert_imbalance`)."""
+    received token and 3 FFN tensors, at the busiest expert rank's share (`expert_imbalance`), of
+    the rank's 1/TP of the tokens (sequence parallel)."""
     d, h = config.distributed, arch.hidden_size
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
     attention = (4 * h + q + 2 * kv + q) / d.tensor_parallel
-    experts = k * (h + expert_imbalance(config, arch) * (h + 3 * f / d.expert_tensor_parallel))
+    # Sequence parallel (on with TP > 1) hands each rank's router its 1/TP of the tokens: the
+    # dispatcher sends those (the rehearsal measured the 235B config's TP 4 layers at a quarter).
+    experts = k * (h + expert_imbalance(config, arch) * (h + 3 * f / d.expert_tensor_parallel)) / d.tensor_parallel
     return value_bytes(config) * (attention + experts)
 
 

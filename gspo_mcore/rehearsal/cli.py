@@ -120,7 +120,7 @@ def rank_main(args) -> dict:
     config, changes, arch, layout = _setup(args)
     rank = args.rank[0]
     d, t = config.distributed, config.train
-    plan = RoutingPlan(arch.num_experts, arch.num_experts_per_tok, d.expert_parallel, d.tensor_parallel,
+    plan = RoutingPlan(arch.num_experts, arch.num_experts_per_tok, d.expert_parallel, d.expert_tensor_parallel,
                        args.imbalance)
     widths = {arch.moe_intermediate_size // d.expert_tensor_parallel, 2 * arch.moe_intermediate_size // d.expert_tensor_parallel}
     tokens = t.max_tokens_per_microbatch
@@ -147,6 +147,9 @@ def rank_main(args) -> dict:
     out["unanswered"] = rehearsal.mode.unanswered
     full_step = [figures for name, figures in rehearsal.runs if name == "training"][1:2]
     out["flops"] = full_step[0].flops if full_step else None
+    from megatron.core import parallel_state
+
+    out["last_stage"] = parallel_state.is_pipeline_last_stage()
     out["step_tokens"] = [[length] * SEQUENCES_PER_MICROBATCH, [length] * SEQUENCES_PER_MICROBATCH, [longest]]
     return out
 
@@ -174,6 +177,11 @@ def report(config, changes, arch, layout, results: dict[str, dict]) -> dict:
                              "by_kind_gb": {k: v / GB for k, v in figures["by_kind"].items() if v},
                              "planner_by_kind_gb": {k: v / GB for k, v in planned[phase].items() if k != "total"},
                              "top_sites_gb": {k: v / GB for k, v in figures["by_site"].items()}}
+        if "host" in planned:  # an offloaded optimizer's host memory, at its largest over the phases
+            host = max(figures["host_peak_bytes"] for figures in result["phases"].values())
+            phases["host"] = {"peak_gb": host / GB, "planner_gb": planned["host"]["total"] / GB,
+                              "ratio": host / planned["host"]["total"], "by_kind_gb": {}, "planner_by_kind_gb": {},
+                              "top_sites_gb": {}}
         out["roles"][role] = {"rank": result["rank"], "phases": phases, "mismatches": result["mismatches"],
                               "unanswered": result["unanswered"], "imbalance": result["imbalance"],
                               "flops": result.get("flops")}
@@ -187,7 +195,8 @@ def _flops_of(config, arch, result) -> dict | None:
 
     if result["flops"] is None:
         return None
-    planned = flops_by_kind(config, arch, result["step_tokens"][1], expert_share=result["imbalance"])
+    planned = flops_by_kind(config, arch, result["step_tokens"][1], expert_share=result["imbalance"],
+                            last_stage=result["last_stage"])
     return {"rehearsal": result["flops"], "planner": planned,
             "ratio": {k: result["flops"][k] / v if v else None for k, v in planned.items()}}
 

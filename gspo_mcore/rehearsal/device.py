@@ -100,6 +100,9 @@ class _Stream:
     def wait_event(self, *args):
         pass
 
+    def wait(self, *args):
+        pass
+
     def record_event(self, *args):
         return _Stream()
 

@@ -143,3 +143,30 @@ class Counter:
 
 def storage_key(tensor) -> int:
     return tensor.untyped_storage()._cdata
+
+
+class RealCounting:
+    """The same count over real tensors of `counter.device_type` (a dispatch mode; every tensor
+    made inside it, its inputs too): what shows the count exact against the host allocator's own
+    record at a tiny shape (tests/test_rehearsal.py, against torch.profiler's memory events)."""
+
+    def __init__(self, counter: Counter):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for tensor in tree_flatten(out)[0]:
+                    if hasattr(tensor, "untyped_storage") and tensor.device.type == counter.device_type:
+                        counter.register(tensor.untyped_storage(), func.__name__)
+                return out
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)

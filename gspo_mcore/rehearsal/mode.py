@@ -13,7 +13,8 @@ production step runs (forward, backward, the recompute inside backward, the opti
    is listed (`unanswered`);
 3. runs ops on host tensors that never met the device for real (index tensors megatron builds on
    the host, the host RNG's state checks);
-4. counts the device's live storages (gspo_mcore.rehearsal.memory) and the FLOPs by kind
+4. pins host memory as a GPU build would (a copy, counted as host memory: an offloaded optimizer's);
+5. counts the device's live storages (gspo_mcore.rehearsal.memory) and the FLOPs by kind
    (gspo_mcore.rehearsal.flops).
 """
 
@@ -34,6 +35,7 @@ from gspo_mcore.rehearsal.plan import RoutingPlan
 
 aten = torch.ops.aten
 SHADOW_NUMEL = 4096  # tensors up to this size made from host values carry them
+READ_NUMEL = 1 << 20  # device tensors up to this size copied to the host are read there (get values)
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
           aten.matmul.default}
 # Collectives after which a rank's tensor holds its own value in a world of equal ranks.
@@ -116,6 +118,7 @@ class Rehearsal(TorchDispatchMode):
         super().__init__()
         self.plan, self.counters, self.flops, self.answers = plan, counters, flops, answers or {}
         self.shadows = WeakTensorKeyDictionary()
+        self.pinned = WeakTensorKeyDictionary()  # host tensors pinned (a CPU build has no pinned allocator)
         self.unanswered: dict[str, int] = {}
 
     # ------------------------------------------------------------ dispatch
@@ -124,6 +127,17 @@ class Rehearsal(TorchDispatchMode):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         fakes = [t for t in flat if isinstance(t, FakeTensor)]
+        if func in (aten._pin_memory.default, aten.pin_memory.default):  # a CPU build has no pinned allocator
+            if fakes:
+                pinned = aten.clone.default(args[0])  # page-locked host memory: a copy there
+                self._count(func, args, kwargs, pinned)
+            else:
+                with _disable_current_modes():
+                    pinned = args[0].clone()
+            self.pinned[pinned] = True
+            return pinned
+        if func is aten.is_pinned.default:
+            return args[0] in self.pinned
         if not fakes and self._host_only(func, flat, kwargs):
             with _disable_current_modes():
                 return func(*args, **kwargs)
@@ -131,10 +145,10 @@ class Rehearsal(TorchDispatchMode):
             self._check_gemm(func, args, kwargs)
         if func in _HOST_READS:
             return self._scalar(args[0])
-        if func is aten._to_copy.default and _to_host(args[0], kwargs):
+        if func is aten._to_copy.default and _to_host(args[0], kwargs) and self._readable(args[0]):
             return self._host_copy(args[0], kwargs.get("dtype"))
         if func is aten.copy_.default and _is_host(args[0]) and isinstance(args[1], FakeTensor) \
-                and args[1].device.type == "cuda":
+                and args[1].device.type == "cuda":  # into a real host tensor: it gets values
             with _disable_current_modes():
                 return args[0].copy_(self._host_copy(args[1], args[0].dtype))
         if func is aten.masked_select.default:
@@ -196,8 +210,17 @@ class Rehearsal(TorchDispatchMode):
         answer = self.answers.get(project_function())
         if answer is not None:
             return answer
+        shape = self._pipeline_shape()
+        if shape is not None:
+            return int(shape[tensor.storage_offset()])  # `.tolist()` reads element by element
         self._note_unanswered()
         return False if tensor.dtype == torch.bool else (0 if not tensor.dtype.is_floating_point else 0.0)
+
+    def _readable(self, tensor) -> bool:
+        """A copy to the host gets values (is read) up to READ_NUMEL: a count, a flag, a probe's
+        log-probs. A larger one (an offloaded optimizer's parameters) stays a fake host tensor,
+        counted as host memory."""
+        return tensor.numel() <= READ_NUMEL
 
     def _host_copy(self, tensor, dtype):
         """A device tensor read on the host: its shadow, the plan's counts, or zeros."""
@@ -230,6 +253,15 @@ class Rehearsal(TorchDispatchMode):
                 with _disable_current_modes():
                     return torch.from_numpy(np.ascontiguousarray(counts[name])).reshape(tensor.shape)
         return None
+
+    @staticmethod
+    def _pipeline_shape():
+        """The activation shape a pipeline stage receives (megatron's p2p_communication.py
+        `_communicate_shapes`, variable sequence lengths: the shapes travel first): in a world of
+        equal stages, the shape `_communicate` expects for this microbatch (its `tensor_shape`)."""
+        frame = _find_frame("_communicate_shapes")
+        caller = frame.f_back if frame is not None else None
+        return caller.f_locals.get("tensor_shape") if caller is not None else None
 
     def _masked_select(self, source, mask):
         count = self.plan.masked_count(tuple(mask.shape))

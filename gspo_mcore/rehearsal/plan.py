@@ -31,7 +31,7 @@ class RoutingPlan:
     num_experts: int
     topk: int
     expert_parallel: int
-    tensor_parallel: int = 1
+    tensor_parallel: int = 1  # the dispatcher's: expert-tensor-parallel (its tp_ep group's TP)
     imbalance: float = 2.0
 
     @property

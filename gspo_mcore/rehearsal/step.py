@@ -10,6 +10,8 @@ What the production code reads that a fake rank cannot give, and what answers it
   routing plan (gspo_mcore.rehearsal.plan).
 - gspo_mcore/megatron/learner.py `Learner.microbatches`' `count.item()` (the all-reduced
   microbatch count): this rank's own count (a shadow value: gspo_mcore.rehearsal.mode).
+- megatron/core/pipeline_parallel/p2p_communication.py `_communicate_shapes`' `.tolist()` of the
+  received activation shape (pipeline parallel): the `tensor_shape` its caller expects.
 - megatron/core/utils.py `local_multi_tensor_l2_norm` (`torch.tensor` of a list of device scalars,
   made on the host from their values) and megatron/core/optimizer/clip_grads.py's `.item()` of the
   norm: a stacked norm here, read as 0 (nothing is clipped: the step's memory and FLOPs do not

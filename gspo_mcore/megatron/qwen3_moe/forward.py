@@ -24,7 +24,6 @@ from gspo_mcore.config import ConfigError
 from gspo_mcore.gspo.logprobs import LinearLogits, token_logprobs
 from gspo_mcore.gspo.packing import microbatch_tensors
 from gspo_mcore.megatron.parallel import to_device
-from gspo_mcore.megatron.qwen3_moe.routing import release_dispatch_state
 from gspo_mcore.batch.rollout import Rollout
 
 
@@ -102,13 +101,11 @@ def run_schedule(model, microbatches: list[dict], loss_for: Callable[[dict], Cal
             routing.after_forward()
         return output, loss_for(mb)
 
-    outputs = get_forward_backward_func()(
+    return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=len(microbatches),
         seq_length=max(mb["inputs"].shape[1] for mb in microbatches),
         micro_batch_size=max(mb["inputs"].shape[0] for mb in microbatches), forward_only=forward_only,
     )
-    release_dispatch_state(model)  # nothing of the last microbatch outlives the schedule
-    return outputs
 
 
 @torch.no_grad()

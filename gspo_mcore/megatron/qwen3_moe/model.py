@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from gspo_mcore.config import ConfigError, DistributedConfig, ModelConfig
 from gspo_mcore.megatron.qwen3_moe.hf_config import HFConfigError, Qwen3MoeArch
 from gspo_mcore.megatron.qwen3_moe.layer_spec import decoder_block_spec
+from gspo_mcore.megatron.qwen3_moe.routing import drop_dispatch_state
 from gspo_mcore.megatron.te_compat import bind_missing_transformer_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -149,4 +150,7 @@ def build_model(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig,
         for name, param in gpt.named_parameters():
             if ".mlp.experts." in name:
                 param.allreduce = False
+    for module in gpt.modules():
+        if getattr(module, "token_dispatcher", None) is not None:
+            module.register_forward_hook(drop_dispatch_state)
     return gpt

@@ -167,20 +167,20 @@ def local_real_tokens(mb: dict, key: str = "real_inputs") -> torch.Tensor:
 
 
 # What megatron-core 0.16.1's MoE token dispatchers (transformer/moe/token_dispatcher.py,
-# MoEAlltoAllTokenDispatcher.dispatch_preprocess) keep of the last microbatch until the next forward
-# sets them again: `probs` carries the autograd graph of the last (recomputed) forward, and through
-# it the layer's detached input and that input's gradient (two [tokens, hidden] tensors a layer).
+# MoEAlltoAllTokenDispatcher.dispatch_preprocess) keep of a microbatch after the MoE layer's forward
+# until its next forward sets them again; read only between dispatch and combine, inside that
+# forward. `probs` carries the autograd graph of the forward (a recomputed one in backward), and
+# through it the layer's detached checkpoint input and that input's gradient.
 DISPATCH_STATE = ("probs", "routing_map", "reversed_local_input_permutation_mapping", "tokens_per_expert")
 
 
-def release_dispatch_state(model) -> None:
-    """Drop what each MoE layer's dispatcher keeps of the last microbatch (DISPATCH_STATE), once a
-    schedule is done: the rehearsal counted 3.4 GiB per GPU so kept through the weight push, the
-    sync check and the rollout at 48 layers and 16k tokens (docs/08-gpu.md)."""
-    for module in model.modules():
-        dispatcher = getattr(module, "token_dispatcher", None)
-        if dispatcher is None:
-            continue
-        for name in DISPATCH_STATE:
-            if getattr(dispatcher, name, None) is not None:
-                setattr(dispatcher, name, None)
+def drop_dispatch_state(moe_layer, inputs, output) -> None:
+    """A forward hook on each MoE layer (model.build_model): its dispatcher forgets the microbatch
+    (DISPATCH_STATE). Kept, every layer's recomputed graph lived through the rest of the backward and
+    past the step: at 48 layers and 16k tokens 2 x 47 [tokens, hidden] tensors (5.8 GiB per GPU) at
+    the training peak and 3.4 GiB through the weight push, the sync check and the rollout (the
+    rehearsal's count, docs/08-gpu.md)."""
+    dispatcher = moe_layer.token_dispatcher
+    for name in DISPATCH_STATE:
+        if getattr(dispatcher, name, None) is not None:
+            setattr(dispatcher, name, None)

@@ -24,6 +24,7 @@ CLIS = {
     "gspo_mcore.planner.cli": ("gspo_mcore.planner.cli",),
     "checkpoint_convert": ("checkpoint_convert",),
     "gspo_mcore.engines.serve": ("gspo_mcore.engines.serve",),
+    "gspo_mcore.rehearse": ("gspo_mcore.rehearse",),
 }
 CONVERT_SUBCOMMANDS = ("hf-to-mcore", "mcore-to-hf", "verify")
 

@@ -88,47 +88,25 @@ def load() -> None:
     _answer_torch_cuda()
 
 
-class _Stream:
-    """torch.cuda.Stream and Event: fake kernels run at once, so every wait is already over."""
+def _stream_class():
+    """torch.cuda.Stream and Event: the CPU bridge's stand-in (every wait already over: fake kernels
+    run at once), one stream for all (megatron's side-stream checks compare them), timed at zero."""
+    from gspo_mcore.megatron.cpu_bridge import _NoStream
 
-    def __init__(self, *args, **kwargs):
-        self.device = kwargs.get("device")
+    class Stream(_NoStream):
+        def wait(self, *args):
+            pass
 
-    def wait_stream(self, *args):
-        pass
+        def elapsed_time(self, other):
+            return 0.0
 
-    def wait_event(self, *args):
-        pass
+        def __eq__(self, other):
+            return isinstance(other, _NoStream)
 
-    def wait(self, *args):
-        pass
+        def __hash__(self):
+            return 0
 
-    def record_event(self, *args):
-        return _Stream()
-
-    def record(self, *args):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, other):
-        return 0.0
-
-    def __eq__(self, other):  # one stream: megatron's side-stream checks see none
-        return isinstance(other, _Stream)
-
-    def __hash__(self):
-        return 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return Stream
 
 
 def _answer_torch_cuda() -> None:
@@ -138,7 +116,7 @@ def _answer_torch_cuda() -> None:
 
     from gspo_mcore.rehearsal import memory
 
-    cuda = torch.cuda
+    cuda, _Stream = torch.cuda, _stream_class()
     state = {"device": 0}
     cuda.is_available = lambda: True
     cuda.is_initialized = lambda: True

@@ -177,8 +177,8 @@ DISPATCH_STATE = ("probs", "routing_map", "reversed_local_input_permutation_mapp
 def drop_dispatch_state(moe_layer, inputs, output) -> None:
     """A forward hook on each MoE layer (model.build_model): its dispatcher forgets the microbatch
     (DISPATCH_STATE). Kept, every layer's recomputed graph lived through the rest of the backward and
-    past the step: at 48 layers and 16k tokens 2 x 47 [tokens, hidden] tensors (5.8 GiB per GPU) at
-    the training peak and 3.4 GiB through the weight push, the sync check and the rollout (the
+    past the step: at 48 layers and 16k tokens 3.4 GiB per GPU more at the training peak (the finished
+    layers' input gradients) and 3.4 GiB through the weight push, the sync check and the rollout (the
     rehearsal's count, docs/08-gpu.md)."""
     dispatcher = moe_layer.token_dispatcher
     for name in DISPATCH_STATE:

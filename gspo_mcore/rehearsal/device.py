@@ -94,6 +94,9 @@ def _stream_class():
     from gspo_mcore.megatron.cpu_bridge import _NoStream
 
     class Stream(_NoStream):
+        def record_event(self, *args):
+            return Stream()
+
         def wait(self, *args):
             pass
 

@@ -192,3 +192,21 @@ def test_every_gpu_config_rehearsed_at_the_30b_widths_with_2_layers(config, rank
                             last_stage=result["last_stage"])
     for kind, value in planned.items():
         assert result["flops"][kind] == pytest.approx(value, rel=0.01), kind
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "configs/qwen3_30b_a3b_gspo.yaml"], "config.json not found; give the model's: --hf-config"),
+    (["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(HF_30B), "train.no_such_key=1"],
+     "train.no_such_key"),
+    (["--config", "configs/no_such.yaml", "--hf-config", str(HF_30B)], "no_such.yaml"),
+    (["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml")],
+     "qwen3_30b_a3b_gspo.yaml: not valid JSON"),
+])
+def test_bad_input_is_one_line_naming_it(argv, message, capsys):
+    """Before any process starts: the missing config.json, an unknown key, a missing config, a
+    config.json that is not one."""
+    from gspo_mcore.rehearsal.cli import main
+
+    code = main(argv)
+    text = capsys.readouterr().err.strip()
+    assert code == 2 and message in text and len(text.splitlines()) == 1, text

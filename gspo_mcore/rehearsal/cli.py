@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _setup(args):
     """(the rehearsable config, its changes, arch, layout, the config.json used): no torch."""
-    from gspo_mcore.config import load_config
+    from gspo_mcore.config import ConfigError, load_config
     from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
     from gspo_mcore.rehearsal.step import hf_config_file, rehearsable
     from gspo_mcore.planner.memory_model import check_layout
@@ -56,8 +56,8 @@ def _setup(args):
     config = load_config(args.config, args.overrides)
     source = Path(args.hf_config or Path(config.model.hf_dir) / "config.json")
     if not source.is_file():
-        raise SystemExit(f"rehearse: {source}: config.json not found; give the model's: --hf-config "
-                         "configs/hf/<model>.config.json")
+        raise ConfigError(f"{source}: config.json not found; give the model's: --hf-config "
+                          "configs/hf/<model>.config.json")
     config, changes = rehearsable(config)
     out_dir = Path(tempfile.mkdtemp(prefix="gspo-rehearse-"))
     hf = hf_config_file(source, args.layers, out_dir)
@@ -207,11 +207,11 @@ def main(argv=None) -> int:
     if args.json_only:
         print(json.dumps(rank_main(args)))
         return 0
-    from gspo_mcore.config import ConfigError
+    from gspo_mcore.common.errors import InputError
 
     try:
         config, changes, arch, layout = _setup(args)
-    except ConfigError as error:
+    except InputError as error:  # a config's, a config.json's
         print(f"rehearse: {error}", file=sys.stderr)
         return 2
     wanted = {f"rank {r}": r for r in args.rank} if args.rank else roles(config, layout)

@@ -68,7 +68,11 @@ def rehearsable(config):
 
 
 def hf_config_file(source: Path, layers: int | None, out_dir: Path) -> Path:
-    """The model's config.json, with `layers` decoder layers when given (the MoE layers' pattern kept)."""
+    """The model's config.json, with `layers` decoder layers when given (the MoE layers' pattern kept);
+    a config.json the model cannot take is refused first, in one line (HFConfigError)."""
+    from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
+
+    load_hf_config(source)
     cfg = json.loads(Path(source).read_text())
     if layers is not None:
         cfg["num_hidden_layers"] = layers

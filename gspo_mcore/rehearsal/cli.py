@@ -99,12 +99,6 @@ def planner_phases(config, arch, layout) -> dict[str, dict[str, float]]:
     return out
 
 
-def planner_flops(config, arch, tokens_per_step: list[list[int]]) -> dict[str, float]:
-    from gspo_mcore.planner.flops import flops_by_kind
-
-    return flops_by_kind(config, arch, tokens_per_step)
-
-
 def rank_main(args) -> dict:
     """In this process: the fake devices, then one rank's rehearsal; its figures as a dict."""
     from gspo_mcore.rehearsal import device
@@ -131,8 +125,8 @@ def rank_main(args) -> dict:
     try:
         with rehearsal:
             rehearsal.build()
-            full = rollouts_for(tokens, [length] * (SEQUENCES_PER_MICROBATCH * layout.dp))
-            alone = rollouts_for(longest, [longest] * layout.dp)
+            full = rollouts_for([length] * (SEQUENCES_PER_MICROBATCH * layout.dp))
+            alone = rollouts_for([longest] * layout.dp)
             for step, rollouts in ((1, full), (2, full), (3, alone)):
                 advantages = [1.0 if i % 2 else -1.0 for i in range(len(rollouts))]
                 rehearsal.train(Batch(rollouts, advantages, {}, minibatches=[list(range(len(rollouts)))]), step)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tempfile
 from pathlib import Path
 
 import torch
@@ -152,7 +151,7 @@ def static_kinds(learner) -> dict[int, str]:
     return kinds
 
 
-def rollouts_for(tokens: int, lengths: list[int], prompt: int = 64):
+def rollouts_for(lengths: list[int], prompt: int = 64):
     """Rollouts of the given input lengths (prompt + response - 1), varied token ids."""
     from gspo_mcore.batch.rollout import Rollout
 

@@ -178,7 +178,7 @@ def report(config, changes, arch, layout, results: dict[str, dict]) -> dict:
                               "top_sites_gb": {}}
         out["roles"][role] = {"rank": result["rank"], "phases": phases, "mismatches": result["mismatches"],
                               "unanswered": result["unanswered"], "imbalance": result["imbalance"],
-                              "flops": result.get("flops")}
+                              "flops": _flops_of(config, arch, result)}
     return out
 
 
@@ -209,11 +209,9 @@ def main(argv=None) -> int:
         print(f"rehearse: {error}", file=sys.stderr)
         return 2
     wanted = {f"rank {r}": r for r in args.rank} if args.rank else roles(config, layout)
-    results = {role: _run_role([a for a in argv if a not in ("--json-only",)], rank) for role, rank in wanted.items()}
+    results = {role: _run_role(argv, rank) for role, rank in wanted.items()}
     summary = report(config, changes, arch, layout, results)
     summary["config"] = args.config
-    for role, result in results.items():
-        summary["roles"][role]["flops"] = _flops_of(config, arch, result)
     print(format_table(summary))
     print(json.dumps(summary))
     return 1 if any(r["mismatches"] for r in summary["roles"].values()) else 0

@@ -34,10 +34,10 @@ class Peak:
 
 
 class _Entry:
-    __slots__ = ("nbytes", "kind", "site", "storage", "device")
+    __slots__ = ("nbytes", "kind", "site", "storage")
 
-    def __init__(self, nbytes, kind, site, storage, device):
-        self.nbytes, self.kind, self.site, self.storage, self.device = nbytes, kind, site, storage, device
+    def __init__(self, nbytes, kind, site, storage):
+        self.nbytes, self.kind, self.site, self.storage = nbytes, kind, site, storage
 
 
 class Counter:
@@ -66,7 +66,7 @@ class Counter:
             return
         nbytes = storage.nbytes()
         kind = self.static.get(key, "temporaries")
-        entry = _Entry(nbytes, kind, site, weakref.ref(storage), storage.device.type)
+        entry = _Entry(nbytes, kind, site, weakref.ref(storage))
         self.entries[key] = entry
         weakref.finalize(storage, self._free, key)
         self._add(entry, nbytes)
@@ -129,7 +129,7 @@ class Counter:
 
     def start_phase(self) -> None:
         self.refresh()
-        self.peak = Peak(self.live, dict(self.by_kind), dict(self.by_site))
+        self.reset_peak()
 
     def live_bytes(self) -> int:
         return self.live
@@ -139,10 +139,6 @@ class Counter:
 
     def reset_peak(self) -> None:
         self.peak = Peak(self.live, dict(self.by_kind), dict(self.by_site))
-
-
-def storage_key(tensor) -> int:
-    return tensor.untyped_storage()._cdata
 
 
 class RealCounting:

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from gspo_mcore.megatron.cpu_bridge import _all_to_all_single_with_int_splits
+
 
 class _DoneWork:
     """A collective's work that has finished (nothing moves in a fake world)."""
@@ -104,10 +106,4 @@ def join(rank: int, world_size: int) -> None:
         setattr(dist, name, _outside_modes(function))
         setattr(dist.distributed_c10d, name, getattr(dist, name))
     dist._coalescing_manager = dist.distributed_c10d._coalescing_manager = _coalescing_manager
-    all_to_all_single = dist.all_to_all_single
-
-    def all_to_all_with_int_splits(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
-        as_list = lambda sizes: None if sizes is None else [int(x) for x in sizes]  # noqa: E731
-        return all_to_all_single(output, input, as_list(output_split_sizes), as_list(input_split_sizes), **kwargs)
-
-    dist.all_to_all_single = all_to_all_with_int_splits
+    dist.all_to_all_single = _all_to_all_single_with_int_splits(dist.all_to_all_single)  # int lists, as gloo takes

@@ -21,7 +21,8 @@ and resume; 5. the CUDA-IPC push read by vLLM's packed_tensor; 6. the NCCL push 
 check against a stand-in engine; 8. host Adam (HybridDeviceOptimizer) per parameter; 9. training
 throughput at the 30B widths with as many layers as fit beside GPU Adam (`spec: torch`, fused
 log-probs, a 16k-token microbatch): tokens/s, MFU against 30%, the peak against the planner, each
-phase's time and the top kernels.
+phase's time and the top kernels; 10. the rehearsed step measured: each phase's peak (training, the
+weight push, the sync check) beside `python -m gspo_mcore.rehearse`'s and the planner's.
 """
 
 import sys

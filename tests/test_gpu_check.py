@@ -111,7 +111,7 @@ def test_the_wheelhouse_pins_what_this_project_runs(tmp_path):
 @pytest.mark.slow  # ~50 s (2 cores): every section's children forked from one server that imported once
 def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     """No site-packages but torch's and transformers' own, the wheel folder on the path by the
-    check itself: sections 1-4 and 7-9 pass (megatron-core from the unpacked wheel), each learner
+    check itself: sections 1-4 and 7-10 pass (megatron-core from the unpacked wheel), each learner
     in a child process; the CUDA ones skip, and so do section 3's CUDA-only arms (before anything
     is built). --out holds the lines stdout printed."""
     site = bare_site(tmp_path / "site")
@@ -127,12 +127,11 @@ def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(line["section"], line.get("part"), line["result"]) for line in lines] == [
-        (1, None, "PASS"), (2, None, "PASS"), (3, "offload", "SKIP"), (3, "device_adam", "PASS"),
-        (3, "precision_aware", "SKIP"), (3, None, "PASS"), (4, None, "PASS"), (5, None, "SKIP"), (6, None, "SKIP"),
-        (7, None, "PASS"), (8, None, "PASS"), (9, None, "PASS")]
+        (1, None, "PASS"), (6, None, "SKIP"), (2, None, "PASS"), (9, None, "PASS"), (3, "offload", "SKIP"),
+        (3, "device_adam", "PASS"), (3, "precision_aware", "SKIP"), (3, None, "PASS"), (10, None, "PASS"),
+        (5, None, "SKIP"), (7, None, "PASS"), (8, None, "PASS"), (4, None, "PASS")]  # registry.ORDER
     assert (tmp_path / "out/gpu_check.jsonl").read_text().splitlines() == proc.stdout.splitlines()
-    first, parity, _, arm, aware, update, resume = lines[:7]
-    sync, host_adam, speed = lines[9:]
+    first, _, parity, speed, _, arm, aware, update, step, _, sync, host_adam, resume = lines
     assert first["megatron_core"] == "0.16.1" and first["megatron_from"].startswith(str(tmp_path / "cache"))
     assert first["te_compat"]["moe_utils.te_general_gemm"] == "None (torch.mm)"
     assert parity["export_bitwise_identical"] and parity["top1_agreement"] == 1.0
@@ -149,6 +148,8 @@ def test_the_check_runs_on_a_bare_machine_from_the_wheel_folder(tmp_path):
     assert speed["timed_updates"] == 2 and speed["tokens_per_s"] > 0 and speed["mfu"] is None
     assert speed["mfu_target"] == 0.30 and speed["planned_gb"] > 0 and speed["top_kernels"]
     assert all(speed[key] >= 0 for key in ("forward_s", "backward_s", "optimizer_s", "logits_s", "other_s"))
+    # the rehearsal's step run for real (a count of real storages on CPU) and rehearsed, from the wheel folder
+    assert list(step["phases"]) == ["training", "weight push", "sync check"] and step["rehearsal_within"]
     # One section alone, in a fresh interpreter of its own (the CUDA default).
     alone = subprocess.run([*check, "--only", "2", "--children", "spawn"], capture_output=True, text=True, env=env,
                            cwd=tmp_path, timeout=600)

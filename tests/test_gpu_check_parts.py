@@ -4,6 +4,7 @@ section 3's arms, section 8's figures for the planner, section 9's layer count, 
 and the registry's time budget. The whole
 check on a bare machine is test_gpu_check.py's."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "launch"))
-from gpucheck import children, host_adam, lines, main, registry, throughput, updates  # noqa: E402
+from gpucheck import children, host_adam, lines, main, registry, step_memory, throughput, updates  # noqa: E402
 from gpucheck.context import Check  # noqa: E402
 
 sys.path.remove(str(REPO / "launch"))
@@ -369,16 +370,113 @@ def test_top_kernels_are_the_device_entries_with_the_most_self_time():
     assert [row["name"] for row in throughput.top_kernels(averages, cuda=False)] == ["aten::mm"]
 
 
+# ------------------------------------------------------------------ section 10: the rehearsed step measured
+
+MEASURED = {"phases": {"training": {"peak_gb": 10.0, "static_gb": 4.0}, "sync check": {"peak_gb": 5.0, "static_gb": 4.0}},
+            "planner": {"training": 9.8, "sync check": 6.0}, "layers": 2}
+
+
+def test_section_10_names_the_nearer_figure_and_holds_the_rehearsal_to_its_tolerance():
+    near = step_memory.compare(MEASURED, {"phases": {"training": 10.8, "sync check": 5.2}, "mismatches": []})
+    assert near["pass"] is True and near["rehearsal_within"] is True and near["layers"] == 2
+    assert near["phases"]["training"] == pytest.approx({
+        "measured_gb": 10.0, "measured_static_gb": 4.0, "rehearsal_gb": 10.8, "planner_gb": 9.8,
+        "rehearsal_over_measured": 1.08, "planner_over_measured": 0.98, "nearer": "planner"})
+    assert near["phases"]["sync check"]["nearer"] == "rehearsal"
+    far = step_memory.compare(MEASURED, {"phases": {"training": 11.5, "sync check": 5.0}, "mismatches": []})
+    assert far["pass"] is False and far["rehearsal_within"] is False and far["phases"]["training"]["nearer"] == "planner"
+    slip = step_memory.compare(MEASURED, {"phases": {"training": 10.0, "sync check": 5.0},
+                                          "mismatches": ["aten.mm at gspo_mcore/x.py:3: ..."]})
+    assert slip["pass"] is False and slip["mismatches"]
+    # a rehearsal that failed: the measured peaks and the planner's still printed, the section failed
+    failed = step_memory.compare(MEASURED, {"error": "the rehearsal exited with status 2: rehearse: x"})
+    assert failed["pass"] is False and failed["rehearsal_error"].startswith("the rehearsal exited")
+    assert failed["phases"]["training"]["measured_gb"] == 10.0 and failed["phases"]["training"]["planner_gb"] == 9.8
+    assert failed["phases"]["training"]["rehearsal_gb"] is None and failed["rehearsal_within"] is None
+    dead = step_memory.compare({"pass": False, "error": "gpucheck.step_memory:measured: the child process was "
+                                                      "killed by SIGKILL"}, {"phases": {"training": 1.0}})
+    assert dead["pass"] is False and dead["error"].endswith("SIGKILL") and dead["phases"] == {}
+
+
+def test_section_10_reads_the_rehearse_commands_line_or_says_how_it_ended():
+    role = {"phases": {"training": {"peak_gb": 3.0, "by_kind_gb": {"weights": 1.0}},
+                       "host": {"peak_gb": 9.0, "by_kind_gb": {}}}, "mismatches": []}
+    line = json.dumps({"roles": {"every rank (one stage)": role}, "changes": []})
+    ok = subprocess.Popen([sys.executable, "-c", f"print('table'); print({line!r})"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert step_memory.rehearsal_result(ok, 30) == {"phases": {"training": 3.0}, "by_kind_gb": {
+        "training": {"weights": 1.0}}, "mismatches": [], "changes": []}
+    bad = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('rehearse: x.yaml: no such file')"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert step_memory.rehearsal_result(bad, 30) == {
+        "error": "the rehearsal exited with status 1: rehearse: x.yaml: no such file"}
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert step_memory.rehearsal_result(slow, 1) == {"error": "the rehearsal ran past 1 s and was killed"}
+    assert slow.poll() is not None
+
+
+@pytest.mark.slow  # ~20 s: the rehearse command's two processes beside one forked child
+def test_section_10_measures_the_rehearsals_step_and_the_rehearsal_agrees_on_cpu(tmp_path, monkeypatch):
+    """The tiny shape run for real on CPU (a count of real storages) and rehearsed on fake CUDA:
+    each phase within 10% (measured ~1%), the static part below the peak, the planner beside."""
+    monkeypatch.syspath_prepend(str(REPO / "launch"))
+    figures = step_memory.section_10(a_check(tmp_path, children="forkserver"))
+    assert figures["pass"] is True, figures
+    assert figures["measured_by"] == "count of real storages (CPU)" and figures["mismatches"] == []
+    assert list(figures["phases"]) == ["training", "weight push", "sync check"]
+    for row in figures["phases"].values():
+        assert 0 < row["measured_static_gb"] < row["measured_gb"] and row["planner_gb"] > 0
+        assert abs(row["rehearsal_over_measured"] - 1) <= 0.05
+
+
 # ------------------------------------------------------------------ the registry
 
-def test_the_sections_fit_the_budget_and_the_parent_imports_nothing_heavy():
-    """Numbered 1..N in order, their estimates within 500 s on one H100 (a call's 600 less a margin); importing the
-    check (what the parent of a CPU run does) imports neither torch nor megatron-core."""
+def test_the_order_holds_every_section_once_and_the_parent_imports_nothing_heavy():
+    """Numbered 1..N, a full run's order a permutation of them with the deciding sections first;
+    importing the check (what the parent of a CPU run does) imports neither torch nor megatron-core."""
     numbers = [section.number for section in registry.SECTIONS]
-    assert numbers == list(range(1, len(numbers) + 1))
-    assert sum(section.estimate_s for section in registry.SECTIONS) <= registry.BUDGET_S == 500
+    assert numbers == list(range(1, len(numbers) + 1)) and sorted(registry.ORDER) == numbers
+    assert registry.ORDER[:4] == (1, 6, 2, 9)  # environment, NCCL calls, parity, throughput
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); import gpucheck.main; "
              "print(sorted(m for m in ('torch', 'megatron.core', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe, str(REPO / "launch")], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": ""}, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_budget_starts_only_what_fits_caps_the_children_and_names_what_was_left_out(tmp_path, monkeypatch, capsys):
+    """With the registry's estimates and sections that take exactly their estimate (a clock of
+    their own), --budget 540 runs them in ORDER while each fits what is left, each child's timeout
+    at most what was left when it started, and ends with a line naming the ones left out."""
+    clock, seen = [0.0], []
+
+    def section(number, estimate):
+        def run(check):
+            seen.append((number, check.child_timeout_s))
+            clock[0] += estimate
+            return {"pass": True}
+        return run
+
+    monkeypatch.setattr(main, "BY_NUMBER", {n: dataclasses.replace(s, run=section(n, s.estimate_s))
+                                            for n, s in registry.BY_NUMBER.items()})
+    monkeypatch.setattr(main.time, "perf_counter", lambda: clock[0])
+    assert main.main(["--device", "cpu", "--work", str(tmp_path), "--budget", "540", "--child-timeout", "300"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    estimates = {n: s.estimate_s for n, s in registry.BY_NUMBER.items()}
+    expected, spent = [], 0
+    for n in registry.ORDER:
+        if estimates[n] <= 540 - spent:
+            expected.append((n, min(300, 540 - spent)))
+            spent += estimates[n]
+    assert seen == expected and len(seen) < len(registry.ORDER)  # the whole check does not fit one call
+    left = [n for n in registry.ORDER if n not in dict(seen)]
+    assert [line["section"] for line in printed] == [n for n, _ in seen] + ["budget"]
+    assert printed[-1]["left_out"] == [{"section": n, "name": registry.BY_NUMBER[n].name,
+                                        "estimate_s": estimates[n]} for n in left]
+    assert printed[-1]["ran"] == [n for n, _ in seen] and printed[-1]["spent_s"] == spent
+    # without --budget every section runs, in ORDER, and no budget line
+    seen.clear()
+    main.main(["--device", "cpu", "--work", str(tmp_path)])
+    assert [n for n, _ in seen] == list(registry.ORDER)
+    assert "budget" not in capsys.readouterr().out

@@ -210,3 +210,31 @@ def test_bad_input_is_one_line_naming_it(argv, message, capsys):
     code = main(argv)
     text = capsys.readouterr().err.strip()
     assert code == 2 and message in text and len(text.splitlines()) == 1, text
+
+
+def test_on_a_cuda_build_the_real_device_stays_and_only_the_memory_figures_are_the_counts(monkeypatch):
+    """A CUDA build without a device is refused in one line; with one (the GPU check's section 10)
+    nothing is built or loaded, torch.cuda is the runtime's but for the memory figures, which the
+    rehearsal's counter answers."""
+    import torch
+
+    from gspo_mcore.rehearsal import device, memory
+
+    monkeypatch.setattr(device, "_loaded", False)
+    monkeypatch.setattr(device, "cuda_build", lambda: True)
+    monkeypatch.setattr(device, "build", lambda: pytest.fail("nothing is built on a CUDA build"))
+    with pytest.raises(device.RehearsalError, match="a CUDA build and sees no CUDA device"):
+        device.load()
+    for name in ("is_available", "memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved", "reset_peak_memory_stats", "get_device_name"):
+        monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))  # restored after the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    name_before = torch.cuda.get_device_name
+    monkeypatch.setattr(memory, "_COUNTER", None)
+    device.load()
+    counter = memory.Counter("cuda").install()
+    counter.live, counter.peak = 3 << 20, memory.Peak(5 << 20)
+    assert torch.cuda.memory_allocated() == 3 << 20 and torch.cuda.max_memory_allocated() == 5 << 20
+    torch.cuda.reset_peak_memory_stats()
+    assert torch.cuda.max_memory_allocated() == 3 << 20
+    assert torch.cuda.get_device_name is name_before  # the runtime's

@@ -27,8 +27,6 @@ import tempfile
 from pathlib import Path
 
 GB = 1024**3
-PROMPT_TOKENS = 512  # the planner's probe prompt (planner.cli --prompt-tokens)
-SEQUENCES_PER_MICROBATCH = 4  # the full microbatch: 4 sequences of max_tokens / 4 (no padding)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,6 +78,7 @@ def planner_phases(config, arch, layout) -> dict[str, dict[str, float]]:
     """The planner's trainer bytes per phase by kind (the colocated engine's share left out: the
     rehearsal runs the trainer only)."""
     from gspo_mcore.planner.memory_model import memory_estimate
+    from gspo_mcore.rehearsal.phases import PROMPT_TOKENS
 
     memory = memory_estimate(config, arch, layout, PROMPT_TOKENS)
     static = {"weights": memory["trainer_weights_gb"], "gradients": memory["trainer_gradients_gb"],
@@ -104,35 +103,23 @@ def rank_main(args) -> dict:
     from gspo_mcore.rehearsal import device
 
     device.load()
-    import torch
-
-    from gspo_mcore.batch.rollout import Batch
     from gspo_mcore.rehearsal.mode import Mismatch
+    from gspo_mcore.rehearsal.phases import StepShape, run_step
     from gspo_mcore.rehearsal.plan import RoutingPlan
-    from gspo_mcore.rehearsal.step import RankRehearsal, rollouts_for
+    from gspo_mcore.rehearsal.step import RankRehearsal
 
     config, changes, arch, layout = _setup(args)
     rank = args.rank[0]
-    d, t = config.distributed, config.train
+    d = config.distributed
     plan = RoutingPlan(arch.num_experts, arch.num_experts_per_tok, d.expert_parallel, d.expert_tensor_parallel,
                        args.imbalance)
     widths = {arch.moe_intermediate_size // d.expert_tensor_parallel, 2 * arch.moe_intermediate_size // d.expert_tensor_parallel}
-    tokens = t.max_tokens_per_microbatch
-    length = tokens // SEQUENCES_PER_MICROBATCH
-    longest = min(tokens, PROMPT_TOKENS + config.rollout.max_new_tokens)
     out = {"rank": rank, "changes": changes, "imbalance": plan.effective_imbalance(), "mismatches": []}
     rehearsal = RankRehearsal(config, rank, layout.trainer_gpus, plan, arch.vocab_size // d.tensor_parallel, widths)
     try:
         with rehearsal:
             rehearsal.build()
-            full = rollouts_for([length] * (SEQUENCES_PER_MICROBATCH * layout.dp))
-            alone = rollouts_for([longest] * layout.dp)
-            for step, rollouts in ((1, full), (2, full), (3, alone)):
-                advantages = [1.0 if i % 2 else -1.0 for i in range(len(rollouts))]
-                rehearsal.train(Batch(rollouts, advantages, {}, minibatches=[list(range(len(rollouts)))]), step)
-            dtype = getattr(torch, config.rollout.engine_dtype)
-            rehearsal.push(arch, config.weight_sync.bucket_mb << 20, dtype)
-            rehearsal.sync_check(PROMPT_TOKENS + config.rollout.max_new_tokens)
+            run_step(rehearsal.learner, config, arch, layout.dp, rehearsal.phase)
     except Mismatch as error:
         out["mismatches"].append(str(error))
     out["phases"] = {name: dataclasses.asdict(figures) for name, figures in rehearsal.phases.items()}
@@ -144,12 +131,13 @@ def rank_main(args) -> dict:
     from megatron.core import parallel_state
 
     out["last_stage"] = parallel_state.is_pipeline_last_stage()
-    out["step_tokens"] = [[length] * SEQUENCES_PER_MICROBATCH, [length] * SEQUENCES_PER_MICROBATCH, [longest]]
+    out["step_tokens"] = StepShape.of(config).step_tokens
     return out
 
 
 def _run_role(argv: list[str], rank: int) -> dict:
-    command = [sys.executable, "-m", "gspo_mcore.rehearse", *argv, "--json-only", "--rank", str(rank)]
+    command = [sys.executable, *(["-S"] if sys.flags.no_site else []), "-m", "gspo_mcore.rehearse", *argv,
+               "--json-only", "--rank", str(rank)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -5,7 +5,8 @@ The C++ half (fake_cuda.cpp) is compiled with g++ against the installed wheel's 
 libraries (torch/include, libc10, libtorch_cpu: ~3 s) into BUILD_DIR, named by a hash of the source
 and of the wheel it was built against (another torch builds another library). Only the rehearsal
 loads it (`load`, from gspo_mcore.rehearse before its first torch import); `make rehearse` builds it
-ahead. Nothing here runs in a training process.
+ahead. Nothing here runs in a training process. On a CUDA build beside a real device (the GPU
+check's section 10) nothing is built or loaded: see `load`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def build() -> Path:
     if target.is_file():
         return target
     torch_dir = _torch_dir()
-    if (torch_dir / "lib" / "libtorch_cuda.so").exists():
+    if cuda_build():
         raise RehearsalError("rehearsal: this torch is a CUDA build; the rehearsal fakes CUDA on a CPU-only torch")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.partial")
@@ -74,11 +75,27 @@ def build() -> Path:
 _loaded = False
 
 
+def cuda_build() -> bool:
+    """Whether the installed torch is a CUDA build (found, not imported)."""
+    return (_torch_dir() / "lib" / "libtorch_cuda.so").exists()
+
+
 def load() -> None:
     """Build if needed and load the fake devices into this process: before torch is imported (its
-    CUDA hooks are looked up once and kept)."""
+    CUDA hooks are looked up once and kept). On a CUDA build with a device (the GPU check's
+    section 10) nothing is loaded: FakeTensorMode makes CUDA fake tensors natively and the real
+    runtime answers torch.cuda, but for its memory figures, which are the rehearsal's count."""
     global _loaded
     if _loaded:
+        return
+    if cuda_build():
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RehearsalError("rehearsal: this torch is a CUDA build and sees no CUDA device; the rehearsal "
+                                 "fakes CUDA on a CPU-only torch, or runs beside a real device")
+        _loaded = True
+        _answer_memory(torch.cuda)
         return
     if "torch" in sys.modules:
         raise RehearsalError("rehearsal: torch was imported before the fake CUDA devices were loaded; "
@@ -145,9 +162,16 @@ def _answer_torch_cuda() -> None:
     cuda.manual_seed = cuda.manual_seed_all = lambda seed: None
     cuda.seed = cuda.seed_all = lambda: None
     cuda.empty_cache = lambda: None
+    _answer_memory(cuda)
+    cuda.mem_get_info = lambda device=None: (TOTAL_MEMORY - memory.current_counter().live_bytes(), TOTAL_MEMORY)
+
+
+def _answer_memory(cuda) -> None:
+    """torch.cuda's memory figures from the rehearsal's count of the fake device's storages."""
+    from gspo_mcore.rehearsal import memory
+
     cuda.memory_allocated = lambda device=None: memory.current_counter().live_bytes()
     cuda.max_memory_allocated = lambda device=None: memory.current_counter().peak_bytes()
     cuda.memory_reserved = cuda.memory_allocated
     cuda.max_memory_reserved = cuda.max_memory_allocated
     cuda.reset_peak_memory_stats = lambda device=None: memory.current_counter().reset_peak()
-    cuda.mem_get_info = lambda device=None: (TOTAL_MEMORY - memory.current_counter().live_bytes(), TOTAL_MEMORY)

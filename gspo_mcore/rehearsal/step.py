@@ -44,12 +44,10 @@ from gspo_mcore.rehearsal.mode import FakeCuda, Rehearsal
 from gspo_mcore.rehearsal.plan import RoutingPlan
 
 aten = torch.ops.aten
-GB = 1024**3
-FLASH, EFFICIENT = 1, 2
 # Host reads of values made on the device, answered by the project function reading them.
 HOST_ANSWERS = {
     "gspo_mcore/gspo/loss.py:raise_if_any": -1,  # the first non-finite input's index: none
-}  # at::native's SDPBackend values (sdp_utils_cpp.h)
+}
 
 
 def rehearsable(config):
@@ -151,20 +149,6 @@ def static_kinds(learner) -> dict[int, str]:
     return kinds
 
 
-def rollouts_for(lengths: list[int], prompt: int = 64):
-    """Rollouts of the given input lengths (prompt + response - 1), varied token ids."""
-    from gspo_mcore.batch.rollout import Rollout
-
-    out = []
-    for i, length in enumerate(lengths):
-        prompt_len = min(prompt, length // 2)
-        response = length + 1 - prompt_len
-        out.append(Rollout(prompt_ids=[(7 * i + j) % 1000 + 1 for j in range(prompt_len)],
-                           response_ids=[(11 * i + j) % 1000 + 1 for j in range(response)],
-                           logprobs=[-0.5] * response, finish_reason="stop", weight_version="step-0"))
-    return out
-
-
 @dataclasses.dataclass
 class PhaseFigures:
     peak_bytes: int
@@ -175,8 +159,9 @@ class PhaseFigures:
 
 
 class RankRehearsal:
-    """The modes, counters and bridges around one rank's production step. `with` it, then `train`,
-    `push`, `sync_check`; figures per phase in `phases`."""
+    """The modes, counters and bridges around one rank's production step. `with` it, `build`, then
+    run the step with `phase` as its measure (gspo_mcore.rehearsal.phases.run_step); figures per
+    phase in `phases`."""
 
     def __init__(self, config, rank: int, world_size: int, plan: RoutingPlan, vocab_per_rank: int,
                  expert_widths: set[int]):
@@ -218,7 +203,8 @@ class RankRehearsal:
         self.learner = Learner(self.config)
         return self.learner
 
-    def _phase(self, name: str, run) -> None:
+    def phase(self, name: str, run) -> None:
+        """`run` (one phase's body: gspo_mcore.rehearsal.phases) counted as phase `name`."""
         self.device.mark_static(static_kinds(self.learner))
         self.device.start_phase()
         self.host.start_phase()
@@ -230,34 +216,3 @@ class RankRehearsal:
         previous = self.phases.get(name)
         if previous is None or figures.peak_bytes >= previous.peak_bytes:
             self.phases[name] = figures
-
-    def train(self, batch, step: int) -> None:
-        self._phase("training", lambda: self.learner.update(batch, step))
-
-    def push(self, arch, bucket_bytes: int, dtype: torch.dtype) -> None:
-        """The weight push's gather-and-pack of one bucket (weight_sync.buckets.owned_rounds' first
-        round, packed as both engines read it: capabilities.UpdateSession.pack_bucket); the
-        engine's side (its receive buffers, HTTP) is not rehearsed."""
-        from gspo_mcore.engines.capabilities import UpdateSession
-        from gspo_mcore.weight_sync.buckets import owned_rounds
-
-        def one_bucket():
-            self.learner.ddp.eval()
-            rounds = owned_rounds(self.learner.model, arch, self.config.model.spec, bucket_bytes, dtype)
-            _, bucket = next(rounds)
-            flat = UpdateSession.pack_bucket(None, bucket) if bucket else None
-            del flat, bucket
-            rounds.close()
-
-        if self.config.optimizer.offload_grad_buffers:
-            self.learner.offload_grad_buffers()  # as the trainer does before the engine's phases
-        self._phase("weight push", one_bucket)
-
-    def sync_check(self, probe_tokens: int) -> None:
-        """The sync check's trainer forward (weight_sync.check.check_sync's sequence_logprobs) of one
-        probe of `probe_tokens` tokens; the engines' answers are not rehearsed."""
-        from gspo_mcore.megatron.qwen3_moe.forward import sequence_logprobs
-
-        probe = [(13 * j) % 1000 + 1 for j in range(probe_tokens)]
-        self._phase("sync check", lambda: sequence_logprobs(self.learner.ddp, [probe],
-                                                             fused_logprobs=self.config.model.fused_logprobs))

@@ -5,6 +5,7 @@ DIR/gpu_check.jsonl and flushed to disk at once, so a run killed midway keeps ev
     {"section": N, "name": ..., "result": "PASS" | "FAIL" | "SKIP", "device": ..., "seconds": ...,
      "run": <when the run began>, figures...}
     {"section": N, "part": ..., "result": ..., "run": ..., figures...}
+    {"section": "budget", "budget_s": ..., "spent_s": ..., "ran": [N, ...], "left_out": [...]}  (--budget)
 
 A figures dict says its verdict with "pass" (a bool) or "skip" (the reason); "error" names what
 raised or died."""
@@ -41,6 +42,12 @@ def section_line(number: int, name: str, device: str, seconds: float, figures: d
 def part_line(number: int, part: str, figures: dict) -> dict:
     result, rest = verdict(figures)
     return {"section": number, "part": part, "result": result, **rest}
+
+
+def budget_line(budget_s: float, spent_s: float, ran: list[int], left_out: list[tuple[int, str, int]]) -> dict:
+    """The last line of a run with --budget: what ran and what was left out, with its estimate."""
+    return {"section": "budget", "budget_s": budget_s, "spent_s": round(spent_s, 1), "ran": ran,
+            "left_out": [{"section": n, "name": name, "estimate_s": estimate} for n, name, estimate in left_out]}
 
 
 class Lines:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from gpucheck.children import MODES, run_in_child
 from gpucheck.context import Check
-from gpucheck.lines import Lines, error_figures, section_line
-from gpucheck.registry import BY_NUMBER, SECTIONS
+from gpucheck.lines import Lines, budget_line, error_figures, section_line
+from gpucheck.registry import BY_NUMBER, ORDER, SECTIONS
 from gpucheck.shape import REPO
 from gpucheck.wheels import use_wheels
 
@@ -22,13 +22,17 @@ WHEELS = REPO / "launch" / "wheels"  # launch/wheelhouse.sh's default folder
 
 
 def parser() -> argparse.ArgumentParser:
-    sections = "; ".join(f"{s.number}. {s.name}" for s in SECTIONS)
+    sections = "; ".join(f"{s.number}. {s.name} (~{s.estimate_s} s)" for s in SECTIONS)
     p = argparse.ArgumentParser(prog="python launch/gpu_check.py", description=f"The one-GPU check: {sections}")
     p.add_argument("--wheels", type=Path, default=WHEELS, help="launch/wheelhouse.sh's folder (default %(default)s)")
     p.add_argument("--work", type=Path, default=Path("runs/gpu_check"), help="the synthetic checkpoint and the "
                    "save of section 4 (~30 GB on CUDA; default %(default)s)")
     p.add_argument("--only", type=int, action="append", choices=sorted(BY_NUMBER),
-                   help="run this section (repeatable, in the order given)")
+                   help="run this section (repeatable, in the order given; default: all, in the order "
+                   f"{', '.join(map(str, ORDER))})")
+    p.add_argument("--budget", type=float, metavar="SECONDS", help="start a section only if its estimate fits "
+                   "what is left of SECONDS, cap each child's timeout at what is left, and end with a line naming "
+                   "what was left out")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees one")
     p.add_argument("--out", type=Path, help="also append each line to OUT/gpu_check.jsonl as it is made "
                    "(section 8 writes OUT/host_adam.json for the planner's --host-adam)")
@@ -71,9 +75,20 @@ def main(argv=None) -> int:
     check = Check(device=device, work=args.work, wheels=args.wheels.resolve(), lines=lines, wheel_paths=len(wheels),
                   children=args.children or ("spawn" if device == "cuda" else "forkserver"),
                   child_timeout_s=args.child_timeout)
-    failed = False
-    for number in args.only or [s.number for s in SECTIONS]:
+    failed, ran, left_out = False, [], []
+    began = time.perf_counter()
+    for number in args.only or ORDER:
+        if args.budget is not None:
+            left = args.budget - (time.perf_counter() - began)
+            if BY_NUMBER[number].estimate_s > left:
+                left_out.append(number)
+                continue
+            check.child_timeout_s = min(args.child_timeout, left)
         failed |= run_section(check, number)["result"] == "FAIL"
+        ran.append(number)
+    if args.budget is not None:
+        lines.emit(budget_line(args.budget, time.perf_counter() - began, ran,
+                               [(n, BY_NUMBER[n].name, BY_NUMBER[n].estimate_s) for n in left_out]))
     return 1 if failed else 0
 
 

@@ -1,16 +1,16 @@
-"""The check's sections, in the order a full run takes them. A section is a function of the
+"""The check's sections and the order a full run takes them in. A section is a function of the
 Check (gpucheck.context) returning its figures; what builds a model runs in a child process
-(Check.child). Adding one: a module with its function, and a row here with its number and its
-share of the 8-minute budget on one H100 (tests/test_gpu_check_parts.py holds the sum to it)."""
+(Check.child). Adding one: a module with its function, a row here with its number and its
+estimate on one H100, and its place in ORDER (tests/test_gpu_check_parts.py holds ORDER to the
+sections and --budget to the estimates)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from gpucheck import environment, host_adam, ipc_push, nccl_push, parity, resume, sync_check, throughput, updates
-
-BUDGET_S = 500  # the whole check on one H100 with its wheel folder (a call may run 600 s)
+from gpucheck import (environment, host_adam, ipc_push, nccl_push, parity, resume, step_memory, sync_check, throughput,
+                      updates)
 
 
 @dataclass(frozen=True)
@@ -38,5 +38,13 @@ SECTIONS = (
     # of 16k tokens (< 1 s each at 10% MFU), one under torch.profiler (CUPTI's start, its tables).
     Section(9, "training throughput at the 30B widths, as many layers as fit beside GPU Adam: tokens/s, MFU, phases, "
                "top kernels", throughput.section_9, 30),
+    # The measured child (imports, the 2-layer learner from the synthetic checkpoint, 3 updates of
+    # 16k tokens, one bucket, one forward) beside the rehearsal's two processes (~45 s on the host).
+    Section(10, "the rehearsed step measured: each phase's peak against the rehearsal's and the planner's",
+            step_memory.section_10, 50),
 )
 BY_NUMBER = {section.number: section for section in SECTIONS}
+# A full run's order: what decides most about a first device first, as a device is often had for
+# minutes (one call at most 600 s): the environment, the NCCL push calls, parity (the grouped GEMM
+# path), throughput, memory (the optimizer arms, the rehearsed step), then the rest.
+ORDER = (1, 6, 2, 9, 3, 10, 5, 7, 8, 4)

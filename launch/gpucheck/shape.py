@@ -55,11 +55,12 @@ def make_inputs(work: Path, shape: Shape) -> Path:
     return hf_dir
 
 
-def check_config(work: Path, shape: Shape, hf_dir: Path, dtype: str, extra=()):
+CONFIG = REPO / "configs/qwen3_30b_a3b_gspo.yaml"
+
+
+def check_overrides(work: Path, shape: Shape, hf_dir: Path, dtype: str, extra=()) -> list[str]:
     """configs/qwen3_30b_a3b_gspo.yaml on this one device: the synthetic model, `spec: local`
     (Transformer Engine is not on a bare machine), EP 1, one minibatch of the check's batch."""
-    from gspo_mcore.config import load_config
-
     overrides = [f"model.hf_dir={hf_dir}", "model.mcore_dir=null", "model.spec=local", f"model.dtype={dtype}",
                  f"distributed.device={shape.device}", "distributed.expert_parallel=1",
                  f"data.path={work / 'prompts.jsonl'}", f"data.tokenizer_dir={hf_dir}", "eval.datasets=[]",
@@ -71,7 +72,14 @@ def check_config(work: Path, shape: Shape, hf_dir: Path, dtype: str, extra=()):
                  "optimizer.precision_aware=false", "optimizer.cpu_offload=true", "optimizer.offload_grad_buffers=false"]
     if shape.device == "cpu":
         overrides.append("optimizer.cpu_offload=false")  # Megatron's HybridDeviceOptimizer is CUDA only
-    return load_config(REPO / "configs/qwen3_30b_a3b_gspo.yaml", [*overrides, *extra])
+    return [*overrides, *extra]
+
+
+def check_config(work: Path, shape: Shape, hf_dir: Path, dtype: str, extra=()):
+    """The check's config (check_overrides), loaded."""
+    from gspo_mcore.config import load_config
+
+    return load_config(CONFIG, check_overrides(work, shape, hf_dir, dtype, extra))
 
 
 def free_memory() -> None:

@@ -65,7 +65,8 @@ def test_flops_by_kind_add_up_to_the_planners_hardware_flops(overrides):
 @pytest.mark.slow
 def test_planted_gpu_slips_are_named_at_their_lines():
     """A CPU tensor into a device op, int64 or host grouped-GEMM offsets, a float32 activation into a
-    bf16 GEMM: each in a copy of a project function, each named with the op and the copy's line;
+    bf16 GEMM: each in a copy of a project function, each named with the op and the copy's line; a
+    host-to-device copy from pageable memory listed by its line, a pinned non-blocking one not;
     the honest copies run through; without the rehearsal's mode the dtype slip passes (the meta
     kernels check none), which is why the mode checks it."""
     done = subprocess.run([sys.executable, str(REPO / "tests/workers/rehearsal_slips.py")], capture_output=True,
@@ -79,6 +80,8 @@ def test_planted_gpu_slips_are_named_at_their_lines():
     assert found["float32 into bf16"].startswith(f"mm.default at {worker}:41: operands float32 x bfloat16")
     assert found["host tensor into a device op"].startswith(f"add.Tensor at {worker}:45:")
     assert found["float32 into bf16 without the mode"] is None
+    # host-to-device copies the host waits on, by line: pageable (non_blocking or not); pinned is not one
+    assert found["blocking copies"] == {f"{worker}:19": 1, f"{worker}:54": 1}
 
 
 def _allocator_peak(step) -> tuple[int, int, int, int]:
@@ -158,7 +161,8 @@ ROLES = [role for config, (nodes, hf) in GPU_CONFIGS.items() for role in _roles(
 def test_every_gpu_config_rehearsed_at_the_30b_widths_with_2_layers(config, rank):
     """Each GPU config's every rank role: the production step at its real widths (2 layers), two
     optimizer steps of a full microbatch and the longest sequence, one bucket's gather-and-pack,
-    the sync check's forward. No device or dtype mismatch; the static state equal to the planner's;
+    the sync check's forward. No device or dtype mismatch; no blocking host-to-device copy in the
+    MoE layers or of the microbatch; the static state equal to the planner's;
     FLOPs by kind within 1% of the planner's; nothing of the last microbatch kept into the engine's
     phases (the dispatchers' state: 0.15 GiB at 2 layers before it was released); the training peak
     within the planner's error at this depth (its layer transient: 1.12-1.17 at 2 layers, within
@@ -171,6 +175,9 @@ def test_every_gpu_config_rehearsed_at_the_30b_widths_with_2_layers(config, rank
     setup = _setup(args)
     result = _rehearse_rank(config, nodes, hf, rank)
     assert result["mismatches"] == []
+    # no host wait per layer or per microbatch: the expert counts and the microbatch go pinned and
+    # non-blocking (what remains is a count or a norm read back right after anyway)
+    assert not [line for line in result["blocking_copies"] if "experts.py" in line or "parallel.py" in line]
     summary = report(*setup, {"rank": result})["roles"]["rank"]
     training = summary["phases"]["training"]
     for kind in ("weights", "gradients", "optimizer"):

@@ -26,7 +26,17 @@ def device() -> torch.device:
 
 def to_device(batch: dict) -> dict:
     """A microbatch's tensors on device() (they are built on the CPU from the rollouts)."""
-    return {k: v.to(_DEVICE, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {k: host_to_device(v, _DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device` without the host waiting for the stream: a host tensor goes through
+    page-locked memory, non-blocking (from pageable memory cudaMemcpyAsync returns only once the
+    copy is done, after everything queued before it). The pinned copy is torch's caching host
+    allocator's, which keeps it until the copy's stream has passed it."""
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def host_group():

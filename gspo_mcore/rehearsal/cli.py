@@ -126,6 +126,7 @@ def rank_main(args) -> dict:
     for figures in out["phases"].values():
         figures["by_site"] = dict(sorted(figures["by_site"].items(), key=lambda kv: -kv[1])[:12])
     out["unanswered"] = rehearsal.mode.unanswered
+    out["blocking_copies"] = rehearsal.mode.blocking_copies
     full_step = [figures for name, figures in rehearsal.runs if name == "training"][1:2]
     out["flops"] = full_step[0].flops if full_step else None
     from megatron.core import parallel_state
@@ -165,7 +166,8 @@ def report(config, changes, arch, layout, results: dict[str, dict]) -> dict:
                               "ratio": host / planned["host"]["total"], "by_kind_gb": {}, "planner_by_kind_gb": {},
                               "top_sites_gb": {}}
         out["roles"][role] = {"rank": result["rank"], "phases": phases, "mismatches": result["mismatches"],
-                              "unanswered": result["unanswered"], "imbalance": result["imbalance"],
+                              "unanswered": result["unanswered"], "blocking_copies": result["blocking_copies"],
+                              "imbalance": result["imbalance"],
                               "flops": _flops_of(config, arch, result)}
     return out
 
@@ -223,6 +225,9 @@ def format_table(summary: dict) -> str:
             lines.append(f"  MISMATCH {mismatch}")
         if figures["unanswered"]:
             lines.append("  host reads answered 0: " + ", ".join(figures["unanswered"]))
+        if figures["blocking_copies"]:
+            lines.append("  host-to-device copies the host waits on (line: count): " + ", ".join(
+                f"{line}: {count}" for line, count in figures["blocking_copies"].items()))
     return "\n".join(lines)
 
 

@@ -120,6 +120,7 @@ class Rehearsal(TorchDispatchMode):
         self.shadows = WeakTensorKeyDictionary()
         self.pinned = WeakTensorKeyDictionary()  # host tensors pinned (a CPU build has no pinned allocator)
         self.unanswered: dict[str, int] = {}
+        self.blocking_copies: dict[str, int] = {}  # host-to-device copies the host waits on, by line
 
     # ------------------------------------------------------------ dispatch
 
@@ -143,6 +144,7 @@ class Rehearsal(TorchDispatchMode):
                 return func(*args, **kwargs)
         if func in _GEMMS or func is aten._grouped_mm.default:
             self._check_gemm(func, args, kwargs)
+        self._note_blocking_copy(func, args, kwargs)
         if func in _HOST_READS:
             return self._scalar(args[0])
         if func is aten._to_copy.default and _to_host(args[0], kwargs) and self._readable(args[0]):
@@ -268,6 +270,21 @@ class Rehearsal(TorchDispatchMode):
         if count is None:
             return None
         return torch.empty(count, dtype=source.dtype, device=source.device)
+
+    def _note_blocking_copy(self, func, args, kwargs) -> None:
+        """A host-to-device copy from pageable memory, or without non_blocking, holds the host until
+        the stream has run everything queued before it (cudaMemcpy's pageable path): a sync."""
+        if func is aten._to_copy.default:
+            source, device, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
+            to_device = device is not None and torch.device(device).type == "cuda"
+        elif func is aten.copy_.default:
+            source, non_blocking = args[1], (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            to_device = args[0].device.type == "cuda"
+        else:
+            return
+        if to_device and source.device.type == "cpu" and not (non_blocking and source in self.pinned):
+            line = project_line()
+            self.blocking_copies[line] = self.blocking_copies.get(line, 0) + 1
 
     def _note_unanswered(self) -> None:
         line = project_line()

@@ -45,6 +45,15 @@ def add_host_tensor(x, bias_on_host):
     return x + bias_on_host  # SLIP: a host tensor (not a 0-d scalar) into a device op
 
 
+# experts.py expert_offsets's copy now (parallel.host_to_device), and a copy the host waits on
+def expert_offsets_pinned(tokens_per_expert, device):
+    return torch.cumsum(tokens_per_expert.pin_memory().to(device, non_blocking=True), dim=0, dtype=torch.int32)
+
+
+def expert_offsets_pageable_non_blocking(tokens_per_expert, device):
+    return torch.cumsum(tokens_per_expert.to(device, non_blocking=True), dim=0, dtype=torch.int32)  # SLIP: waits
+
+
 def attempt(function, *args):
     try:
         function(*args)
@@ -56,7 +65,7 @@ def attempt(function, *args):
 def main() -> None:
     experts, hidden, ffn = 8, 64, 32
     out = {}
-    with rehearsed(RoutingPlan(experts, 2, 1)):
+    with rehearsed(RoutingPlan(experts, 2, 1)) as mode:
         cuda = torch.device("cuda", 0)
         counts = torch.tensor([3, 0, 5, 1, 2, 4, 0, 1])  # on the host, as megatron hands them over
         x = torch.randn(sum(counts.tolist()), hidden, device=cuda, dtype=torch.bfloat16)
@@ -68,6 +77,11 @@ def main() -> None:
         out["int64 offsets"] = attempt(lambda: grouped_matmul(x, w1, expert_offsets_int64(counts, cuda)))
         out["float32 into bf16"] = attempt(linear_float32_activation, x, dense)
         out["host tensor into a device op"] = attempt(add_host_tensor, x, torch.zeros(hidden))
+        mode.blocking_copies.clear()
+        expert_offsets_pinned(counts, cuda)
+        expert_offsets_pageable_non_blocking(counts, cuda)
+        expert_offsets(counts, cuda)
+        out["blocking copies"] = mode.blocking_copies
     with FakeCuda(allow_non_fake_inputs=True):  # fake tensors alone: the meta kernels check no dtype
         x = torch.randn(4, hidden, device="cuda", dtype=torch.bfloat16)
         dense = torch.randn(2 * ffn, hidden, device="cuda", dtype=torch.bfloat16)

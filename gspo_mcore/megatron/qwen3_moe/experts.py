@@ -58,6 +58,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from megatron.core.utils import divide
 
 from gspo_mcore.common.errors import InputError
+from gspo_mcore.megatron.parallel import host_to_device
 
 GROUPED_MM, LOOP = "grouped_mm", "loop"
 # TMA: every row stride of a _grouped_mm operand, in forward (x: k, the weight: k) and backward (the output's
@@ -88,8 +89,9 @@ def grouped_kernel(device: torch.device, dtype: torch.dtype, k: int, n: int,
 
 def expert_offsets(tokens_per_expert: torch.Tensor, device: torch.device) -> torch.Tensor:
     """[experts] int32 end row of each expert's tokens, on `device` (torch._grouped_mm's `offs`). Megatron's
-    alltoall dispatcher hands the counts over on the host (`_maybe_dtoh_and_synchronize`): one small copy."""
-    return torch.cumsum(tokens_per_expert.to(device=device), dim=0, dtype=torch.int32)
+    alltoall dispatcher hands the counts over on the host (`_maybe_dtoh_and_synchronize`): one small copy,
+    pinned and non-blocking, so the host runs on (the rehearsal lists copies it waits on)."""
+    return torch.cumsum(host_to_device(tokens_per_expert, device), dim=0, dtype=torch.int32)
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,7 @@ def test_the_cuda_call_computes_the_same_on_the_host(monkeypatch):
     x, w, counts = _operands(COUNTS)
     loop = _forward_and_grads(lambda x, w, c: grouped_matmul(x, w, expert_offsets(c, x.device)), x, w, counts)
     monkeypatch.setattr(experts, "grouped_kernel", lambda *args, **kwargs: GROUPED_MM)
+    monkeypatch.setattr(experts, "device_capability", lambda device: (9, 0))  # an H100's
     called = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: called.append(1) or real(*a, **k))
@@ -74,6 +75,33 @@ def test_the_cuda_call_computes_the_same_on_the_host(monkeypatch):
     assert called
     for a, b in zip(grouped, loop):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_on_sm100_an_expert_without_tokens_gets_a_zero_weight_gradient(monkeypatch):
+    """pytorch#172439: sm100's _grouped_mm leaves garbage in the weight gradient of a zero-size group. A
+    stand-in kernel that does so (the host kernel plus a gradient into every expert's weight): on sm100 the
+    empty experts' gradients are zero and the others are the kernel's; on sm90 nothing is masked."""
+    assert experts.zeroes_empty_expert_grads((10, 0)) and not experts.zeroes_empty_expert_grads((9, 0))
+    x, w, counts = _operands(COUNTS)
+    real = torch._grouped_mm
+
+    def garbage_in_empty_groups(a, b, offs):
+        return real(a, b, offs=offs) + 1e-3 * b.sum()  # every expert's weight gets a gradient
+
+    monkeypatch.setattr(experts, "grouped_kernel", lambda *args, **kwargs: GROUPED_MM)
+    monkeypatch.setattr(torch, "_grouped_mm", garbage_in_empty_groups)
+    run = lambda x, w, c: grouped_matmul(x, w, expert_offsets(c, x.device))  # noqa: E731
+    empty = [e for e, n in enumerate(COUNTS) if n == 0]
+    monkeypatch.setattr(experts, "device_capability", lambda device: (9, 0))
+    hopper = _forward_and_grads(run, x, w, counts)
+    assert torch.count_nonzero(hopper[2][empty]) > 0  # the stand-in's garbage, unmasked
+    monkeypatch.setattr(experts, "device_capability", lambda device: (10, 0))
+    blackwell = _forward_and_grads(run, x, w, counts)
+    assert torch.count_nonzero(blackwell[2][empty]) == 0
+    full = [e for e, n in enumerate(COUNTS) if n]
+    torch.testing.assert_close(blackwell[2][full], hopper[2][full], rtol=0, atol=0)
+    torch.testing.assert_close(blackwell[1], hopper[1], rtol=0, atol=0)  # the input's gradient untouched
 
 
 CUDA = torch.device("cuda", 0)  # a device object: no GPU needed to name one

@@ -31,7 +31,8 @@ Kernels by name (`grouped_kernel`), chosen by the operands' device and dtype, ne
   accepts (major 9 or 10); offsets are int32 cumulative token counts on the device, no host sync. Rows must
   be 16-byte aligned (`check_valid_strides_and_return_transposed`: hidden and ffn sizes multiples of 8 in
   bf16); token counts need no padding in bf16 (torchtitan pads only for fp8 / mxfp8), and an expert without
-  tokens gets a zero gradient on Hopper (pytorch/pytorch#172439 reports otherwise on B200).
+  tokens gets a zero gradient on Hopper; on sm100 it does not (pytorch/pytorch#172439, open), so there the
+  weight's gradient is zeroed for experts without tokens (`ZeroEmptyExpertGrads`: a masked multiply in backward).
 - CUDA, bfloat16 on any other GPU (sm80, sm89, ...), or another half dtype: refused in one line. torch would
   run its `_grouped_mm_fallback` there, a per-expert loop with a device-to-host sync: that is `local`.
 - float32 anywhere, and everything on CPU: an exact per-expert loop of `x_e @ w_e^T`, the matmul
@@ -103,10 +104,40 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     weight still in the graph: a zero gradient)."""
     kernel = grouped_kernel(x.device, x.dtype, x.shape[-1], weight.shape[-2])
     if kernel == GROUPED_MM and x.shape[0] > 0:
+        if zeroes_empty_expert_grads(device_capability(x.device)):
+            weight = ZeroEmptyExpertGrads.apply(weight, offsets)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     ends = offsets.tolist() if x.shape[0] else [0] * weight.shape[0]  # the host sync of the loop (none on CPU)
     counts = [end - start for start, end in zip([0, *ends[:-1]], ends)]
     return torch.cat([torch.matmul(rows, w.t()) for rows, w in zip(x.split(counts), weight.unbind(0))])
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def zeroes_empty_expert_grads(capability: tuple[int, int]) -> bool:
+    """Whether the grouped kernel's weight gradient must be zeroed for experts without tokens on a device of
+    `capability`: on sm100 (B200) `_grouped_mm` leaves it not zero (pytorch/pytorch#172439, open), and a
+    filler microbatch (gspo/packing.py: all padding) leaves most of 128 experts empty; Hopper writes zeros."""
+    return capability[0] == 10
+
+
+class ZeroEmptyExpertGrads(torch.autograd.Function):
+    """The identity on an expert weight [experts, n, k] whose gradient is zero for each expert that `offsets`
+    (int32 cumulative token counts, on the device) gives no tokens: one masked multiply of the weight
+    gradient in backward, no host sync."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(offsets)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (offsets,) = ctx.saved_tensors
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return grad * (counts > 0).to(grad.dtype).view(-1, *([1] * (grad.dim() - 1))), None
 
 
 class TorchGroupedMLP(MegatronModule):

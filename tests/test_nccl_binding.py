@@ -159,6 +159,21 @@ class FakeStream:
         self.log.append(("synchronize",))
 
 
+class FakeEvent:
+    """torch.cuda.Event: recorded on a stream, done once `polls_left` queries have said not yet."""
+    polls_left = 0
+
+    def __init__(self, log):
+        self.log = log
+
+    def record(self, stream):
+        self.log.append(("event", stream))
+
+    def query(self):
+        FakeEvent.polls_left -= 1
+        return FakeEvent.polls_left < 0
+
+
 class FakeTensor:
     def __init__(self, device=torch.device("cuda", 3), numel=1, dtype=torch.float32):
         self.device, self._numel, self.dtype = device, numel, dtype
@@ -182,6 +197,8 @@ def on_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(log, device))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(log))
+    monkeypatch.setattr(FakeEvent, "polls_left", 0)
     monkeypatch.setattr(torch, "zeros", lambda *shape, dtype=None, device=None: FakeTensor(device, 1, dtype))
     return log, fake
 
@@ -217,7 +234,8 @@ def test_a_broadcast_runs_on_the_groups_own_stream(on_gpu):
     log, fake = on_gpu
     group = nccl.WeightGroup(0x1000, FakeStream(log), 3, bound(fake))
     nccl.broadcast(group, FakeTensor(numel=4096, dtype=torch.uint8))
-    assert log == [("wait", "current"), ("record", group.stream)]
+    assert log == [("wait", "current"), ("record", group.stream), ("event", group.stream)]
+    assert len(group.pending) == 1  # what nccl.wait looks at
     assert fake.calls == [("ncclBroadcast", (0x10, 0x10, 4096, nccl_library.DATA_TYPES["uint8"], 0, 0x1000, 0x20))]
     with pytest.raises(NCCLError, match=r"^ncclBroadcast of a tensor on cuda:0 in a group on cuda:3$"):
         nccl.broadcast(group, FakeTensor(device=torch.device("cuda", 0)))
@@ -246,6 +264,64 @@ def test_close_aborts_once_on_the_groups_device_and_never_hangs(on_gpu):
             nccl.close(hanging, wait_s=0.05)
     finally:
         release.set()
+
+
+class Clock:
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_wait_returns_when_the_broadcast_ran_and_aborts_first_on_an_error_a_refusal_or_the_deadline(on_gpu):
+    """A worker that died mid-broadcast leaves our kernel spinning (and a synchronize behind it): the
+    wait polls the broadcast's event and the communicator's async error, and on an NCCL error, the
+    server refusing the bucket, or the deadline aborts the communicator, then raises one line
+    naming the server."""
+    log, fake = on_gpu
+    server = "http://10.0.0.7:8000"
+
+    def sent(codes=None):
+        group = nccl.WeightGroup(0x1000, FakeStream(log), 3, bound(FakeNCCL(codes=codes)))
+        nccl.broadcast(group, FakeTensor())
+        return group
+
+    clock = Clock()
+    FakeEvent.polls_left = 3
+    group = sent()
+    nccl.wait(group, server, 60, clock=clock, sleep=clock.sleep)
+    assert group.pending == [] and not group.closed and len(clock.slept) == 3
+    assert group.library.cdll.names().count("ncclCommGetAsyncError") == 4
+    # a peer gone: NCCL's proxy reports it; aborted before the error reaches the caller
+    FakeEvent.polls_left = 10**6
+    group = sent({"ncclCommGetAsyncError": 0})
+    group.library.cdll._ncclCommGetAsyncError = lambda comm, out: setattr(out._obj, "value", 6) or 0
+    with pytest.raises(NCCLError) as failed:
+        nccl.wait(group, server, 60, clock=clock, sleep=clock.sleep)
+    assert str(failed.value) == (f"server {server}: the NCCL weight broadcast failed: remote process exited or there "
+                                 "was a network error (ncclResult_t 6); its communicator aborted")
+    assert group.closed and group.library.cdll.names()[-1] == "ncclCommAbort"
+    # the server refused the bucket: its receive never comes
+    group = sent()
+    with pytest.raises(NCCLError, match=r"abandoned: the server answered: HTTP 400 .*; its communicator aborted$"):
+        nccl.wait(group, server, 60, stop=lambda: "the server answered: HTTP 400 bad shapes", clock=clock,
+                  sleep=clock.sleep)
+    assert group.closed
+    # nothing reported, nothing done: the deadline (NCCL may never see a P2P peer die)
+    group, began = sent(), clock.now
+    with pytest.raises(NCCLError, match=r"not complete after 30 s \(a worker gone\?\); its communicator aborted$"):
+        nccl.wait(group, server, 30, clock=clock, sleep=clock.sleep)
+    assert group.closed and 30 <= clock.now - began <= 30 + 2 * nccl.POLL_S
+    # an abort that fails too is said in the same line
+    group = sent({"ncclCommAbort": 5})
+    with pytest.raises(NCCLError, match=r"not complete after 1 s .*; aborting its communicator failed too: "
+                                        r"ncclCommAbort failed: invalid usage"):
+        nccl.wait(group, server, 1, clock=clock, sleep=clock.sleep)
 
 
 def test_version_is_the_bound_librarys(monkeypatch):

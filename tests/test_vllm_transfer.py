@@ -25,7 +25,7 @@ from gspo_mcore.engines.vllm.engine import VLLMEngine
 from gspo_mcore.common.errors import WeightSyncError
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-NCCL_2_27_5 = 22705
+NCCL_2_30_7 = 23007
 UID = bytes(range(64, 192))  # bytes past 127 too: ctypes' c_byte is signed
 
 
@@ -50,7 +50,7 @@ class StandIn:
     `speculative` (a draft model's config) are in /server_info; sleep and wake keep vLLM's
     sleeping tags (Executor.sleep / wake_up) and answer as serve/dev/sleep/api_router.py does."""
 
-    def __init__(self, nccl_raw=NCCL_2_27_5, ipc=False, answers=None, model=None, speculative=None):
+    def __init__(self, nccl_raw=NCCL_2_30_7, ipc=False, answers=None, model=None, speculative=None):
         self.calls, self.broadcasts = [], []
         self.joined, self.sent = threading.Event(), threading.Semaphore(0)
         self.answers = dict(answers or {})
@@ -137,7 +137,11 @@ def nccl_stand_in(monkeypatch):
     monkeypatch.setattr(vllm_engine.nccl, "communicator", communicator)
     monkeypatch.setattr(vllm_engine.nccl, "broadcast", broadcast)
     monkeypatch.setattr(vllm_engine.nccl, "close", lambda comm: server.closed.append((comm, len(server.calls))))
-    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 27, 5))
+    server.waits = []
+    monkeypatch.setattr(vllm_engine.nccl, "wait", lambda comm, url, timeout_s, stop: server.waits.append(
+        (comm, url, timeout_s, stop())))
+    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 30, 7))
+    monkeypatch.setattr(vllm_engine.nccl, "bound_path", lambda: "/fake/libnccl.so.2")
     monkeypatch.setattr(vllm_engine.nccl, "current_device", lambda: 3)  # this rank's GPU
     yield server, joins
     server.server.shutdown()
@@ -175,6 +179,7 @@ def test_a_push_over_vllms_nccl_transfer_engine(nccl_stand_in, tmp_path):
         engine.send_bucket([(server.url, "g", comm)], bucket, engine.pack_bucket(bucket))
     engine.end_update("step-7")
     engine.close_weight_group(server.url, "g", comm)
+    assert server.waits == [("comm", server.url, 30, None)] * 2  # each broadcast waited for, with the deadline
     assert server.closed == [("comm", len(server.calls))] and engine.communicators == 0  # after the server's shutdown
     assert server.paths() == ["/collective_rpc", "/server_info?config_format=json", "/init_weight_transfer_engine",
                               "/start_weight_update", "/update_weights", "/update_weights", "/finish_weight_update",
@@ -217,10 +222,11 @@ print(json.dumps(out))
 
 def test_an_nccl_version_the_server_cannot_join_is_one_line(monkeypatch):
     """NCCL refuses ranks of different versions mid-init; we say so before, naming both."""
-    server = StandIn(nccl_raw=22805)
-    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 27, 5))
+    server = StandIn(nccl_raw=22908)
+    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 30, 7))
+    monkeypatch.setattr(vllm_engine.nccl, "bound_path", lambda: "/fake/libnccl.so.2")
     try:
-        with pytest.raises(WeightSyncError, match=r"runs NCCL 2\.28\.5, this trainer 2\.27\.5: .*VLLM_NCCL_SO_PATH"):
+        with pytest.raises(WeightSyncError, match=r"runs NCCL 2\.29\.8, this trainer 2\.30\.7: .*VLLM_NCCL_SO_PATH"):
             VLLMEngine([server.url], timeout_s=30).open_weight_group(server.url, "g", "127.0.0.1", "nccl", 30)
         assert "/init_weight_transfer_engine" not in server.paths()
     finally:
@@ -316,14 +322,15 @@ print(json.dumps(out))
 
 
 def test_the_workers_nccl_version_arrives_as_a_string_and_garbage_is_refused(monkeypatch):
-    """vLLM's /collective_rpc answers {"results": ["22705", "22705"]} for ints (the route turns
+    """vLLM's /collective_rpc answers {"results": ["23007", "23007"]} for ints (the route turns
     them into strings): read as the version; an answer that is no version stops in one line."""
-    server = StandIn(nccl_raw=22705)
-    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 27, 5))
+    server = StandIn(nccl_raw=23007)
+    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 30, 7))
+    monkeypatch.setattr(vllm_engine.nccl, "bound_path", lambda: "/fake/libnccl.so.2")
     engine = VLLMEngine([server.url], timeout_s=30)
     try:
-        engine._check_nccl(server.url)  # 2.27.5 both sides
-        server.answers["/collective_rpc"] = (200, {"results": ["22705", "<NCCLLibrary object>"]})
+        engine._check_nccl(server.url)  # 2.30.7 both sides
+        server.answers["/collective_rpc"] = (200, {"results": ["23007", "<NCCLLibrary object>"]})
         with pytest.raises(WeightSyncError, match=r"collective_rpc nccl_version: unexpected answer .*NCCLLibrary"):
             engine._check_nccl(server.url)
     finally:
@@ -504,3 +511,62 @@ def test_a_load_from_disk_writes_what_its_checkpoint_holds(colocated):
     assert server.paths() == ["/server_info?config_format=json", "/sleep?level=2", "/wake_up?tags=weights",
                               "/collective_rpc", "/update_weight_version", "/wake_up?tags=kv_cache",
                               "/reset_prefix_cache"]
+
+
+def test_an_nccl_too_old_for_vllms_cuda_path_stops_the_launch_in_one_line(monkeypatch):
+    """vLLM 0.33's NCCLLibrary raises without ncclCommSuspend / ncclCommResume (NCCL >= 2.29.7) on
+    CUDA: torch 2.11's nvidia-nccl (2.28.9) is refused before any server starts, naming both
+    versions and the library; 2.29.7 passes; CPU launches read no library. A server started
+    elsewhere is refused the same way before it is asked anything."""
+    from gspo_mcore.engines.vllm import nccl
+    from gspo_mcore.engines.vllm.server import server_env
+
+    from test_nccl_binding import FakeNCCL
+
+    def library_of(raw):
+        fake = FakeNCCL()
+        fake._ncclGetVersion = lambda out: setattr(out._obj, "value", raw) or 0
+        return lambda path: fake
+
+    monkeypatch.setattr(nccl, "library", lambda: "/wheel/nvidia/nccl/lib/libnccl.so.2")
+    real_check = nccl.check_for_vllm
+    monkeypatch.setattr(nccl, "check_for_vllm", lambda path: real_check(path, loader=library_of(22809)))
+    with pytest.raises(nccl.NCCLError) as refused:
+        server_env({}, weight_transfer="nccl", device="cuda")
+    message = str(refused.value)
+    assert message == ("NCCL 2.28.9 (/wheel/nvidia/nccl/lib/libnccl.so.2) is too old for vLLM's NCCL weight "
+                       "transfer, which needs 2.29.7 or newer (ncclCommSuspend / ncclCommResume): use a torch whose "
+                       "nvidia-nccl is >= 2.29.7 (torch 2.14's is 2.30.7), or set VLLM_NCCL_SO_PATH to such a "
+                       "libnccl.so.2")
+    monkeypatch.setattr(nccl, "check_for_vllm", lambda path: real_check(path, loader=library_of(22907)))
+    assert server_env({}, weight_transfer="nccl", device="cuda")["VLLM_NCCL_SO_PATH"].endswith("libnccl.so.2")
+    monkeypatch.setattr(nccl, "check_for_vllm", lambda path: pytest.fail("a CPU launch reads no library"))
+    server_env({}, weight_transfer="nccl", device="cpu")
+    server = StandIn(nccl_raw=22809)
+    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 28, 9))
+    monkeypatch.setattr(vllm_engine.nccl, "bound_path", lambda: "/usr/lib/libnccl.so.2")
+    try:
+        with pytest.raises(WeightSyncError, match=r"^NCCL 2\.28\.9 \(/usr/lib/libnccl\.so\.2\) is too old"):
+            VLLMEngine([server.url], timeout_s=30).open_weight_group(server.url, "g", "127.0.0.1", "nccl", 30)
+        assert server.paths() == []
+    finally:
+        server.server.shutdown()
+
+
+def test_a_broadcast_is_waited_for_with_the_servers_refusal_as_the_reason_to_stop(monkeypatch):
+    """VLLMEngine.broadcast_done: nccl.wait with the engine's timeout, told to stop once the
+    server's post failed (its receive never comes), not while it is in flight or answered."""
+    from concurrent.futures import Future
+
+    seen = []
+    monkeypatch.setattr(vllm_engine.nccl, "wait", lambda group, url, timeout_s, stop: seen.append(
+        (group, url, timeout_s, stop())))
+    engine = VLLMEngine(["http://s:1"], timeout_s=45)
+    in_flight, answered, refused = Future(), Future(), Future()
+    answered.set_result(None)
+    refused.set_exception(WeightSyncError("server http://s:1/update_weights: HTTP 400 bad shapes"))
+    for answer in (in_flight, answered, refused):
+        engine.broadcast_done("http://s:1", "group", answer)
+    assert seen == [("group", "http://s:1", 45, None), ("group", "http://s:1", 45, None),
+                    ("group", "http://s:1", 45, "the server answered: server http://s:1/update_weights: HTTP 400 bad "
+                                            "shapes")]

@@ -78,7 +78,12 @@ class ProcessGroupPush(UpdateSession):
             for url, name, group in groups:
                 answer = pool.submit(self.post_bucket, url, name, bucket)
                 self.broadcast(group, flat)
+                self.broadcast_done(url, group, answer)
                 answer.result()
+
+    def broadcast_done(self, url: str, group, answer) -> None:
+        """Returns once `group`'s broadcast ran, or raises (`answer`: the server's post, in flight).
+        Nothing here: a torch.distributed group's watchdog ends a broadcast whose peer is gone."""
 
 
 class SharedMemoryPush(UpdateSession):

@@ -319,12 +319,13 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
     def _check_nccl(self, url: str) -> None:
         """NCCL refuses to connect ranks of different versions (mid-init, "Mismatched NCCL
         version"): say it before, in one line."""
+        mine = nccl.version()
+        nccl.require_for_vllm(mine, nccl.bound_path())  # a server started elsewhere, too: before it is asked
         answer = self.call(url, "/collective_rpc", {"method": "nccl_version"})
         results = answer.get("results") if isinstance(answer, dict) else None
         versions = [nccl_version_of(r) for r in results or []]
         if not versions or None in versions:
             raise WeightSyncError(f"server {url}/collective_rpc nccl_version: unexpected answer {str(answer)[:200]!r}")
-        mine = nccl.version()
         for raw in versions:
             theirs = nccl.decode_version(raw)
             if theirs != mine:
@@ -393,6 +394,17 @@ class VLLMEngine(Engine, ProcessGroupPush, SharedMemoryPush, DiskLoad, MemoryRel
 
     def broadcast(self, group, flat: torch.Tensor) -> None:
         nccl.broadcast(group, flat)
+
+    def broadcast_done(self, url: str, group, answer) -> None:
+        """Our raw communicator has no watchdog: a worker that died mid-broadcast would leave it
+        spinning, and the trainer's next synchronize with it. nccl.wait polls it with a deadline (the
+        server's own timeout) and aborts it on an NCCL error, the deadline, or the server refusing the
+        bucket (its receive never comes)."""
+        def refused() -> str | None:
+            error = answer.exception() if answer.done() else None
+            return f"the server answered: {error}" if error is not None else None
+
+        nccl.wait(group, url, self.timeout_s, stop=refused)
 
     # ---------------------------------------------------------------- CUDA IPC (colocated)
     def prepare_sharing(self, on_gpu: bool) -> None:

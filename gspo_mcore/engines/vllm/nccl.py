@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -23,6 +25,10 @@ _LOADED: list[nccl_library.Library] = []  # this process's, loaded once
 _LOCK = threading.Lock()
 # vLLM gives its own abort this long before moving on (PyNcclCommunicator.destroy, pynccl.py).
 ABORT_WAIT_S = 5.0
+# vLLM 0.33's NCCLLibrary (pynccl_wrapper.py) binds ncclCommSuspend / ncclCommResume on CUDA and raises
+# without them: "NCCL >= 2.29.7 does, and vLLM's CUDA path already requires that version".
+VLLM_NEEDS = (2, 29, 7)
+POLL_S = 0.002  # between looks at a broadcast in flight (a bucket's takes ~10-100 ms)
 
 
 def loaded() -> nccl_library.Library:
@@ -56,6 +62,7 @@ class WeightGroup:
     device: int
     library: nccl_library.Library
     closed: bool = False
+    pending: list = field(default_factory=list)  # torch.cuda.Event of each broadcast not yet seen done
 
 
 def communicator(world_size: int, uid: bytes, device: int) -> WeightGroup:
@@ -92,6 +99,41 @@ def broadcast(group: WeightGroup, flat: torch.Tensor) -> None:
     flat.record_stream(group.stream)
     group.library.broadcast(flat.data_ptr(), flat.numel(), str(flat.dtype).removeprefix("torch."), 0, group.comm,
                             group.stream.cuda_stream)
+    done = torch.cuda.Event()
+    done.record(group.stream)
+    group.pending.append(done)
+
+
+def wait(group: WeightGroup, server: str, timeout_s: float, stop: Callable[[], str | None] = lambda: None,
+         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Until the group's broadcasts ran, looking every POLL_S at their events (cudaEventQuery, no
+    spin on the device) and at the communicator's asynchronous error; `stop()` says why to give up
+    (the server refused the bucket: its receive never comes). A worker that died mid-broadcast
+    leaves the kernel spinning for ever, and a torch.cuda.synchronize behind it with it: on an
+    NCCL error, `stop`, or `timeout_s` the communicator is aborted first (the kernel ends), then one
+    line naming the server."""
+    deadline = clock() + timeout_s
+    while True:
+        state = group.library.async_error(group.comm)
+        if state not in (nccl_library.SUCCESS, nccl_library.IN_PROGRESS):
+            why = f"failed: {group.library.reason(state)} (ncclResult_t {state})"
+        elif all(event.query() for event in group.pending):
+            group.pending.clear()
+            return
+        elif (reason := stop()) is not None:
+            why = f"abandoned: {reason}"
+        elif clock() > deadline:
+            why = f"not complete after {timeout_s:g} s (a worker gone?)"
+        else:
+            sleep(POLL_S)
+            continue
+        break
+    aborted = "its communicator aborted"
+    try:
+        close(group)
+    except NCCLError as err:
+        aborted = f"aborting its communicator failed too: {err}"
+    raise NCCLError(nccl_library.one_line(f"server {server}: the NCCL weight broadcast {why}; {aborted}"))
 
 
 def close(group: WeightGroup, wait_s: float = ABORT_WAIT_S) -> None:
@@ -133,6 +175,11 @@ def version() -> tuple[int, int, int]:
     return decode_version(loaded().version())
 
 
+def bound_path() -> str:
+    """Which libnccl this process bound (for errors)."""
+    return loaded().path
+
+
 def library() -> str | None:
     """The libnccl this trainer's torch loads (the nvidia-nccl wheel), for the servers to load the
     same (VLLM_NCCL_SO_PATH: NCCL refuses to connect ranks of different versions); None if torch
@@ -146,6 +193,24 @@ def library() -> str | None:
         if path.is_file():
             return str(path)
     return None
+
+
+def require_for_vllm(found: tuple[int, int, int], path: str | None) -> None:
+    """One line when the NCCL the servers are to load is older than vLLM's CUDA path takes."""
+    if found < VLLM_NEEDS:
+        need = ".".join(map(str, VLLM_NEEDS))
+        raise NCCLError(f"NCCL {'.'.join(map(str, found))} ({path or nccl_library.SONAME}) is too old for vLLM's NCCL "
+                        f"weight transfer, which needs {need} or newer (ncclCommSuspend / ncclCommResume): use a "
+                        f"torch whose nvidia-nccl is >= {need} (torch 2.14's is 2.30.7), or set VLLM_NCCL_SO_PATH to "
+                        "such a libnccl.so.2")
+
+
+def check_for_vllm(path: str | None, loader=None) -> None:
+    """The libnccl a vLLM server will load (`path`, its VLLM_NCCL_SO_PATH; else the soname) is new
+    enough for it (require_for_vllm), read before any server starts."""
+    kwargs = {"loader": loader} if loader is not None else {}
+    library = nccl_library.load(env={"VLLM_NCCL_SO_PATH": path} if path else {}, wheel=None, **kwargs)
+    require_for_vllm(decode_version(library.version()), library.path)
 
 
 def decode_version(raw: int) -> tuple[int, int, int]:

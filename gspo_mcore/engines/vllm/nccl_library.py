@@ -49,8 +49,10 @@ FUNCTIONS = [
     ("ncclAllReduce", Result, [Buffer, Buffer, ctypes.c_size_t, DataType, RedOp, Comm, Stream]),
     ("ncclBroadcast", Result, [Buffer, Buffer, ctypes.c_size_t, DataType, ctypes.c_int, Comm, Stream]),
     ("ncclCommAbort", Result, [Comm]),
+    ("ncclCommGetAsyncError", Result, [Comm, ctypes.POINTER(Result)]),
     ("ncclGetLastError", ctypes.c_char_p, [Comm]),
 ]
+IN_PROGRESS = 7  # ncclInProgress: a non-blocking communicator's call not done yet (not an error)
 OPTIONAL = {"ncclGetLastError"}  # NCCL >= 2.13: what went wrong, in more words
 
 
@@ -82,8 +84,7 @@ class Library:
         """A non-zero ncclResult_t as one line: the call, NCCL's string, its code, the library."""
         if result == SUCCESS:
             return
-        reason = self.cdll.ncclGetErrorString(result)
-        reason = reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
+        reason = self.reason(result)
         last = getattr(self.cdll, "ncclGetLastError", None)
         detail = last(comm) if last is not None else None
         detail = detail.decode(errors="replace") if isinstance(detail, bytes) else ""
@@ -121,6 +122,18 @@ class Library:
         """ncclBroadcast of `count` elements in place from `root`, queued on `stream`."""
         self.check("ncclBroadcast", self.cdll.ncclBroadcast(buffer, buffer, count, data_type(dtype), root, comm,
                                                             stream), comm)
+
+    def async_error(self, comm: int) -> int:
+        """ncclCommGetAsyncError: the communicator's asynchronous state (SUCCESS, IN_PROGRESS, or the
+        error a kernel or NCCL's proxy thread met: a peer gone, a network error)."""
+        state = Result()
+        self.check("ncclCommGetAsyncError", self.cdll.ncclCommGetAsyncError(comm, ctypes.byref(state)), comm)
+        return state.value
+
+    def reason(self, result: int) -> str:
+        """NCCL's own words for a result code."""
+        text = self.cdll.ncclGetErrorString(result)
+        return text.decode(errors="replace") if isinstance(text, bytes) else str(text)
 
     def comm_abort(self, comm: int) -> None:
         """ncclCommAbort: frees the communicator's resources without waiting for its peers (a

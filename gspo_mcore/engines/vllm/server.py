@@ -93,6 +93,8 @@ def server_env(env: dict | None = None, weight_transfer: str | None = None, devi
         env["VLLM_NCCL_SO_PATH"] = library
     if weight_transfer == "nccl":
         env["NCCL_CUMEM_ENABLE"] = nccl.cumem_enable(env)
+        if device == "cuda":  # before any server starts: vLLM's own error would come from its workers
+            nccl.check_for_vllm(env.get("VLLM_NCCL_SO_PATH"))
     if weight_transfer == "ipc":  # update_info carries the IPC handles pickled (ipc_engine.py refuses them otherwise)
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))

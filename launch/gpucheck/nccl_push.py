@@ -1,5 +1,5 @@
 """Section 6 (CUDA): the NCCL calls of vLLM's NCCL push as the trainer makes them
-(gspo_mcore.engines.vllm.nccl: unique_id, current_device, communicator, broadcast, version, close),
+(gspo_mcore.engines.vllm.nccl: unique_id, current_device, communicator, broadcast, wait, version, close),
 twice: the communicator joined on a thread of its own on this rank's device, a 1 GiB broadcast
 (world of one), closed; then the same again. The GPU's used memory (the driver's figure: NCCL's
 buffers are outside torch's allocator) after the second close is that after the first: a reopen
@@ -37,8 +37,9 @@ def one_round(nccl, device: int) -> dict:
     torch.cuda.synchronize()
     began = time.perf_counter()
     nccl.broadcast(joined["group"], flat)
-    torch.cuda.synchronize(device)  # every stream of the device, the group's included
+    nccl.wait(joined["group"], "(the check's world of one)", 60.0)  # the event and async-error poll a push uses
     seconds = time.perf_counter() - began
+    torch.cuda.synchronize(device)
     intact = bool((flat[:4096] == head).all())  # world of one: the root's data stays
     nccl.close(joined["group"])
     del flat, head, joined["group"]
@@ -61,7 +62,10 @@ def section_6(check) -> dict:
     free, total = torch.cuda.mem_get_info(device)
     first, second = one_round(nccl, device), one_round(nccl, device)
     leak = second["used_after_close_mb"] - first["used_after_close_mb"]
-    return {"nccl": ".".join(map(str, nccl.version())), "rank_device": device,
+    found = nccl.version()
+    return {"nccl": ".".join(map(str, found)), "rank_device": device,
+            # vLLM 0.33's own binding needs 2.29.7 (nccl.VLLM_NEEDS): torch 2.11's wheel is older; said, not failed
+            "vllm_transfer_nccl_ok": found >= nccl.VLLM_NEEDS,
             "broadcast_gib": BROADCAST_BYTES / 2**30, "broadcast_s": first["broadcast_s"],
             "reopen_broadcast_s": second["broadcast_s"], "used_before_mb": (total - free) / 2**20,
             "used_after_first_close_mb": first["used_after_close_mb"],

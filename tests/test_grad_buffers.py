@@ -44,6 +44,8 @@ for offload in (True, False):
     with Learner(config) as learner:
         arm["numel"] = [b.grad_data.numel() for b in learner.ddp.buffers + learner.ddp.expert_parallel_buffers]
         arm["at_build"] = sizes(learner)
+        chained = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+        arm["fused"] = [g["fused"] for o in chained for g in o.optimizer.param_groups]
         for k, batch in enumerate(batches):
             report = learner.update(batch, step=k)
             arm[f"after_update_{k}"] = sizes(learner)
@@ -75,3 +77,5 @@ def test_the_gradient_buffers_are_given_back_between_updates_and_the_updates_unc
         assert given_back[f"grad_norm_{k}"] == kept[f"grad_norm_{k}"] > 0
         assert given_back[f"digest_{k}"] == kept[f"digest_{k}"]
     assert kept["digest_0"] != kept["digest_1"]  # the second update moved the weights
+    # megatron-core's torch AdamW asked for torch's fused step (fuse_torch_steps), every group
+    assert kept["fused"] and all(kept["fused"]) and all(given_back["fused"])

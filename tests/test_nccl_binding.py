@@ -14,54 +14,7 @@ import torch
 
 from gspo_mcore.engines.vllm import nccl, nccl_library
 from gspo_mcore.engines.vllm.nccl_library import NCCLError
-
-# ncclResult_t codes (nccl.h) and what NCCL 2.30's ncclGetErrorString says for them.
-ERRORS = {1: b"unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
-          2: b"unhandled system error (run with NCCL_DEBUG=INFO for details)",
-          3: b"internal error - please report this issue to the NCCL developers",
-          4: b"invalid argument (run with NCCL_DEBUG=WARN for details)",
-          5: b"invalid usage (run with NCCL_DEBUG=WARN for details)",
-          6: b"remote process exited or there was a network error"}
-
-
-class FakeNCCL:
-    """A stand-in for the CDLL: each function records its call and returns `codes[name]` (0 if
-    unset); ncclGetUniqueId writes `uid`; ncclCommInitRank hands out handle 0x1000."""
-
-    def __init__(self, codes=None, last_error=b"", uid=bytes(range(128, 256)), missing=()):
-        self.codes, self.calls, self.last_error, self.uid = dict(codes or {}), [], last_error, uid
-        for name, _, _ in nccl_library.FUNCTIONS:
-            if name not in missing:
-                setattr(self, name, self._function(name))
-
-    def _function(self, name):
-        def function(*args):
-            self.calls.append((name, args))
-            return getattr(self, f"_{name}", lambda *a: self.codes.get(name, 0))(*args)
-        return function
-
-    def _ncclGetErrorString(self, code):
-        return ERRORS.get(code, b"unknown result code")
-
-    def _ncclGetLastError(self, comm):
-        return self.last_error
-
-    # The library writes through the pointers it is given (ctypes.byref: the object is `_obj`).
-    def _ncclGetVersion(self, out):
-        out._obj.value = 23007
-        return self.codes.get("ncclGetVersion", 0)
-
-    def _ncclGetUniqueId(self, out):
-        ctypes.memmove(ctypes.addressof(out._obj), self.uid, 128)
-        return self.codes.get("ncclGetUniqueId", 0)
-
-    def _ncclCommInitRank(self, out, world_size, uid, rank):
-        out._obj.value = 0x1000
-        return self.codes.get("ncclCommInitRank", 0)
-
-    def names(self):
-        return [name for name, _ in self.calls if name not in ("ncclGetErrorString", "ncclGetLastError")]
-
+from helpers import ERRORS, FakeNCCL
 
 def bound(fake) -> nccl_library.Library:
     return nccl_library.Library(fake, "/fake/libnccl.so.2")

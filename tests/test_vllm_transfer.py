@@ -521,7 +521,7 @@ def test_an_nccl_too_old_for_vllms_cuda_path_stops_the_launch_in_one_line(monkey
     from gspo_mcore.engines.vllm import nccl
     from gspo_mcore.engines.vllm.server import server_env
 
-    from test_nccl_binding import FakeNCCL
+    from helpers import FakeNCCL
 
     def library_of(raw):
         fake = FakeNCCL()

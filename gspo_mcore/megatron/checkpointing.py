@@ -326,6 +326,8 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
     checkpoints bitwise, so this is checked. Only torch's Adam keeps `step` per parameter:
     Transformer Engine's / Apex's FusedAdam keep it in the param groups (and refuse a state
     key they do not know), the host-offload optimizer restores its own."""
+    from gspo_mcore.megatron.optimizer import steps_on_param_devices
+
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     parts = [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]
     for opt, part in zip(chained, parts):
@@ -336,6 +338,7 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
             step = torch.tensor(float(steps.pop()))
             for state in opt.optimizer.state.values():
                 state["step"] = step.clone()
+            steps_on_param_devices(opt.optimizer)  # a fused step reads it on the device
 
 
 def save_hf_checkpoint(model, arch, spec: str, out_dir, hf_config_dir) -> Path:

@@ -10,6 +10,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from gspo_mcore.config import ConfigError, OptimizerConfig
 from gspo_mcore.gspo.loss import deferred_input_checks
 from gspo_mcore.megatron.qwen3_moe.forward import run_schedule
+from gspo_mcore.megatron.step_chunks import STEP_CHUNK_PARAMS, step_groups_in_chunks
 
 
 def setup_training(model, cfg: OptimizerConfig):
@@ -35,7 +36,63 @@ def setup_training(model, cfg: OptimizerConfig):
         raise
     if cfg.precision_aware:
         refuse_state_offload(optimizer)
+        for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if getattr(chained, "optimizer", None) is not None:
+                step_groups_in_chunks(chained.optimizer, STEP_CHUNK_PARAMS)
+    fuse_torch_steps(optimizer)
     return ddp, optimizer
+
+
+FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def fuse_torch_steps(optimizer) -> None:
+    """torch's fused step (one kernel over a group's tensors, nothing allocated) for each torch
+    Adam / AdamW / SGD megatron-core built. Without Transformer Engine or apex, megatron-core 0.16.1
+    builds `torch.optim.AdamW(params, lr, weight_decay, betas, eps)` (optimizer/__init__.py,
+    _get_megatron_optimizer_based_on_param_groups) with neither `fused` nor `foreach`, so torch
+    takes its foreach path on CUDA, whose `_foreach_sqrt` of the second moments (torch/optim/
+    adam.py `_multi_tensor_adam`) is an fp32 copy of a whole param group for the step: 4 bytes a
+    parameter of the largest group (measured on CPU, tests/test_optimizer_memory.py), ~7.5 GiB on the
+    30B config's 2-layer check. torch reads `group["fused"]` / `group["foreach"]` at each step, as
+    megatron's own HybridDeviceOptimizer sets them (hybrid_optimizer.py); the state is empty here,
+    so each `step` tensor is made where the fused kernel reads it (the parameter's device). A
+    load puts the saved groups' flags back and may leave `step` on the host: the post-hook sets
+    both again. Other optimizers (TE's FusedAdam, HybridDeviceOptimizer) are left as built."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    supported = set(_get_fused_kernels_supported_devices())
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if type(inner) not in FUSABLE:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not all(p.is_floating_point() and p.device.type in supported for p in params):
+            continue
+        _fused_flags(inner)
+        inner.register_load_state_dict_post_hook(_fused_after_load)
+
+
+def _fused_flags(inner) -> None:
+    for group in inner.param_groups:
+        group["fused"], group["foreach"] = True, False
+
+
+def _fused_after_load(inner) -> None:
+    _fused_flags(inner)
+    steps_on_param_devices(inner)
+
+
+def steps_on_param_devices(inner) -> None:
+    """Each parameter's Adam `step` where the fused kernel reads it: a float32 scalar on the
+    parameter's device (torch's own placement for fused, adam.py `_init_group`)."""
+    for group in inner.param_groups:
+        if not group.get("fused"):
+            continue
+        for p in group["params"]:
+            state = inner.state.get(p)
+            if state and isinstance(state.get("step"), torch.Tensor) and state["step"].device != p.device:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 def release_training(ddp, optimizer) -> None:

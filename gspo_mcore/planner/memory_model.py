@@ -21,6 +21,7 @@ from gspo_mcore.config import Config, ConfigError
 from gspo_mcore.engines import EngineMemory, engine_class, requests_in_flight
 from gspo_mcore.gspo.logprobs import DEFAULT_CHUNK_ELEMENTS
 from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
+from gspo_mcore.megatron.step_chunks import STEP_CHUNK_PARAMS
 from gspo_mcore.megatron.qwen3_moe.model import check_layout as check_model_layout
 
 GB = 1024**3  # memory in GiB, as torch and nvidia-smi count it
@@ -198,8 +199,33 @@ def training_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> dict:
     activations = activation_bytes(config, arch, layout)
     logits = output_bytes(config, arch, config.train.max_tokens_per_microbatch)
     at_logits, at_layer = activations["stored"] + logits, activations["stored"] + activations["layer"]
+    step = optimizer_step_bytes(config, arch, layout)  # after the last backward: the activations are gone
+    peaks = {"logits": at_logits, "layer backward": at_layer, "optimizer step": step}
+    peak_at = max(peaks, key=peaks.get)
     return {"activations": at_layer, "stored_activations": activations["stored"], "logits": logits,
-            "peak": max(at_logits, at_layer), "peak_at": "logits" if at_logits >= at_layer else "layer backward"}
+            "optimizer_step": step, "peak": peaks[peak_at], "peak_at": peak_at}
+
+
+def optimizer_step_bytes(config: Config, arch: Qwen3MoeArch, layout: Layout) -> float:
+    """What the optimizer's step allocates on the GPU while it runs, for the optimizer built:
+    - torch's Adam / SGD (GPU Adam): nothing; gspo_mcore.megatron.optimizer.fuse_torch_steps asks
+      for the fused step (megatron-core would leave torch's foreach path, whose `_foreach_sqrt` is
+      an fp32 copy of a whole param group: 4 bytes a parameter of the largest, measured on CPU);
+    - an offloaded optimizer (HybridDeviceOptimizer): its step runs on the host;
+    - the precision-aware optimizer (Transformer Engine's FusedAdam with bf16 moments): an fp32
+      copy of both moments of every parameter of the group it steps, kept until the group's kernel
+      ran (transformer_engine/pytorch/optimizers/fused_adam.py `step`: `get_unscaled_state` ->
+      `unscaled_lists`, scaled back after the group; read from TE's source, not measured here): 8
+      bytes a parameter of the largest group, which the trainer steps in chunks of
+      STEP_CHUNK_PARAMS (gspo_mcore.megatron.step_chunks). Megatron's groups
+      split dense from expert parameters (a chained optimizer each, stepped one after the other),
+      decay from no decay."""
+    if config.optimizer.cpu_offload or not config.optimizer.precision_aware:
+        return 0.0
+    dense, experts = _local_params(config, arch)
+    if config.optimizer.distributed_optimizer:
+        dense, experts = dense / layout.dp, experts / layout.expert_dp
+    return 8 * min(max(dense, experts), STEP_CHUNK_PARAMS)
 
 
 def response_tokens(config: Config) -> int:
@@ -313,7 +339,7 @@ def memory_estimate(config: Config, arch: Qwen3MoeArch, layout: Layout, prompt_t
     host = state.pop("host_optimizer", None)
     training = training_bytes(config, arch, layout)
     out = {f"trainer_{k}_gb": v / GB for k, v in state.items()}
-    for key in ("activations", "stored_activations", "logits"):
+    for key in ("activations", "stored_activations", "logits", "optimizer_step"):
         out[f"trainer_{key}_gb"] = training[key] / GB
     out["trainer_total_gb"] = (sum(state.values()) + training["peak"]) / GB
     out["trainer_peak_at"] = training["peak_at"]

@@ -134,6 +134,15 @@ def test_weight_sync_bench():
     assert line["sizes"]["tiny"]["bytes"] > 0 and line["ratio_vs_copy"] >= 0  # the tiny size's rounds to 0.0
 
 
+@smoke_run
+def test_packing_sim_bench():
+    line = smoke("packing_sim.py")
+    assert set(line) == {"rows", "padding_range", "bshd_over_thd_range"} and len(line["rows"]) == 1
+    row = line["rows"][0]
+    assert 0 < row["padding"] <= row["padding_with_fillers"] < 1 and row["bshd_fillers_over_thd"] >= 1
+    assert row["thd_over_ideal"] >= 1
+
+
 def _documented_commands() -> list[tuple[str, list[str]]]:
     """Every `python bench/NAME.py ...` command the README and docs/ quote (inline code, which may
     wrap over lines): (bench, its arguments)."""

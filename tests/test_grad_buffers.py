@@ -21,8 +21,9 @@ from gspo_mcore.config import load_config
 from gspo_mcore.megatron.learner import Learner
 
 hf_dir, seen = sys.argv[1], {}
-batches = [Batch([Rollout([1, 2, 3], [4, 5, 6, 7 + i + 3 * k], [-0.5] * 4, "stop", "v0") for i in range(4)],
-                 [1.0, -1.0, 0.5, -0.5], {}) for k in range(2)]
+# the second batch's responses of 1-4 tokens: its rows padded to the longest
+batches = [Batch([Rollout([1, 2, 3], [4, 5, 6, 7 + i + 3 * k][:4 if k == 0 else i + 1], [-0.5] * (4 if k == 0 else i + 1),
+                          "stop", "v0") for i in range(4)], [1.0, -1.0, 0.5, -0.5], {}) for k in range(2)]
 
 
 def sizes(learner):  # each gradient buffer's storage, in elements
@@ -40,7 +41,8 @@ def digest(learner):
 for offload in (True, False):
     arm = {}
     config = load_config(None, [f"model.hf_dir={hf_dir}", "weight_sync.colocate=true", "weight_sync.method=disk",
-                                f"optimizer.offload_grad_buffers={str(offload).lower()}", "optimizer.lr=0.01"])
+                                f"optimizer.offload_grad_buffers={str(offload).lower()}", "optimizer.lr=0.01",
+                                "train.num_minibatches=1"])
     with Learner(config) as learner:
         arm["numel"] = [b.grad_data.numel() for b in learner.ddp.buffers + learner.ddp.expert_parallel_buffers]
         arm["at_build"] = sizes(learner)
@@ -55,6 +57,7 @@ for offload in (True, False):
                 learner.offload_grad_buffers()
                 arm[f"offloaded_{k}"] = sizes(learner)
             arm[f"grad_norm_{k}"], arm[f"digest_{k}"] = report["grad_norm"], digest(learner)
+            arm[f"padding_fraction_{k}"] = report["padding_fraction"]
     seen[str(offload).lower()] = arm
 print(json.dumps(seen))
 """
@@ -77,5 +80,7 @@ def test_the_gradient_buffers_are_given_back_between_updates_and_the_updates_unc
         assert given_back[f"grad_norm_{k}"] == kept[f"grad_norm_{k}"] > 0
         assert given_back[f"digest_{k}"] == kept[f"digest_{k}"]
     assert kept["digest_0"] != kept["digest_1"]  # the second update moved the weights
+    # equal lengths: no padding; 4-7 tokens in one microbatch of rows of 6 inputs: 4 + 5 + 6 + 6 real of 24
+    assert kept["padding_fraction_0"] == 0.0 and kept["padding_fraction_1"] == given_back["padding_fraction_1"] == 3 / 24
     # megatron-core's torch AdamW asked for torch's fused step (fuse_torch_steps), every group
     assert kept["fused"] and all(kept["fused"]) and all(given_back["fused"])

@@ -97,7 +97,8 @@ def microbatch_tensors(rollouts, advantages: Sequence[float], members: list[int]
                        extra: dict[str, Sequence[Sequence[float]]] | None = None) -> dict[str, torch.Tensor]:
     """The model inputs and loss tensors of one microbatch: `inputs` / `targets` [b, T], the
     engine's `old_logprobs`, `mask`, `advantages` [b], `index` [b] (positions in `rollouts`),
-    `sequences` [b] (1: a real sequence). T is padded to a multiple of `pad_multiple` (sequence
+    `sequences` [b] (1: a real sequence), `input_real` [b, T] (True where an input token is a
+    sequence's, not padding: the MoE layers route no padding, gspo_mcore.megatron.qwen3_moe.routing). T is padded to a multiple of `pad_multiple` (sequence
     parallelism splits it over the TP ranks; right padding, masked, does not change a causal
     model's outputs before it). `extra`: per-rollout, per-response-token values (e.g.
     `ref_logprobs`), laid out like the log-probs."""
@@ -110,6 +111,9 @@ def microbatch_tensors(rollouts, advantages: Sequence[float], members: list[int]
     if pad:
         tokens = torch.nn.functional.pad(tokens, (0, pad))
         batch = {k: torch.nn.functional.pad(v, (0, pad)) for k, v in batch.items()}
+    width = tokens.shape[1] - 1
+    lengths = torch.tensor([len(r.prompt_ids) + len(r.response_ids) for r in chosen])
+    batch["input_real"] = torch.arange(width) < lengths[:, None]  # [b, T]: a token is there (not padding)
     return {**batch, "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "advantages": torch.tensor([float(advantages[i]) for i in members]),
             "index": torch.tensor(members), "sequences": torch.ones(len(members))}

@@ -151,6 +151,8 @@ SCHEMA: tuple[Metric, ...] = (
            "wider with loss.band_from_mismatch)", update=True, figure="mismatch", label="clip band (high)"),
     Metric("grad_norm", "gradient norm before clipping, mean over optimizer steps", update=True),
     Metric("minibatches", "optimizer steps per epoch on this batch", update=True),
+    Metric("padding_fraction", "share of the update's input slots that held padding (rows padded to their "
+           "microbatch's longest, to the TP multiple, filler microbatches): no expert computes them", update=True),
     Metric("lr", "learning rate", update=True),
     Metric("router_max_over_mean_load", "per MoE layer: max expert load / mean (1 = balanced)", update=True),
     Metric("routing_mismatch_fraction", "share of (token, MoE layer) pairs whose trainer top-k differs from the "

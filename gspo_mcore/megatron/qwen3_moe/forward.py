@@ -66,18 +66,33 @@ def linear_logits(gpt, hidden: torch.Tensor) -> LinearLogits:
     return LinearLogits(hidden.transpose(0, 1), weight)
 
 
-def model_output(model, tokens: torch.Tensor, fused_logprobs: bool = False):
+def model_output(model, tokens: torch.Tensor, fused_logprobs: bool = False, input_real: torch.Tensor | None = None):
     """`model`'s output for `tokens` [b, T] (on its device): the logits [b, T, V_local] on the
-    last pipeline stage (hidden states elsewhere), or with `fused_logprobs` their `LinearLogits`."""
+    last pipeline stage (hidden states elsewhere), or with `fused_logprobs` their `LinearLogits`.
+    `input_real` [b, T] (packing.microbatch_tensors): the padding, which the MoE layers route
+    nowhere (GPTModel's `padding_mask`, True at padding: routing.drop_padding_routes)."""
     gpt = unwrap_model(model)
+    kwargs = {"padding_mask": padding_mask_for(gpt, input_real)} if input_real is not None else {}
     if not (fused_logprobs and gpt.post_process):
-        return model(tokens, position_ids_for(tokens), None)
+        return model(tokens, position_ids_for(tokens), None, **kwargs)
     if getattr(gpt, "mtp_process", False):
         raise ConfigError("model.fused_logprobs: the model has multi-token prediction layers, whose loss "
                           "GPTModel computes from the logits")
     with _without_output_layer(gpt):
-        hidden = model(tokens, position_ids_for(tokens), None)
+        hidden = model(tokens, position_ids_for(tokens), None, **kwargs)
     return linear_logits(gpt, hidden)
+
+
+def padding_mask_for(gpt, input_real: torch.Tensor) -> torch.Tensor:
+    """GPTModel.forward's `padding_mask` [b, T] (True at padding). megatron-core 0.16.1 splits it
+    over the sequence-parallel ranks only where the embedding runs (gpt_model.py `_preprocess`,
+    the first pipeline stage); a later stage's layers hold this TP rank's contiguous slice of T
+    (scatter_to_sequence_parallel_region's), so that slice is what they are given."""
+    padding = ~input_real.bool()
+    if not gpt.pre_process and gpt.config.sequence_parallel:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        padding = padding.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()].contiguous()
+    return padding
 
 
 def run_schedule(model, microbatches: list[dict], loss_for: Callable[[dict], Callable], *,
@@ -96,7 +111,7 @@ def run_schedule(model, microbatches: list[dict], loss_for: Callable[[dict], Cal
         mb = to_device(next(data_iterator))
         if routing is not None:
             routing.before_forward(mb, compare=compare_routing)
-        output = model_output(model, mb["inputs"], fused_logprobs)
+        output = model_output(model, mb["inputs"], fused_logprobs, mb.get("input_real"))
         if routing is not None:
             routing.after_forward()
         return output, loss_for(mb)

@@ -11,7 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from gspo_mcore.config import ConfigError, DistributedConfig, ModelConfig
 from gspo_mcore.megatron.qwen3_moe.hf_config import HFConfigError, Qwen3MoeArch
 from gspo_mcore.megatron.qwen3_moe.layer_spec import decoder_block_spec
-from gspo_mcore.megatron.qwen3_moe.routing import drop_dispatch_state
+from gspo_mcore.megatron.qwen3_moe.routing import drop_dispatch_state, drop_padding_routes, out_tokens_from_the_map
 from gspo_mcore.megatron.te_compat import bind_missing_transformer_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -153,4 +153,7 @@ def build_model(arch: Qwen3MoeArch, model: ModelConfig, dist: DistributedConfig,
     for module in gpt.modules():
         if getattr(module, "token_dispatcher", None) is not None:
             module.register_forward_hook(drop_dispatch_state)
+            module.router.register_forward_hook(drop_padding_routes)  # before any RouterHooks: they count it
+            if config.moe_permute_fusion:
+                out_tokens_from_the_map(module.token_dispatcher)
     return gpt

@@ -29,6 +29,42 @@ def local_targets(routing: torch.Tensor, layer: int) -> torch.Tensor:
     return per_layer.reshape(-1, per_layer.shape[-1]).long()
 
 
+def drop_padding_routes(router, inputs, output):
+    """A forward hook on each MoE router (model.build_model, before the trainer's RouterHooks):
+    the tokens GPTModel's `padding_mask` marks (True at padding; the MoE layer hands the router
+    it as [T, b], the order the router flattens its tokens in) route to no expert, with no
+    probability. megatron-core 0.16.1's TopKRouter uses the mask for its auxiliary losses and
+    counts only (router.py `routing`); its routing map goes to the dispatcher as is, so padding
+    rows ran through the experts and the all-to-all, and under routing replay all landed on
+    experts 0..k-1 (packing.input_aligned_routing's fill). A token with no expert is sent
+    nowhere: permute's masked_select skips it, unpermute scatters nothing into its zero row, the
+    counts come from the map (moe_utils.py, token_dispatcher.py). Its output is the residual
+    alone: no real token attends to a right padding position, and the loss masks it."""
+    padding = inputs[1] if len(inputs) > 1 else None
+    if padding is None:
+        return output
+    probs, routing_map = output
+    keep = ~padding.reshape(-1, 1)
+    return probs.masked_fill(~keep, 0.0), routing_map & keep
+
+
+def out_tokens_from_the_map(dispatcher) -> None:
+    """A dispatcher whose permutation is fused (`moe_permute_fusion`, the te spec: Transformer
+    Engine's permute allocates `num_out_tokens` rows) sized by the routing map: drop-free,
+    megatron-core 0.16.1 fixes it at tokens x top-k (token_dispatcher.py `preprocess`), which
+    padding routed nowhere no longer fills. As megatron's own capacity branch does: the map's sum,
+    read on the host at the permutation's start (one sync point moved earlier, none added)."""
+    preprocess = dispatcher.preprocess
+
+    def sized_by_the_map(routing_map):
+        out = preprocess(routing_map)
+        dispatcher.num_out_tokens = routing_map.sum()
+        dispatcher._maybe_update_cuda_sync_point("before_permutation_1")
+        return out
+
+    dispatcher.preprocess = sized_by_the_map
+
+
 def recomputing() -> bool:
     """Inside a backward pass: a forward recomputed for its gradients (megatron-core's
     CheckpointFunction.backward runs the layer again under the autograd engine, whose graph task

@@ -370,6 +370,17 @@ def test_top_kernels_are_the_device_entries_with_the_most_self_time():
     assert [row["name"] for row in throughput.top_kernels(averages, cuda=False)] == ["aten::mm"]
 
 
+@pytest.mark.skipif(not hasattr(__import__("torch"), "_grouped_mm"), reason="no torch._grouped_mm")
+def test_section_2s_empty_expert_probe_reads_the_raw_kernel_and_the_trainers_gradient():
+    """The probe's call run on the host (float32: the host kernel's dtype): both gradients of the
+    empty experts read, the trainer's zero."""
+    from gpucheck import parity
+
+    figures = parity.empty_group_probe(hidden=16, ffn=24, device="cpu", dtype_name="float32")
+    assert figures == {"capability": "cpu", "masked_here": False, "raw_max_abs": 0.0, "trainer_max_abs": 0.0,
+                       "pass": True}
+
+
 # ------------------------------------------------------------------ section 10: the rehearsed step measured
 
 MEASURED = {"phases": {"training": {"peak_gb": 10.0, "static_gb": 4.0}, "sync check": {"peak_gb": 5.0, "static_gb": 4.0}},

@@ -24,7 +24,8 @@ class Section:
 SECTIONS = (
     Section(1, "imports and environment", environment.section_1, 10),
     # transformers' model and two of ours (local in float32, torch in bf16) after the one-time checkpoint
-    Section(2, "Qwen3-30B-A3B layer shapes: logits parity and HF export, spec local and torch", parity.section_2,
+    Section(2, "Qwen3-30B-A3B layer shapes: logits parity and HF export, spec local and torch; the empty-expert "
+                "gradient probe", parity.section_2,
             80),
     Section(3, "GSPO updates at the 30B settings, one child per optimizer arm: memory against the planner",
             updates.section_3, 110),

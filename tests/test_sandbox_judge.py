@@ -288,3 +288,31 @@ def test_a_rows_format_decides_its_number_rule_and_prepare_codes_answer_keeps_it
     forged = json.loads(answer_from_problem(lcb)) | {"origin": "mine"}
     with pytest.raises(InputError, match="^a:1: field 'answer': origin 'mine' is not one of"):
         problem_from_answer(json.dumps(forged), "a:1")
+
+
+# ---- round 3, A: a group-mate's verdict read from time
+
+AGE_READER = textwrap.dedent("""
+    import os, time
+    ticks = os.sysconf('SC_CLK_TCK')
+    uptime = float(open('/proc/uptime').read().split()[0])
+    # the oldest of what the sandbox made before this test: its processes, its /tmp
+    started = min(int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[19]) / ticks
+                  for p in os.listdir('/proc') if p.isdigit() and os.path.exists(f'/proc/{p}/stat'))
+    process_age = uptime - started
+    tmp_age = time.time() - min(os.stat('/tmp').st_ctime, os.stat('/dev').st_ctime)
+    print('young' if max(process_age, tmp_age) < 0.4 else 'old')
+""")
+SLOW_PASSING = "import time\ntime.sleep(0.35)\nprint(sum(map(int, input().split())))"
+
+
+def test_no_program_reads_a_group_mates_judging_time_from_its_sandbox_age():
+    """A group of a program that passes three tests slowly (~1 s in its sandbox) and two that
+    only read their own sandbox's age (its processes' start times, /tmp's and /dev's times):
+    they are judged as young sandboxes, whatever came before (old code: the second program's spare
+    had been started when the first began, and read `old`)."""
+    problem = Problem("stdin", tuple(Test(f"{i} 1\n", "young\n") for i in range(3)))
+    slow = SLOW_PASSING.replace("print(sum(map(int, input().split())))", "input()\nprint('young')")
+    judgements = judge_programs([slow, AGE_READER, AGE_READER + "# another"], problem, limits=FAST)
+    assert judgements[0].passed and judgements[0].sandbox_s > 1.0
+    assert judgements[1].passed and judgements[2].passed, judgements

@@ -237,7 +237,8 @@ def judge_programs(programs: list[str], problem: Problem, tests: list[Test] | No
                    languages: list[str] | None = None, compile_limits: Limits | None = None) -> list[Judgement]:
     """Several programs (a prompt's group) on the same tests, each in a sandbox of its own: no
     program sees another's files, IPC, processes or PIDs, nor how far another got (stopping at
-    the first failure tells nothing across sandboxes). A program identical to an earlier one of
+    the first failure tells nothing across sandboxes, and no sandbox's age is a group-mate's
+    judging time: only the first program takes a spare). A program identical to an earlier one of
     the group (same language) is judged once: its judgement is a copy (`same_as`), no test run
     twice. A problem's checker is started once for the group. `languages`: each program's
     (default: all Python); C++ is compiled in its sandbox under `compile_limits` first."""
@@ -254,8 +255,13 @@ def judge_programs(programs: list[str], problem: Problem, tests: list[Test] | No
                                           same_as=first))
                 continue
             first_of[(language, program)] = index
+            # Only the group's first program takes a spare sandbox (started while an earlier group was
+            # judged). A spare started while a group-mate ran has that group-mate's judging time as its
+            # age (its processes' start times under /proc, its /tmp's and /dev's times), and stopping at
+            # the first failure makes that time the number of tests it passed: later programs start a
+            # sandbox of their own after the previous one closed, whose age is its start-up alone.
             judgements.append(_judge_one(program, problem, tests, stop_at_first_failure, limits, settings, checker,
-                                         language, compile_limits))
+                                         language, compile_limits, spare=not judgements))
     finally:
         if checker is not None:
             checker.close()
@@ -264,14 +270,14 @@ def judge_programs(programs: list[str], problem: Problem, tests: list[Test] | No
 
 def _judge_one(program: str, problem: Problem, tests: list[Test], stop_at_first_failure: bool, limits: Limits,
                settings, checker: Checker | None, language: str = "python",
-               compile_limits: Limits | None = None) -> Judgement:
+               compile_limits: Limits | None = None, spare: bool = True) -> Judgement:
     if language != "python" and problem.kind != "stdin":
         return Judgement(["compile_error"], compile_output="C++ is judged on stdin problems only: a functional "
                          f"problem calls {problem.func_name} of a Python class Solution")
     judgement = Judgement()
     started = time.monotonic()
     try:
-        with Session(program, problem.kind, problem.func_name, limits, settings, language=language,
+        with Session(program, problem.kind, problem.func_name, limits, settings, spare=spare, language=language,
                      compile_limits=compile_limits) as session:
             if not session.built:
                 judgement.verdicts.append("compile_error")

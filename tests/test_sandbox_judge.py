@@ -316,3 +316,57 @@ def test_no_program_reads_a_group_mates_judging_time_from_its_sandbox_age():
     judgements = judge_programs([slow, AGE_READER, AGE_READER + "# another"], problem, limits=FAST)
     assert judgements[0].passed and judgements[0].sandbox_s > 1.0
     assert judgements[1].passed and judgements[2].passed, judgements
+
+
+# ---- round 3, B: a wrong program's own verdict made an infrastructure error
+
+KERNEL_MEMORY_THEN_INVALID_UTF8 = textwrap.dedent(r"""
+    import os, sys
+    with open('/tmp/fill', 'wb') as f:  # the tmpfs nearly full: its pages are the cgroup's
+        try:
+            for _ in range(64):
+                f.write(b'x' * (1 << 20))
+        except OSError:
+            pass
+    os.mkdir('/tmp/d')
+    try:  # inodes and dentries: charged to the cgroup, not to the tmpfs's size
+        for n in range({files}):
+            open(f'/tmp/d/{{n:0200d}}', 'w').close()
+    except BaseException:
+        pass
+    sys.stdout.buffer.write(b'\xff' * (16 * 1024 * 1024 - 1))  # invalid UTF-8 at the output cap
+""")
+
+
+@pytest.mark.parametrize("files", [60_000, 150_000])
+def test_filling_the_sandboxs_kernel_memory_then_printing_invalid_utf8_is_the_programs_verdict(files):
+    """The harness hands the host the output's bytes (decoding them in the sandbox took ~9x their
+    size of its cgroup), and a harness the cgroup killed for what the program filled it with is
+    the program's `memory`, not an infrastructure error (old code: `infrastructure` at 60k files,
+    masked under reward.code.infrastructure_errors: mask). The honest program after it passes."""
+    limits = Limits(cpu_s=8, wall_s=20, memory_bytes=32 * 1024**2, processes=16)
+    attack, honest = judge_programs([KERNEL_MEMORY_THEN_INVALID_UTF8.format(files=files), HONEST], ADD, limits=limits)
+    assert attack.infrastructure_error is None and attack.verdicts in (["wrong"], ["memory"]), attack
+    assert honest.passed
+
+
+def test_a_harness_killed_for_memory_the_program_took_is_its_memory_verdict(monkeypatch):
+    """The attribution itself: the harness dies in a test while the sandbox's cgroup counts a new
+    OOM kill: that test and every later one are `memory`; without a new kill it is the host's
+    SandboxError."""
+    from gspo_mcore.sandbox import session as session_module
+
+    with Session(HONEST, limits=FAST) as session:
+        cgroup = session.sandbox.slot.cgroup if session.sandbox.slot else None
+        if cgroup is None:
+            pytest.skip("no cgroup here (not root)")
+        session.sandbox.kill()
+        monkeypatch.setattr(type(cgroup), "oom_kills", lambda self: session.oom_kills + 1)
+        runs = list(session.runs(["1 2\n", "3 4\n"]))
+    assert [(r.memory_killed, r.signal) for r in runs] == [(True, 9), (True, 9)]
+    assert [session_module.TestRun is type(r) for r in runs] == [True, True]
+    monkeypatch.undo()
+    with Session(HONEST, limits=FAST) as session:
+        session.sandbox.kill()
+        with pytest.raises(session_module.SandboxError):
+            session.run("1 2\n")

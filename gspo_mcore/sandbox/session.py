@@ -307,6 +307,7 @@ class Session:
         self.compile_limits = compile_limits or Limits.compile()
         self.compiled: TestRun | None = None
         self.sandbox: _Sandbox | None = None
+        self.killed_for_memory: TestRun | None = None
         message = {"program": program, "func_name": func_name, "limits": limits.as_dict()}
         if language == "cpp":  # before any sandbox: no compiler is a one-line refusal, not a verdict
             message["compile"] = {"argv": cpp_command(self.settings), "limits": self.compile_limits.as_dict(),
@@ -359,8 +360,17 @@ class Session:
 
     def run(self, test_input: str) -> TestRun:
         """One test of the session's program."""
-        self.sandbox.send({"input": test_input})
+        self._send({"input": test_input})
         return self._report()
+
+    def _send(self, message: dict) -> None:
+        if self.killed_for_memory is None:
+            try:
+                self.sandbox.send(message)
+            except HarnessDied:
+                cgroup = self.sandbox.slot.cgroup if self.sandbox.slot else None
+                if cgroup is None or cgroup.oom_kills() <= self.oom_kills:
+                    raise
 
     def runs(self, inputs: list[str]) -> Iterator[TestRun]:
         """The tests of `inputs` in turn, each next input sent before this one's report is read
@@ -369,12 +379,12 @@ class Session:
         pending = False
         for index, test_input in enumerate(inputs):
             if not pending:
-                self.sandbox.send({"input": test_input})
+                self._send({"input": test_input})
             pending = index + 1 < len(inputs) and len(inputs[index + 1]) <= LOOKAHEAD_CHARS
             if pending:
                 # a pipe's buffer holds it: were it larger, we would block on it while the
                 # harness blocks on a report we are not reading
-                self.sandbox.send({"input": inputs[index + 1]})
+                self._send({"input": inputs[index + 1]})
             yield self._report()
 
     @property
@@ -385,12 +395,29 @@ class Session:
                                and not run.memory_killed)
 
     def _report(self, limits: Limits | None = None) -> TestRun:
-        report = self.sandbox.reports.read((limits or self.limits).wall_s + MARGIN_S)
+        if self.killed_for_memory is not None:  # the sandbox died of the program's memory: every later test too
+            return self.killed_for_memory
+        cgroup = self.sandbox.slot.cgroup if self.sandbox.slot else None
+        try:
+            report = self.sandbox.reports.read((limits or self.limits).wall_s + MARGIN_S)
+        except SandboxError:
+            # The sandbox's memory cgroup killed the harness while it held this test's output: what
+            # filled the cgroup (tmpfs pages, inodes and dentries, charged to it and not to the
+            # tmpfs's size) is the program's, so the verdict is the program's, not an infrastructure error.
+            if cgroup is None or cgroup.oom_kills() <= self.oom_kills:
+                raise
+            self.killed_for_memory = TestRun("signaled", None, signal.SIGKILL, "", "the sandbox's memory limit killed "
+                                             "its harness", None, 0.0, 0.0, memory_killed=True)
+            return self.killed_for_memory
+        for key in ("stdout", "stderr"):
+            if isinstance(report.get(key), bytes):
+                report[key] = report[key].decode("utf-8", "replace")
+        if isinstance(report.get("result"), bytes):
+            report["result"] = report["result"].decode("utf-8", "replace")
         try:
             run = TestRun(**report)
         except TypeError:
             raise SandboxError(f"sandbox: a malformed harness report ({sorted(report)})") from None
-        cgroup = self.sandbox.slot.cgroup if self.sandbox.slot else None
         if cgroup is not None and run.signal == signal.SIGKILL:
             kills = cgroup.oom_kills()
             if kills > self.oom_kills:

@@ -370,3 +370,33 @@ def test_a_harness_killed_for_memory_the_program_took_is_its_memory_verdict(monk
         session.sandbox.kill()
         with pytest.raises(session_module.SandboxError):
             session.run("1 2\n")
+
+
+# ---- round 3, D: CPU time the limit does not see
+
+UNWAITED_CHILDREN = textwrap.dedent("""
+    import os, time
+    def spin(seconds):
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+    for _ in range({children}):
+        if os.fork() == 0:
+            spin(0.6)
+            os._exit(0)  # never waited for: wait4 of the test process does not count it
+    spin(0.6)
+    time.sleep(1.5)
+    print(sum(map(int, input().split())))
+""")
+
+
+def test_cpu_in_children_never_waited_for_counts_against_the_limit():
+    """2.4 s of CPU in four processes (three forked, never waited for) against a 1 s limit:
+    `timeout` by the sandbox's whole CPU (its cgroup's), as the same work in one process is (old
+    code: passed, wait4 saw 0.6 s); 0.6 s in one process passes."""
+    if os.geteuid() != 0:
+        pytest.skip("no cgroup here (not root)")
+    limits = Limits(cpu_s=1, wall_s=6, memory_bytes=512 * 1024**2, processes=16)
+    spread, alone = judge_programs([UNWAITED_CHILDREN.format(children=3), UNWAITED_CHILDREN.format(children=0)], ADD,
+                                   limits=limits)
+    assert spread.verdicts == ["timeout"] and alone.passed, (spread, alone)

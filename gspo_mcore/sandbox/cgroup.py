@@ -27,6 +27,11 @@ from pathlib import Path
 PARENT = "gspo-sandbox"  # the slots' cgroups, under this process's own
 
 
+# v1 hierarchies a slot's cgroup is made in: memory and pids bound it, cpuacct (where mounted)
+# counts its CPU, every process of it, waited for or not (SlotCgroup.cpu_seconds).
+V1_CONTROLLERS = ("memory", "pids", "cpuacct")
+
+
 def _mounts() -> dict[str, Path]:
     """{"unified" | controller: mount point} from /proc/self/mountinfo."""
     found: dict[str, Path] = {}
@@ -43,7 +48,7 @@ def _mounts() -> dict[str, Path]:
             found.setdefault("unified", Path(fields[4]))
         elif rest[0] == "cgroup":
             for option in rest[2].split(","):
-                if option in ("memory", "pids"):
+                if option in V1_CONTROLLERS:
                     found.setdefault(option, Path(fields[4]))
     return found
 
@@ -60,7 +65,7 @@ def _own_paths() -> dict[str, str]:
         if number == "0" and controllers == "":
             paths["unified"] = path
         for controller in controllers.split(","):
-            if controller in ("memory", "pids"):
+            if controller in V1_CONTROLLERS:
                 paths[controller] = path
     return paths
 
@@ -76,7 +81,7 @@ def _write(path: Path, text: str) -> None:
 @dataclass(frozen=True)
 class _Layout:
     version: int  # 2, or 1 (separate memory and pids hierarchies)
-    parents: tuple[Path, ...]  # where the slots' cgroups go: one (v2) or memory's and pids' (v1)
+    parents: tuple[Path, ...]  # where the slots' cgroups go: one (v2) or memory's, pids' [and cpuacct's] (v1)
 
 
 def _find() -> _Layout | str:
@@ -106,7 +111,7 @@ def _find() -> _Layout | str:
         elif not reasons:
             reasons.append(f"v2: {base} has no memory and pids controllers ({' '.join(controllers) or 'none'})")
     if "memory" in mounts and "pids" in mounts:
-        parents = tuple(mounts[c] / own.get(c, "/").lstrip("/") / PARENT for c in ("memory", "pids"))
+        parents = tuple(mounts[c] / own.get(c, "/").lstrip("/") / PARENT for c in V1_CONTROLLERS if c in mounts)
         try:
             for parent in parents:
                 parent.mkdir(exist_ok=True)
@@ -230,7 +235,7 @@ class SlotCgroup:
             _write(directory / "memory.swap.max", "0")
             _write(directory / "pids.max", str(processes))
         else:
-            memory, pids = self.directories
+            memory, pids = self.directories[:2]
             _write(memory / "memory.limit_in_bytes", str(memory_bytes))
             if (memory / "memory.memsw.limit_in_bytes").exists():  # swap accounting on: no swap either
                 try:
@@ -238,6 +243,22 @@ class SlotCgroup:
                 except OSError:
                     pass
             _write(pids / "pids.max", str(processes))
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time of every process that ran in the cgroup since it was made (v2 cpu.stat's
+        usage_usec, present without the cpu controller; v1 cpuacct.usage), None where not counted."""
+        try:
+            if self.version == 2:
+                for line in (self.directories[0] / "cpu.stat").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "usage_usec":
+                        return int(value) / 1e6
+                return None
+            if len(self.directories) > 2:
+                return int((self.directories[2] / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return None
+        return None
 
     def oom_kills(self) -> int:
         """How many processes the memory limit killed since the cgroup was made."""

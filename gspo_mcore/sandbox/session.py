@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from queue import SimpleQueue
 from typing import Iterator
 
@@ -308,6 +308,7 @@ class Session:
         self.compiled: TestRun | None = None
         self.sandbox: _Sandbox | None = None
         self.killed_for_memory: TestRun | None = None
+        self.cpu_mark: float | None = None
         message = {"program": program, "func_name": func_name, "limits": limits.as_dict()}
         if language == "cpp":  # before any sandbox: no compiler is a one-line refusal, not a verdict
             message["compile"] = {"argv": cpp_command(self.settings), "limits": self.compile_limits.as_dict(),
@@ -342,6 +343,7 @@ class Session:
                     if cgroup is not None:
                         cgroup.set_limits(memory_bytes, processes)
                     self.oom_kills = cgroup.oom_kills() if cgroup is not None else 0
+                    self.cpu_mark = cgroup.cpu_seconds() if cgroup is not None else None
                     sandbox.send({**message, "uid": sandbox.slot.uid if sandbox.slot else None})
                     return sandbox
                 error = SandboxError(f"sandbox: the harness said {str(ready)[:200]}")
@@ -418,11 +420,19 @@ class Session:
             run = TestRun(**report)
         except TypeError:
             raise SandboxError(f"sandbox: a malformed harness report ({sorted(report)})") from None
+        used = cgroup.cpu_seconds() if cgroup is not None and self.cpu_mark is not None else None
+        if used is not None:
+            # The harness's wait4 counts the test process and the children it waited for only: work
+            # in forked children never waited for passed the limit. The sandbox's whole CPU since
+            # the previous report (the harness's small share, a next test sent ahead just begun)
+            # counts where it is more.
+            run = replace(run, cpu_s=max(run.cpu_s, round(used - self.cpu_mark, 6)))
+            self.cpu_mark = used
         if cgroup is not None and run.signal == signal.SIGKILL:
             kills = cgroup.oom_kills()
             if kills > self.oom_kills:
                 self.oom_kills = kills
-                run = TestRun(**{**report, "memory_killed": True})
+                run = replace(run, memory_killed=True)
         return run
 
     def close(self) -> None:

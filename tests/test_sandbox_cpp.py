@@ -53,6 +53,21 @@ def test_a_compile_bomb_is_bounded(bomb, said):
     assert time.monotonic() - started < SMALL_BUILD.wall_s + 5
 
 
+@pytest.mark.parametrize("stream", ["/dev/stdout", "/dev/stderr", "/dev/stdin", "/dev/fd/1", "/proc/self/fd/2"])
+def test_a_compile_never_waits_on_its_own_streams(stream):
+    """`#include "/dev/stdout"` opened the pipe the compiler itself wrote (cc1plus's to as under
+    -pipe, the driver's to the harness) and waited, without CPU, for the 30 s wall limit (old code:
+    `the compiler ran past its limit` after 30 s, every time). The compiler reads a source file and
+    no stream: /dev/null in and out, its messages into a regular file; done at once, and the
+    honest program after it still passes."""
+    started = time.monotonic()
+    judgement = judge(f'#include "{stream}"\n' + CORRECT, ADD, limits=FAST, language="cpp",
+                      compile_limits=SMALL_BUILD)
+    assert time.monotonic() - started < 5, judgement
+    assert judgement.infrastructure_error is None and "past its limit" not in (judgement.compile_output or "")
+    assert judge(CORRECT, ADD, limits=FAST, language="cpp").passed
+
+
 def test_the_contest_header_is_precompiled_once_per_host():
     """`#include <bits/stdc++.h>` at -O2: 1.4-3 s of compile CPU here; with the header built once
     (the pre-flight, the scoring command) and bound read-only into the sandbox, ~0.4 s."""

@@ -108,6 +108,19 @@ def _finish_like_python(_modules=sys.modules, _run_exitfuncs=atexit._run_exitfun
         _run_exitfuncs()
 
 
+def _regular_streams(messages):
+    """A compiler's streams that nothing it reads can wait on: `#include "/dev/stdout"` (or stdin,
+    stderr, /proc/self/fd/N) opened a pipe the compiler itself held, and its read waited for the
+    wall clock. /dev/null in, /dev/null out, its messages into a regular file the harness reads."""
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    out = os.open(messages, os.O_WRONLY | os.O_TRUNC)  # made by the harness: its to read and remove
+    os.dup2(out, 2)
+    os.close(out)
+
+
 def _enter(request, fds, limits):
     """The forked test process made what a test runs in: its own session, its pipes as fds 0-2
     (3), nothing else open, the slot's uid, the limits, text streams."""
@@ -134,13 +147,15 @@ def _enter(request, fds, limits):
     sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
 
 
-def _child(request, fds, limits, argv=None, env=None, _exit=os._exit):
+def _child(request, fds, limits, argv=None, env=None, _exit=os._exit, messages=None):
     """In the forked test process: never returns (`_exit` bound here: the program may replace
     os._exit). `argv`: a binary to exec (the compiler, a compiled program) instead of the Python
-    program."""
+    program. `messages`: the compiler's run: stdin and stdout /dev/null, stderr this regular file."""
     code = 1
     try:
         _enter(request, fds, limits)
+        if messages is not None:
+            _regular_streams(messages)
     except BaseException as err:  # setting up the test process: the harness's fault, said on the test's stderr
         os.write(2, f"harness: test process set-up failed: {err!r}\n".encode())
         _exit(1)
@@ -299,7 +314,40 @@ class _Exchange:
             os.close(fd)
 
 
-def run_test(request, test_input, argv=None, limits=None, env=None):
+def compile_program(request):
+    """The compiler's run on the program (a source file, never a stream: _regular_streams), its
+    report with the messages' tail as its stderr; the source and the messages removed after."""
+    build, binary = request["compile"], request["binary"]
+    folder = os.path.dirname(binary)
+    source, messages = os.path.join(folder, "solution.cc"), os.path.join(folder, "compiler-messages")
+    with open(source, "w", encoding="utf-8", errors="surrogateescape") as out:
+        out.write(request["program"])
+    os.chmod(source, 0o644)
+    # made here, writable by the compiler's uid: the harness (root without CAP_DAC_OVERRIDE, or
+    # the user) must read it and remove it from the sticky /tmp after
+    made = os.open(messages, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(made, 0o622)
+    os.close(made)
+    argv = [source if arg == "-" else arg for arg in build["argv"]] + ["-o", binary]
+    report = run_test(request, "", argv, build["limits"], {**os.environ, **build["env"]}, messages=messages)
+    try:
+        with open(messages, "rb") as said:
+            size = said.seek(0, os.SEEK_END)
+            said.seek(max(0, size - STDERR_KEPT))
+            report["stderr"] = said.read()
+        if size > build["limits"]["output_bytes"] and report["status"] == "exited":
+            report["status"] = "output_limit"
+    except OSError:
+        pass
+    for path in (source, messages):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return report
+
+
+def run_test(request, test_input, argv=None, limits=None, env=None, messages=None):
     """One test in a fresh process: the Python program, or `argv` (a compiled program, the
     compiler, with `env`: default ours) on `test_input`; under `limits` (default: the test's)."""
     functional = request["kind"] == "functional" and argv is None
@@ -312,7 +360,7 @@ def run_test(request, test_input, argv=None, limits=None, env=None):
     gc.freeze()
     pid = os.fork()
     if pid == 0:
-        _child(request, [pipes[0][0]] + [w for _, w in pipes[1:]], limits, argv, env)
+        _child(request, [pipes[0][0]] + [w for _, w in pipes[1:]], limits, argv, env, messages=messages)
     for index, (r, w) in enumerate(pipes):
         os.close(r if index == 0 else w)
     outputs = [r for r, _ in pipes[1:]]
@@ -380,9 +428,7 @@ def main():
     argv = None
     if request.get("compile"):
         argv = [request["binary"]]
-        build = request["compile"]
-        write_message(reports, run_test(request, request["program"], build["argv"] + ["-o", argv[0]], build["limits"],
-                                        {**os.environ, **build["env"]}))
+        write_message(reports, compile_program(request))
     while (message := read_message(0)) is not None:
         write_message(reports, run_test(request, message["input"], argv))
 

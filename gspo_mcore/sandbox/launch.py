@@ -58,7 +58,7 @@ INSIDE_PACKAGES = "/sandbox/packages"
 THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # C++: GNU C++17 as contest judges compile it (Codeforces: -O2), the source on stdin; the harness
 # adds `-o` (the sandbox's /tmp). Errors stop at 20: a template bomb's messages are not read.
-CPP_FLAGS = ("-x", "c++", "-std=gnu++17", "-O2", "-pipe", "-fmax-errors=20", "-")
+CPP_FLAGS = ("-x", "c++", "-std=gnu++17", "-O2", "-fmax-errors=20", "-")
 # The compiler's environment (with THREAD_ENV): it finds cc1plus by its own path, as and ld on PATH.
 COMPILE_ENV = {"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp", "LC_ALL": "C"}
 # The contest header, precompiled once per host for CPP_FLAGS (cpp_pch): g++ takes

@@ -400,3 +400,26 @@ def test_cpu_in_children_never_waited_for_counts_against_the_limit():
     spread, alone = judge_programs([UNWAITED_CHILDREN.format(children=3), UNWAITED_CHILDREN.format(children=0)], ADD,
                                    limits=limits)
     assert spread.verdicts == ["timeout"] and alone.passed, (spread, alone)
+
+
+# ---- round 3, F: the host's memory of a long line
+
+def test_a_16_mib_one_line_output_is_compared_in_a_few_copies_of_its_size():
+    """At the output cap, one line of 8M tokens differing in the last: compared token by token a
+    chunk at a time, within 5 copies of the output of the host's memory (old code: every token a
+    string object at once, ~470 MB); the same line with its last token right matches, and one
+    more token or line on either side does not."""
+    import tracemalloc
+
+    want = "1 " * (8 * 1024 * 1024)
+    got = want[:-2] + "2 "
+    tracemalloc.start()
+    try:
+        assert not stdout_matches(got, want)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 * len(want), peak
+    assert stdout_matches(want.replace(" ", "  "), want)
+    assert not stdout_matches(want + "1", want) and not stdout_matches(want + "\n1", want)
+    assert stdout_matches("1.0  2\n3", "1.0 2\n3\n") and not stdout_matches("1 2\n3", "1 2 3")

@@ -21,6 +21,7 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
+from itertools import chain, zip_longest
 
 from gspo_mcore.sandbox.session import Limits, SandboxError, Session, TestRun
 
@@ -96,16 +97,44 @@ def stdout_matches(got: str, want: str, tolerance: float | None = None, lcb_numb
     by line; a line that differs as text may still match token by token as numbers: ASCII
     numbers without leading zeros, or (`lcb_numbers`, LiveCodeBench's own rows) whatever
     Python's Decimal reads, as LiveCodeBench's grader does."""
-    got_lines = [line.strip() for line in got.strip().split("\n")]
-    want_lines = [line.strip() for line in want.strip().split("\n")]
-    if len(got_lines) != len(want_lines):
-        return False
-    for a, b in zip(got_lines, want_lines):
+    for a, b in zip_longest(_stripped_lines(got), _stripped_lines(want)):
+        if a is None or b is None:
+            return False  # a line more on one side
         if a != b:
-            ta, tb = a.split(), b.split()
-            if len(ta) != len(tb) or not all(_token_equal(x, y, tolerance, lcb_numbers) for x, y in zip(ta, tb)):
-                return False
+            for x, y in zip_longest(_tokens(a), _tokens(b)):
+                if x is None or y is None or not _token_equal(x, y, tolerance, lcb_numbers):
+                    return False
     return True
+
+
+# One line at a time, its tokens split a chunk at a time: the host's memory stays a few copies of
+# the output, not a string object per token of it (a 16 MiB one-line output split at once was ~470 MB).
+TOKEN_CHUNK_CHARS = 1 << 16
+
+
+def _tokens(line: str):
+    """str.split()'s tokens of `line`, split TOKEN_CHUNK_CHARS at a time (a chunk ends at whitespace)."""
+    def chunks():
+        start, size = 0, len(line)
+        while start < size:
+            end = min(size, start + TOKEN_CHUNK_CHARS)
+            while end < size and not line[end].isspace():
+                end += 1
+            yield line[start:end].split()
+            start = end
+    return chain.from_iterable(chunks())
+
+
+def _stripped_lines(text: str):
+    text = text.strip()
+    start = 0
+    while True:
+        end = text.find("\n", start)
+        if end == -1:
+            yield text[start:].strip()
+            return
+        yield text[start:end].strip()
+        start = end + 1
 
 
 def _reject_constant(name: str):

@@ -750,3 +750,22 @@ def test_the_30b_configs_precision_aware_default_fits_with_the_margin(config):
     offloaded = _plan(config, [*OFFLOADED, "rollout.max_total_tokens=65536"], nodes=nodes)  # rooms apart from it
     assert offloaded["precision_aware_kv_room_tokens"] == room  # the planner's own offer, taken
     assert 0.8 * offloaded["kv_room_tokens"] < room <= 1.5 * offloaded["kv_room_tokens"]
+
+
+def test_a_code_rewards_timeout_under_its_groups_honest_run_is_warned():
+    """configs/qwen3_30b_a3b_gspo_code.yaml's group of 8 correct programs runs all 16 tests each
+    (a pass never stops early) at up to 4 s of CPU, after a C++ build of up to 10 s: 592 s. Its old
+    reward.timeout_s 300 zeroed such groups; the planner says so, and the recipe's 600 is quiet."""
+    from gspo_mcore.planner.cli import reward_lines
+
+    recipe = REPO / "configs/qwen3_30b_a3b_gspo_code.yaml"
+    config = load_config(recipe)
+    assert config.reward.code.group_seconds(8) == 8 * (16 * 4.0 + 10.0) == 592
+    assert reward_lines(config) == []
+    (line,) = reward_lines(load_config(recipe, ["reward.timeout_s=300"]))
+    assert line.startswith("reward warning: reward.timeout_s 300 s is under what 8 correct programs of one call "
+                           "may take, 592 s")
+    python_only = load_config(recipe, ["reward.timeout_s=300", "reward.batched=false",
+                                       "reward.name=gspo_mcore.rewards.code:code_reward", "reward.code.languages=[python]"])
+    assert python_only.reward.code.group_seconds(1) == 64 and reward_lines(python_only) == []
+    assert reward_lines(load_config(None, ["reward.timeout_s=1"])) == []  # not a code reward

@@ -163,6 +163,8 @@ def report(config: Config, result: dict, out) -> None:
           "trainer rank (its rollouts, its stage's layers)")
     for line in disk_lines(config, r):
         w(line)
+    for line in reward_lines(config):
+        w(line)
     if r.get("precision_aware_fits"):
         w("faster where it fits: optimizer.precision_aware: true, optimizer.cpu_offload: false fits (bf16 Adam "
           f"moments on the GPU, {r['precision_aware_optimizer_gb']:.1f} GiB per GPU; margin "
@@ -205,6 +207,27 @@ def host_adam_lines(r: dict) -> list[str]:
                      f"{OFFLOAD_WARN_FRACTION:.0%}): more host cores per GPU (--host-cores-per-gpu), more nodes "
                      "(expert-DP shards the host's share), or the precision-aware optimizer on the GPU where it fits")
     return lines
+
+
+CODE_REWARDS = ("code", "code_all", "gspo_mcore.rewards.code:")
+
+
+def reward_lines(config: Config) -> list[str]:
+    """A code reward whose call could time out on correct programs: reward.timeout_s against the
+    call's longest honest run (rewards.code_config.CodeRewardConfig.group_seconds)."""
+    reward = config.reward
+    if not reward.name.startswith(CODE_REWARDS):
+        return []
+    programs = config.train.group_size if reward.batched else 1
+    needed = reward.code.group_seconds(programs)
+    if reward.timeout_s >= needed:
+        return []
+    c = reward.code
+    return [f"reward warning: reward.timeout_s {reward.timeout_s:g} s is under what {programs} correct program"
+            f"{'s' if programs > 1 else ''} of one call may take, {needed:g} s (each runs reward.code.max_train_tests "
+            f"{c.max_train_tests} tests of up to cpu_s {c.cpu_s:g} s"
+            + (f", built first in up to compile_cpu_s {c.compile_cpu_s:g}" if "cpp" in c.languages else "")
+            + "): a call past it scores the whole group 0; raise reward.timeout_s, or lower max_train_tests or cpu_s"]
 
 
 def disk_lines(config: Config, r: dict) -> list[str]:

@@ -65,6 +65,13 @@ class CodeRewardConfig:
     """A C++ program's build: address space per compiler process (RLIMIT_AS, MiB; cc1plus builds
     bits/stdc++.h within 256 MiB)."""
 
+    def group_seconds(self, programs: int) -> float:
+        """The longest `programs` correct programs of one call may take: judged one after another,
+        each runs every training test to its CPU limit (a pass never stops early), C++ built first
+        to its limit. A dataset's own time limit (dataset_time_limits) can raise a problem's."""
+        build = self.compile_cpu_s if "cpp" in self.languages else 0.0
+        return programs * (self.max_train_tests * self.cpu_s + build)
+
     def problem(self) -> str | None:
         """The first bad value, as `field: why`; None when all are good."""
         if self.max_train_tests < 1:

@@ -158,3 +158,25 @@ def test_the_progress_line_keeps_its_columns_and_names_each_idle_share():
     assert "turns 2.0 tool errors 1" in first and "| trainer idle 0.12 engine idle 0.50" in first
     assert second == first.replace("clip 0.100", "clip -").replace("mismatch 2.0e-07", "mismatch -")
     assert third == first and "stale" not in first  # never measured: not shown
+
+
+def test_a_score_that_no_program_made_and_truncation_show_on_the_progress_line_when_not_0():
+    """A code run whose responses held no program read "reward 0.000 ... " and nothing else (the
+    count was in metrics.jsonl only): the shares of responses with no program and of truncated
+    ones are printed on a step where they are not 0, and not otherwise."""
+    import io
+
+    from gspo_mcore.metrics.report import Progress
+    from gspo_mcore.rewards.code import step_figures
+
+    figures = step_figures({"code_tests_run": 0, "code_sandbox_s": 0.0, "code_no_program": 24, "code_responses": 24,
+                            "code_hacks": 0, "code_hack_checked": 0})
+    assert figures["code_no_program_fraction"] == 1.0
+    assert step_figures({})["code_no_program_fraction"] is None  # not a code reward
+    out = io.StringIO()
+    progress = Progress(2, stream=out)
+    progress.update({"step": 1, "reward_mean": 0.0, "truncated_fraction": 0.25, **figures})
+    progress.update({"step": 2, "reward_mean": 0.5, "truncated_fraction": 0.0, "code_no_program_fraction": 0.0})
+    first, second = out.getvalue().splitlines()
+    assert "no program 100%" in first and "truncated 25%" in first
+    assert "no program" not in second and "truncated" not in second

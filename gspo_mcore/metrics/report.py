@@ -188,9 +188,12 @@ class Progress:
         bar = "#" * round(width * done / self.total) + "-" * (width - round(width * done / self.total))
         per_step = (time.monotonic() - self.began) / max(1, done - self.start)
         eta = per_step * (self.total - done)
-        self.seen |= {metric.name for metric in PRINTED if m.get(metric.name) is not None}
+        self.seen |= {metric.name for metric in PRINTED if m.get(metric.name) is not None
+                      and not metric.printed_if_nonzero}
         figures = " ".join(metric.printed.format(m[metric.name]) if m.get(metric.name) is not None
                            else _unmeasured(metric.printed) for metric in PRINTED if metric.name in self.seen)
+        figures += "".join(f" {metric.printed.format(m[metric.name])}" for metric in PRINTED
+                           if metric.printed_if_nonzero and m.get(metric.name))
         figures += "".join(f" | {k} {v:.3f}" for k, v in m.items() if k.startswith("eval/") and "/mean@" in k)
         self.stream.write(f"step {done:>4}/{self.total} [{bar}] {figures} | ETA {int(eta) // 60}m{int(eta) % 60:02d}s\n")
         self.stream.flush()

@@ -32,6 +32,7 @@ class Metric:
     scope: str = "all"
     update: bool = False  # a figure of the update: null in a step that trains nothing
     printed: str | None = None  # its fragment of the progress line, a format for the value
+    printed_if_nonzero: bool = False  # printed only on a step where it is not 0 (a share of what went wrong)
     figure: str | None = None  # the plot it is drawn in (OUTPUT_DIR/plots/<figure>.png)
     label: str | None = None  # its axis label / legend entry there
     asynchronous: bool = False  # measured in rollout.mode one_step_off / async only: null in sync
@@ -59,7 +60,8 @@ SCHEMA: tuple[Metric, ...] = (
            printed="len {:.1f}", figure="response_length", label="mean response length (tokens)"),
     Metric("response_length_max", "longest response (tokens)"),
     Metric("truncated_fraction", "share of responses cut by a token budget: rollout.max_new_tokens, or a "
-                                  "trajectory's rollout.max_trajectory_tokens"),
+                                  "trajectory's rollout.max_trajectory_tokens", printed="truncated {:.0%}",
+           printed_if_nonzero=True),
     Metric("groups_kept", "prompt groups trained on (dynamic sampling keeps those with signal)"),
     Metric("groups_total", "prompt groups generated, over every sampling round"),
     Metric("sampling_rounds", "generation rounds this step took to fill the batch"),
@@ -81,6 +83,8 @@ SCHEMA: tuple[Metric, ...] = (
            "reward.code.infrastructure_errors says)"),
     Metric("code_timeouts", "tests stopped at their time limit"),
     Metric("code_no_program", "responses without a fenced code block (scored 0)"),
+    Metric("code_no_program_fraction", "share of the step's scored responses without a program (a code score of 0 "
+           "that is no program's verdict)", printed="no program {:.0%}", printed_if_nonzero=True),
     Metric("code_hack_rate", "of the responses checked (1/8 of those that pass their training subset), the share "
            "that fails another test; null when none was checked"),
     Metric("samples", "responses trained on this step"),

@@ -359,6 +359,8 @@ def step_figures(counts: dict) -> dict:
             "code_tests_per_s": tests / seconds if tests is not None and seconds else None,
             "code_infrastructure_errors": counts.get("code_infrastructure_errors"),
             "code_timeouts": counts.get("code_timeouts"), "code_no_program": counts.get("code_no_program"),
+            "code_no_program_fraction": counts["code_no_program"] / counts["code_responses"]
+            if counts.get("code_responses") else None,
             "code_hack_rate": counts["code_hacks"] / checked if checked else None}
 
 
@@ -368,7 +370,8 @@ def reward_metrics() -> dict[str, float]:
     stats = take_stats()
     return {"code_tests_run": stats.tests_run, "code_sandbox_s": stats.sandbox_s,
             "code_infrastructure_errors": stats.infrastructure_errors, "code_timeouts": stats.timeouts,
-            "code_no_program": stats.no_program, "code_hack_checked": stats.hack_checked, "code_hacks": stats.hacks}
+            "code_no_program": stats.no_program, "code_responses": stats.responses,
+            "code_hack_checked": stats.hack_checked, "code_hacks": stats.hacks}
 
 
 @dataclass

@@ -423,3 +423,54 @@ def test_a_16_mib_one_line_output_is_compared_in_a_few_copies_of_its_size():
     assert stdout_matches(want.replace(" ", "  "), want)
     assert not stdout_matches(want + "1", want) and not stdout_matches(want + "\n1", want)
     assert stdout_matches("1.0  2\n3", "1.0 2\n3\n") and not stdout_matches("1 2\n3", "1 2 3")
+
+
+# ---- round 3, C: the checker starved by a candidate
+
+SPINNERS = textwrap.dedent("""
+    import os, time
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    for _ in range(3):
+        if os.fork() == 0:
+            os.setsid()  # its own session: its own scheduler autogroup
+            spin(1.0)
+            os._exit(0)
+    spin(1.0)
+""")
+
+
+def test_a_sandbox_takes_one_cpu_whatever_it_forks():
+    """Four processes in sessions of their own spinning for 1 s of wall: the sandbox's cgroup
+    bounds them to one CPU (old code: 2.0 s of CPU a second on this 2-core host, starving the
+    host's checker, whose refusal of the expected output then masked the group)."""
+    if os.geteuid() != 0:
+        pytest.skip("no cgroup here (not root)")
+    with Session(SPINNERS, limits=Limits(cpu_s=4, wall_s=6, processes=16), spare=False) as session:
+        run = session.run("")
+    assert run.status == "exited" and run.cpu_s <= 1.3 * run.wall_s, run
+
+
+def test_a_checkers_refusal_of_the_expected_output_is_not_kept_for_the_group(monkeypatch):
+    """A soundness check that failed (a moment a candidate loaded the host) is asked again for the
+    next candidate, not cached for the group (old code: cached, every later group-mate an
+    infrastructure error); one that passed is kept. The checker's wall clock is 10x its CPU limit."""
+    from gspo_mcore.sandbox.judge import Checker
+
+    checker = Checker("def check(i, o, e):\n    return o == e\n", FAST)
+    assert checker.limits.wall_s == 10 * FAST.cpu_s and checker.limits.cpu_s == FAST.cpu_s
+    answers = iter([None, None, None, True])  # the candidate's check fails; the expected one fails once, then passes
+    asked = []
+
+    def check(test, output):
+        asked.append(output)
+        return next(answers)
+
+    monkeypatch.setattr(checker, "_check", check)
+    test = Test("1\n", "2\n")
+    with pytest.raises(launch.SandboxError, match="does not accept the expected output"):
+        checker.accepts(test, "garbage")
+    assert checker.accepts(test, "garbage too") is False and test in checker.sound
+    assert asked == ["garbage", "2\n", "garbage too", "2\n"]

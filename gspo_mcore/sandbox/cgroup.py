@@ -27,9 +27,12 @@ from pathlib import Path
 PARENT = "gspo-sandbox"  # the slots' cgroups, under this process's own
 
 
-# v1 hierarchies a slot's cgroup is made in: memory and pids bound it, cpuacct (where mounted)
-# counts its CPU, every process of it, waited for or not (SlotCgroup.cpu_seconds).
-V1_CONTROLLERS = ("memory", "pids", "cpuacct")
+# v1 hierarchies a slot's cgroup is made in: memory and pids bound it; where mounted, cpuacct
+# counts its CPU, every process of it, waited for or not (SlotCgroup.cpu_seconds), and cpu bounds
+# it to SANDBOX_CPUS (a candidate's spinning processes cannot starve a checker or a group-mate).
+V1_CONTROLLERS = ("memory", "pids", "cpuacct", "cpu")
+SANDBOX_CPUS = 1.0
+CPU_PERIOD_US = 100_000
 
 
 def _mounts() -> dict[str, Path]:
@@ -81,7 +84,8 @@ def _write(path: Path, text: str) -> None:
 @dataclass(frozen=True)
 class _Layout:
     version: int  # 2, or 1 (separate memory and pids hierarchies)
-    parents: tuple[Path, ...]  # where the slots' cgroups go: one (v2) or memory's, pids' [and cpuacct's] (v1)
+    parents: tuple[Path, ...]  # where the slots' cgroups go: one (v2) or one a v1 controller of `controllers`
+    controllers: tuple[str, ...] = ("memory", "pids")  # v1: each parent's; v2: ("unified",)
 
 
 def _find() -> _Layout | str:
@@ -104,18 +108,25 @@ def _find() -> _Layout | str:
                 _write(base / "cgroup.subtree_control", "+memory +pids")
                 parent.mkdir(exist_ok=True)
                 _write(parent / "cgroup.subtree_control", "+memory +pids")
-                return _Layout(2, (parent,))
+                if "cpu" in controllers:  # the CPU bound where the cpu controller can be had
+                    try:
+                        _write(base / "cgroup.subtree_control", "+cpu")
+                        _write(parent / "cgroup.subtree_control", "+cpu")
+                    except OSError:
+                        pass
+                return _Layout(2, (parent,), ("unified",))
             except OSError as err:
                 reasons.append(f"v2: {err.filename or base}: {err.strerror} (run the reward workers in a leaf "
                                "of a delegated subtree, e.g. systemd's Delegate=yes)")
         elif not reasons:
             reasons.append(f"v2: {base} has no memory and pids controllers ({' '.join(controllers) or 'none'})")
     if "memory" in mounts and "pids" in mounts:
-        parents = tuple(mounts[c] / own.get(c, "/").lstrip("/") / PARENT for c in V1_CONTROLLERS if c in mounts)
+        controllers = tuple(c for c in V1_CONTROLLERS if c in mounts)
+        parents = tuple(mounts[c] / own.get(c, "/").lstrip("/") / PARENT for c in controllers)
         try:
             for parent in parents:
                 parent.mkdir(exist_ok=True)
-            return _Layout(1, parents)
+            return _Layout(1, parents, controllers)
         except OSError as err:
             reasons.append(f"v1: {err.filename}: {err.strerror}")
     else:
@@ -203,8 +214,9 @@ class SlotCgroup:
     hierarchy), made when its slot is taken and removed when it is released. Named by slot,
     process and count: never one that another sandbox was using, or one left with its limits."""
 
-    def __init__(self, version: int, directories: tuple[Path, ...]):
+    def __init__(self, version: int, directories: tuple[Path, ...], controllers: tuple[str, ...] = ("memory", "pids")):
         self.version, self.directories = version, directories
+        self.by_controller = dict(zip(controllers, directories))
         self.procs_fds = [os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for d in directories]
 
     @classmethod
@@ -226,7 +238,7 @@ class SlotCgroup:
                 except OSError:
                     pass
             raise
-        return cls(found.version, directories)
+        return cls(found.version, directories, found.controllers)
 
     def set_limits(self, memory_bytes: int, processes: int) -> None:
         if self.version == 2:
@@ -234,8 +246,14 @@ class SlotCgroup:
             _write(directory / "memory.max", str(memory_bytes))
             _write(directory / "memory.swap.max", "0")
             _write(directory / "pids.max", str(processes))
+            if (directory / "cpu.max").exists():
+                _write(directory / "cpu.max", f"{int(SANDBOX_CPUS * CPU_PERIOD_US)} {CPU_PERIOD_US}")
         else:
-            memory, pids = self.directories[:2]
+            memory, pids = self.by_controller["memory"], self.by_controller["pids"]
+            if "cpu" in self.by_controller:
+                cpu = self.by_controller["cpu"]
+                _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+                _write(cpu / "cpu.cfs_quota_us", str(int(SANDBOX_CPUS * CPU_PERIOD_US)))
             _write(memory / "memory.limit_in_bytes", str(memory_bytes))
             if (memory / "memory.memsw.limit_in_bytes").exists():  # swap accounting on: no swap either
                 try:
@@ -254,8 +272,8 @@ class SlotCgroup:
                     if key == "usage_usec":
                         return int(value) / 1e6
                 return None
-            if len(self.directories) > 2:
-                return int((self.directories[2] / "cpuacct.usage").read_text()) / 1e9
+            if "cpuacct" in self.by_controller:
+                return int((self.by_controller["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
         except (OSError, ValueError):
             return None
         return None

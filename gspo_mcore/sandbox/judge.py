@@ -167,6 +167,7 @@ def expected_values(output: str, unwrap: bool = False) -> list:
     return [want, want[0]] if unwrap and isinstance(want, list) and len(want) == 1 else [want]
 
 
+CHECKER_WALL_FACTOR = 10.0
 CHECK_DRIVER = ("\nimport json as _json, sys as _sys\n_case = _json.loads(_sys.stdin.read())\n"
                 "print('checked:', check(_case['input'], _case['output'], _case['expected']) is True)\n")
 
@@ -179,9 +180,13 @@ class Checker:
     not (the checker is broken)."""
 
     def __init__(self, source: str, limits: Limits, settings=None):
-        self.source, self.limits, self.settings = source + CHECK_DRIVER, limits, settings
+        # Its time is CPU time: the wall clock at CHECKER_WALL_FACTOR x the CPU limit, so that a
+        # loaded host (a candidate's next test, sent ahead, runs meanwhile) slows it without failing it.
+        self.source, self.settings = source + CHECK_DRIVER, settings
+        self.limits = replace(limits, wall_s=max(limits.wall_s, CHECKER_WALL_FACTOR * limits.cpu_s))
         self.session: Session | None = None
-        self.sound: dict[Test, bool] = {}  # per test: the checker accepted its expected output
+        self.sound: set[Test] = set()  # the tests whose expected output the checker accepted (never a refusal:
+        # a refusal may be a moment's, and cached it would mask every later group-mate)
         self.failure = ""
 
     def _check(self, test: Test, output: str) -> bool | None:
@@ -203,9 +208,9 @@ class Checker:
         if accepted is not None:
             return accepted
         failure = self.failure
-        if test not in self.sound:
-            self.sound[test] = self._check(test, test.output) is True
-        if self.sound[test]:
+        if test not in self.sound and self._check(test, test.output) is True:
+            self.sound.add(test)
+        if test in self.sound:
             return False
         raise SandboxError(f"sandbox: the problem's checker failed ({failure}) and does not accept the "
                            "expected output either")

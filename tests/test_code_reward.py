@@ -498,3 +498,26 @@ def test_the_python_tool_tells_the_model_a_nonzero_exit_status():
     said = tool.python("import sys\nprint('half done')\nsys.exit(3)")
     assert said.startswith("half done\n") and said.endswith("\nerror: the program exited with status 3")
     assert tool.python("print(1)") == "1"  # a clean exit says nothing more
+
+
+def test_explain_says_why_each_row_scored_what_it_did(tmp_path, capsys):
+    """`--explain` / `-v`: the first test not passed with its verdict, the program's exit, its
+    stderr's end, got and expected; the compiler's messages; or why nothing ran (old: the
+    verdicts alone, `runtime_error`, `compile_error`)."""
+    from gspo_mcore.rewards.code import main
+
+    problem = {"input_output": {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}}
+    responses = ["```python\nprint(sum(map(int, input().split())))\n```",
+                 "```python\na, b = map(int, input().split())\nprint(a - b)\n```",
+                 "```python\nraise KeyError('the missing key')\n```",
+                 "```cpp\nint main() { return undeclared_name; }\n```",
+                 "no code here"]
+    inputs = tmp_path / "rows.jsonl"
+    inputs.write_text("".join(json.dumps({**problem, "response": r}) + "\n" for r in responses))
+    assert main(["--input", str(inputs), "--explain"]) == 0
+    right, wrong, raised, built, none = (json.loads(line)["why"] for line in capsys.readouterr().out.splitlines())
+    assert right is None
+    assert (wrong["test"], wrong["verdict"], wrong["got"], wrong["expected"]) == (0, "wrong", "-1\n", "3\n")
+    assert raised["verdict"] == "runtime_error" and raised["exit_code"] == 1 and "the missing key" in raised["stderr"]
+    assert built["verdict"] == "compile_error" and "undeclared_name" in built["compiler"]
+    assert none.startswith("no program")

@@ -381,6 +381,7 @@ class CodeScore:
     verdicts: list[str] = field(default_factory=list)
     no_program: bool = False
     infrastructure_error: str | None = None
+    failure: dict | None = None  # the first test not passed, why (sandbox.judge.reason); compile_error: the messages
 
 
 def _count(judgement: Judgement) -> None:
@@ -431,7 +432,9 @@ def score_group(responses: list[str], problem: Problem, every_test: bool = False
                 STATS.hack_checked += 1
                 STATS.hacks += not rest.passed
         reward = 1.0 if passed else (judgement.verdicts.count("passed") / len(tests) if fraction else 0.0)
-        scores.append(CodeScore(reward, passed, judgement.verdicts))
+        failure = judgement.failure if judgement.compile_output is None else {
+            "test": None, "verdict": "compile_error", "compiler": judgement.compile_output[-2000:]}
+        scores.append(CodeScore(reward, passed, judgement.verdicts, failure=failure))
     return scores
 
 
@@ -535,6 +538,15 @@ def settings_from_args(args: argparse.Namespace) -> CodeRewardConfig:
     return settings
 
 
+def explained(result: CodeScore) -> dict | str | None:
+    """`--explain`'s reason for a score: the failure, or why there was nothing to run."""
+    if result.no_program:
+        return "no program: the response has no fenced code block in reward.code.languages"
+    if result.infrastructure_error is not None:
+        return f"infrastructure: {result.infrastructure_error}"
+    return result.failure
+
+
 def _prepare_cpp(responses: list[str], settings: CodeRewardConfig) -> None:
     """Where a response is C++: g++ checked (its one line where missing) and the precompiled
     header built once per host, before the first program is judged."""
@@ -554,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
                              "without one are skipped and counted")
     parser.add_argument("--subset", action="store_true", help="the training subset (reward.code.max_train_tests, "
                         "stop at the first failure); default: every test, as code_all")
+    parser.add_argument("--explain", "-v", action="store_true", help="each line also says why: the first test not "
+                        "passed, its verdict, the program's exit, its stderr's end, got and expected (cut), or the "
+                        "compiler's messages")
     _add_setting_flags(parser)
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
@@ -588,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(json.dumps({"row": where, **({"solution": index} if args.references else {}),
                                      "reward": result.reward, "passed": result.passed, "verdicts": result.verdicts,
                                      "no_program": result.no_program,
-                                     "infrastructure_error": result.infrastructure_error}))
+                                     "infrastructure_error": result.infrastructure_error,
+                                     **({"why": explained(result)} if args.explain else {})}))
     text = "".join(line + "\n" for line in lines)
     if args.output:
         with atomic_output(args.output) as tmp:

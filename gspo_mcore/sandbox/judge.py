@@ -63,6 +63,8 @@ class Judgement:
     sandbox_s: float = 0.0  # wall time in the sandbox, start to close
     same_as: int | None = None  # the index of an identical program of the group whose verdicts these are
     compile_output: str | None = None  # compile_error: why (the compiler's last 2000 characters, or its limit)
+    failure: dict | None = None  # the first test that did not pass: why (`reason`), for a person reading it
+
 
     @property
     def passed(self) -> bool:
@@ -318,8 +320,10 @@ def _judge_one(program: str, problem: Problem, tests: list[Test], stop_at_first_
                 judgement.compile_output = _build_failure(session)
                 judgement.sandbox_s = time.monotonic() - started
                 return judgement
-            for test, run in zip(tests, session.runs([test.input for test in tests])):
+            for index, (test, run) in enumerate(zip(tests, session.runs([test.input for test in tests]))):
                 judgement.verdicts.append(verdict(run, test, problem, limits, checker))
+                if judgement.verdicts[-1] != "passed" and judgement.failure is None:
+                    judgement.failure = reason(index, judgement.verdicts[-1], run, test, problem, limits)
                 if stop_at_first_failure and judgement.verdicts[-1] != "passed":
                     break  # the next test, sent ahead, dies with the sandbox
     except SandboxError as err:
@@ -327,6 +331,21 @@ def _judge_one(program: str, problem: Problem, tests: list[Test], stop_at_first_
         judgement.verdicts.append("infrastructure")
     judgement.sandbox_s = time.monotonic() - started
     return judgement
+
+
+REASON_CHARS = 300  # of each text a reason quotes (its end for stderr, its start for outputs)
+
+
+def reason(index: int, verdict_: str, run: TestRun, test: Test, problem: Problem, limits: Limits) -> dict:
+    """Why test `index` was not passed, for a person triaging (`--explain`): its verdict, the
+    program's exit, its stderr's end, what it printed (returned) and what was expected, each cut."""
+    got = run.stdout if problem.kind == "stdin" else (run.result or "")
+    why = {"test": index, "verdict": verdict_, "status": run.status, "exit_code": run.exit_code, "signal": run.signal,
+           "cpu_s": run.cpu_s, "wall_s": run.wall_s, "stderr": run.stderr[-REASON_CHARS:],
+           "got": got[:REASON_CHARS], "expected": test.output[:REASON_CHARS]}
+    if verdict_ == "timeout":
+        why["limit"] = f"cpu {limits.cpu_s:g} s, wall {limits.wall_s:g} s"
+    return why
 
 
 def _build_failure(session: Session) -> str:

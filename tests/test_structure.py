@@ -384,3 +384,12 @@ def test_the_cpu_path_steps_torchs_optimizers_without_importing_dynamo_and_to_th
         outputs[disabled] = done.stdout.strip().rsplit(" ", 1)
     assert outputs["1"][1] == "False" and outputs["0"][1] == "True", outputs
     assert outputs["1"][0] == outputs["0"][0]
+
+
+def test_the_gpu_check_has_no_import_cycle():
+    """launch/gpucheck/ (the one-GPU check's sections): children.py and context.py imported each
+    other (run_child / Check); a child's body is now handed to the process starter."""
+    sources = sorted((REPO / "launch" / "gpucheck").glob("*.py"))
+    graph = module_graph(sources, root=REPO / "launch")
+    assert "gpucheck.context" in graph["gpucheck.main"] and "gpucheck.children" in graph["gpucheck.context"]
+    assert cycles(graph) == []

@@ -19,18 +19,14 @@ holds JSON lines only. Two ways to start one (`--children`):
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
-from gpucheck.lines import error_figures
 
 ENTRY = Path(__file__).resolve().parents[1] / "gpu_check.py"
 MODES = ("spawn", "forkserver")
@@ -42,13 +38,17 @@ PRELOAD = ["torch", "transformers", "megatron.core", "gspo_mcore.megatron.learne
            "gpucheck.shape", "gpucheck.updates"]
 
 
-def run_child(check, target: str, kwargs: dict) -> dict:
+def run_child(check, target: str, kwargs: dict, body) -> dict:
     """`target`'s figures from a child process started as `check.children` says; a child that
-    ended without figures (killed, crashed, timed out) is a FAIL naming how it ended."""
+    ended without figures (killed, crashed, timed out) is a FAIL naming how it ended. `body`:
+    what a forked child runs (gpucheck.context.run_in_child, handed in: this module imports no
+    other of the check's)."""
     with tempfile.TemporaryDirectory(prefix="child_", dir=check.work) as tmp:
         result = Path(tmp) / "result.json"
-        start = spawn if check.children == "spawn" else fork
-        exit_code = start(target, kwargs, check.common(), result, check.child_timeout_s)
+        if check.children == "spawn":
+            exit_code = spawn(target, kwargs, check.common(), result, check.child_timeout_s)
+        else:
+            exit_code = fork(target, kwargs, check.common(), result, check.child_timeout_s, body)
         if not result.exists():
             return {"pass": False, "error": f"{target}: the child process {ended(exit_code, check.child_timeout_s)} "
                                             "without a result (its stderr is above)"}
@@ -88,14 +88,14 @@ def spawn(target: str, kwargs: dict, common: dict, result: Path, timeout_s: floa
             process.wait()
 
 
-def fork(target: str, kwargs: dict, common: dict, result: Path, timeout_s: float) -> int | None:
+def fork(target: str, kwargs: dict, common: dict, result: Path, timeout_s: float, body) -> int | None:
     """A child forked from multiprocessing's fork server (started at the first call, PRELOAD
     imported there); its exit status (None: timed out)."""
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
     start_fork_server(context)
-    process = context.Process(target=forked, args=(target, kwargs, common, str(result)), name=target)
+    process = context.Process(target=forked, args=(body, target, kwargs, common, str(result)), name=target)
     process.start()
     try:
         process.join(timeout_s)
@@ -127,26 +127,6 @@ def start_fork_server(context) -> None:
             os.environ["PYTHONPATH"] = kept
 
 
-def forked(target: str, kwargs: dict, common: dict, result: str) -> None:
+def forked(body, target: str, kwargs: dict, common: dict, result: str) -> None:
     os.dup2(2, 1)  # the check's stdout holds its JSON lines only
-    run_in_child(target, kwargs, common, Path(result))
-
-
-def run_in_child(target: str, kwargs: dict, common: dict, result: Path) -> None:
-    """In the child: `target` ("module:function") called as function(check, **kwargs); its figures,
-    or what it raised as a FAIL's figures, written to `result` (temporary name, then renamed)."""
-    from gpucheck.context import Check
-
-    check = Check(device=common["device"], work=Path(common["work"]), wheels=Path(common["wheels"]),
-                  children=common["children"])
-    module, _, name = target.partition(":")
-    began = time.perf_counter()
-    try:
-        figures = getattr(importlib.import_module(module), name)(check, **kwargs)
-    except Exception as err:  # noqa: BLE001 (the child's verdict; the parent prints it)
-        traceback.print_exc()
-        figures = error_figures(err)
-    figures.setdefault("child_s", round(time.perf_counter() - began, 2))
-    partial = result.with_suffix(".part")
-    partial.write_text(json.dumps(figures, default=str))
-    partial.rename(result)
+    body(target, kwargs, common, Path(result))

@@ -1,13 +1,18 @@
 """What a section function sees, in the parent and in a child: the device, the check's folders,
-and in the parent where the lines go and how a child process starts."""
+and in the parent where the lines go and how a child process starts; and the body of a child
+(`run_in_child`: gpucheck.children starts the processes, importing nothing of the check's)."""
 
 from __future__ import annotations
 
 import functools
+import importlib
+import json
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpucheck.lines import Lines, part_line
+from gpucheck.lines import Lines, error_figures, part_line
 
 
 @dataclass
@@ -39,9 +44,27 @@ class Check:
         own: its figures (gpucheck.children)."""
         from gpucheck.children import run_child
 
-        return run_child(self, target, kwargs)
+        return run_child(self, target, kwargs, run_in_child)
 
     def part(self, number: int, part: str, figures: dict) -> dict:
         """One part of section `number` as its own line, out at once; the line."""
         line = part_line(number, part, figures)
         return self.lines.emit(line) if self.lines is not None else line
+
+
+def run_in_child(target: str, kwargs: dict, common: dict, result: Path) -> None:
+    """In the child: `target` ("module:function") called as function(check, **kwargs); its figures,
+    or what it raised as a FAIL's figures, written to `result` (temporary name, then renamed)."""
+    check = Check(device=common["device"], work=Path(common["work"]), wheels=Path(common["wheels"]),
+                  children=common["children"])
+    module, _, name = target.partition(":")
+    began = time.perf_counter()
+    try:
+        figures = getattr(importlib.import_module(module), name)(check, **kwargs)
+    except Exception as err:  # noqa: BLE001 (the child's verdict; the parent prints it)
+        traceback.print_exc()
+        figures = error_figures(err)
+    figures.setdefault("child_s", round(time.perf_counter() - began, 2))
+    partial = result.with_suffix(".part")
+    partial.write_text(json.dumps(figures, default=str))
+    partial.rename(result)

@@ -11,8 +11,8 @@ import time
 import traceback
 from pathlib import Path
 
-from gpucheck.children import MODES, run_in_child
-from gpucheck.context import Check
+from gpucheck.children import MODES
+from gpucheck.context import Check, run_in_child
 from gpucheck.lines import Lines, budget_line, error_figures, section_line
 from gpucheck.registry import BY_NUMBER, ORDER, SECTIONS
 from gpucheck.shape import REPO

@@ -224,6 +224,14 @@ def test_resume_without_a_checkpoint_and_bad_data_fail_fast_with_one_line(toy, t
                           cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing.jsonl'}: dataset file not found"
+    # with the user's own warning settings (no PYTHONWARNINGS): the error alone, exactly one line
+    # (old: torch's TypedStorage deprecation, triggered by megatron through the CPU bridge, first)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "answer": "1"}\n{broken\n')
+    proc = subprocess.run([*cmd, f"data.path={bad}"], capture_output=True, text=True, cwd=REPO,
+                          env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]}, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {bad}:2: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"]
     assert not (tmp_path / "none").exists()  # failed before any server started: no output directory
     proc = subprocess.run([*cmd, "reward.name=no_such_module:reward"], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=300)

@@ -170,6 +170,12 @@ def install() -> None:
     # then warns of a non-leaf's `.grad`: harmless here (the gradients are the leaves'), once a run.
     warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor",
                             category=UserWarning)
+    # megatron-core 0.16.1's `tensor.storage()` (param_and_grad_buffer.py: the grad buffers given
+    # back and taken again) through the function mode below: torch's TypedStorage deprecation,
+    # attributed to this module, once a run and before the run's own last line (a bad input's
+    # one-line error became three). Only what this module passes on; a user's own stays shown.
+    warnings.filterwarnings("ignore", message=r"TypedStorage is deprecated", category=UserWarning,
+                            module=r"gspo_mcore\.megatron\.cpu_bridge")
 
     # Megatron decorates small fused functions with torch.compile; on CPU that would
     # compile C++ kernels at first call for no gain. TorchDynamo reads the variable when it is

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -104,6 +106,13 @@ def release_training(ddp, optimizer) -> None:
     offload_grad_buffers(ddp)
     if optimizer is not None:
         release_optimizer(optimizer)
+
+
+# megatron-core 0.16.1's own `tensor.storage()` calls (param_and_grad_buffer.py, offload_to_cpu /
+# reload_from_cpu) warn of TypedStorage's deprecation on every run that gives the buffers back: its
+# code, not the user's, so not the user's warning to read.
+warnings.filterwarnings("ignore", message=r"TypedStorage is deprecated", category=UserWarning,
+                        module=r"megatron\.core\.distributed\.param_and_grad_buffer")
 
 
 def offload_grad_buffers(ddp) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,9 +150,36 @@ def config_yaml(config: Config) -> str:
     return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
 
 
+def translate_old_keys(data: dict) -> dict:
+    """Keys the docs or a config ever showed, at their place now (MOVED: the same value; loss.level:
+    its loss.function, LEVEL_FUNCTIONS), each with a dated warning (common.deprecation's release);
+    an old key beside the new one with another value is a one-line error. Works until REMOVED_AFTER."""
+    from gspo_mcore.common.deprecation import REMOVED_AFTER, MovedWarning
+
+    renames = {**{old: (new, None) for old, new in MOVED.items()}, "loss.level": ("loss.function", LEVEL_FUNCTIONS)}
+    for old, (new, values) in renames.items():
+        section, field_name = old.split(".")
+        if not isinstance(data.get(section), dict) or field_name not in data[section]:
+            continue
+        value = data[section].pop(field_name)
+        if values is not None:
+            if value not in values:
+                raise ConfigError(f"{old}: {value!r} is not one of {sorted(values)} (it is {REPLACED[old]} now)")
+            value = values[value]
+        new_section, new_field = new.split(".")
+        target = data.setdefault(new_section, {})
+        if new_field in target and target[new_field] != value:
+            raise ConfigError(f"{old}: {value!r} beside {new}: {target[new_field]!r}; write {new} alone")
+        target[new_field] = value
+        warnings.warn(f"config key {old} is {new} now: write {new}: {value} (the old key works until "
+                      f"{REMOVED_AFTER})", MovedWarning, stacklevel=3)
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> Config:
-    """The config of `path` (or of `data`, a config's sections as read from YAML) with `overrides`."""
+    """The config of `path` (or of `data`, a config's sections as read from YAML) with `overrides`;
+    old keys translated (translate_old_keys)."""
     data = {} if path is None and data is None else (data if data is not None else _read_yaml(Path(path)))
     for override in overrides:
         _set_override(data, override)
-    return from_dict(Config, data).validate()
+    return from_dict(Config, translate_old_keys(data)).validate()

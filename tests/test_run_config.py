@@ -285,3 +285,25 @@ def test_a_process_forked_from_the_trainer_dies_of_the_signal_silently():
                                                                                                   done.stderr[-2000:])
     said = [line for line in done.stderr.splitlines() if line.startswith("SIGINT")]
     assert said == ["SIGINT: saving the last completed step, then stopping (SIGINT again: stop at once)"], said
+
+
+def test_resuming_a_finished_run_is_one_line_before_anything_starts(tmp_path):
+    """A run whose latest checkpoint is at train.steps: `--resume` started SGLang, pushed weights,
+    trained nothing and reported 0.0 GiB after 32 s; now one line naming the step and the way on.
+    A run short of its steps resumes."""
+    import json
+
+    from gspo_mcore.common.errors import InputError
+    from gspo_mcore.megatron.checkpointing import latest_checkpoint
+    from gspo_mcore.run.start import check_not_finished
+
+    step = tmp_path / "run" / "checkpoints" / "step_000040"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 40}))
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_000040")
+    checkpoint = latest_checkpoint(tmp_path / "run")
+    with pytest.raises(InputError) as finished:
+        check_not_finished(checkpoint, 40)
+    assert str(finished.value) == (f"{tmp_path / 'run'}: finished at step 40 of train.steps 40; raise train.steps "
+                                   "(e.g. --resume train.steps=80) to continue")
+    check_not_finished(checkpoint, 41)

@@ -35,7 +35,7 @@ def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
     checked), and the code sandbox where a reward or tool runs model-written code (one trivial
     program through it). The same errors their users raise later."""
     if resume:
-        latest_checkpoint(output_dir)
+        check_not_finished(latest_checkpoint(output_dir), config.train.steps)
     engine_class(config.rollout.engine).check_config(config)
     load_loss_function(config.loss.function)  # every rank computes the loss
     if int(os.environ.get("RANK", 0)) != 0:
@@ -48,6 +48,19 @@ def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
     if users:  # rank 0 runs the reward and tool workers
         judges = any(not user.startswith("rollout.tools") for user in users)  # C++: the code rewards only
         preflight(", ".join(users), languages=config.reward.code.languages if judges else ())
+
+
+def check_not_finished(checkpoint: Path, steps: int) -> None:
+    """A resume of a run whose latest checkpoint is already at train.steps would start the
+    servers, push the weights and train nothing: one line first, saying how to continue."""
+    import json
+
+    from gspo_mcore.common.errors import InputError
+
+    done = json.loads((checkpoint / "trainer_state.json").read_text()).get("step")
+    if isinstance(done, int) and done >= steps:
+        raise InputError(f"{checkpoint.parent.parent}: finished at step {done} of train.steps {steps}; raise "
+                         f"train.steps (e.g. --resume train.steps={done + steps}) to continue")
 
 
 def sandbox_users(config: Config) -> list[str]:

@@ -1,6 +1,7 @@
 """Evaluation's arithmetic and inputs: the unbiased pass@k estimator against a hand-computed
 table, the per-dataset figures, the config's checks, gspo-eval's model argument and table."""
 
+import json
 import re
 
 import pytest
@@ -331,3 +332,44 @@ def test_the_30b_code_recipe_evaluates_pass_at_1_on_a_named_livecodebench_window
     since, until = re.search(r"--since (\S+) --until (\S+)", command).groups()
     assert f"--output {dataset.path}" in command and dataset.reward == "code_all"
     assert dataset.name == f"lcb_{since[2:4]}{since[5:7]}_{until[2:4]}{until[5:7]}" and dataset.samples >= 4
+
+
+def test_gspo_eval_seeds_a_runs_model_as_the_runs_last_evaluation(tmp_path):
+    """`gspo-eval --model RUN` (or RUN/hf) printed 0.938 where the run's own last evaluation said
+    0.969: its seeds hash the weight version, and none was passed. Now the run's last evaluation's
+    version and the run's train.seed (its config.yaml); a latest checkpoint converted takes its own
+    step's row; any other model says it has no version."""
+    from gspo_mcore.evaluation.cli import run_seeds
+
+    run = tmp_path / "run"
+    (run / "hf").mkdir(parents=True)
+    (run / "config.yaml").write_text("train:\n  seed: 77\n")
+    (run / "eval.jsonl").write_text(json.dumps({"step": 0, "version": "step-0", "eval/toy/mean@4": 0.3}) + "\n"
+                                    + json.dumps({"step": 40, "version": "step-40", "eval/toy/mean@4": 0.969}) + "\n")
+    for model in (run, run / "hf"):
+        seed, version, said = run_seeds(model, run / "hf", 1234)
+        assert (seed, version) == (77, "step-40") and "the run's last evaluation" in said
+    step = run / "checkpoints" / "step_000020"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 20}))
+    (run / "checkpoints" / "latest").write_text("step_000020")
+    assert run_seeds(run, tmp_path / "scratch" / "hf", 1234)[:2] == (77, None)  # step 20 was not evaluated
+    other = tmp_path / "model"
+    other.mkdir()
+    assert run_seeds(other, other, 1234) == (1234, None, "train.seed 1234, no weight version (not a run's model)")
+
+
+def test_a_seeded_as_version_seeds_without_being_required_of_the_responses(tmp_path):
+    """Evaluator.run(seeded_as=...): the samples' seeds are the named version's, the responses
+    need not come from it (gspo-eval's servers load the weights under a version of their own)."""
+    from gspo_mcore.common.seeds import eval_seed
+
+    evaluator, engine, _ = _toy_evaluation(tmp_path, "reward.name=gspo_mcore.tasks.toy:category_reward",
+                                           "train.seed=5")
+    engine.version = 3  # its own weights: a required version "step-40" would refuse every response
+    try:
+        evaluator.run(engine, seeded_as="step-40")
+    finally:
+        evaluator.close()
+    ((_, seeds),) = engine.calls
+    assert seeds == [eval_seed(5, "toy", "step-40", p, k) for p in range(8) for k in range(4)]

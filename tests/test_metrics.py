@@ -180,3 +180,29 @@ def test_a_score_that_no_program_made_and_truncation_show_on_the_progress_line_w
     first, second = out.getvalue().splitlines()
     assert "no program 100%" in first and "truncated 25%" in first
     assert "no program" not in second and "truncated" not in second
+
+
+def test_every_run_ends_with_its_summary_and_writes_summary_json(tmp_path):
+    """First and last 10 steps' mean reward (half the run when it is shorter) and each held-out
+    score before and after: printed lines and OUTPUT_DIR/summary.json (a plain gspo-train printed
+    neither; comparing GSPO with GRPO meant computing them by hand)."""
+    import json
+
+    from gspo_mcore.run.summary import write_summary
+
+    rewards = [0.1 * (i % 5) for i in range(30)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "reward_mean": r}) + "\n"
+                                                    for i, r in enumerate(rewards)))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 0, "version": "step-0", "eval/toy/mean@4": 0.25}) + "\n"
+                                         + json.dumps({"step": 30, "version": "step-30", "eval/toy/mean@4": 0.9}) + "\n")
+    said = write_summary(tmp_path)
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert said == [f"mean reward: first 10 steps {first:.3f} -> last 10 steps {last:.3f} ({last - first:+.3f})",
+                    "held-out toy/mean@4: step 0 0.250 -> step 30 0.900"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["reward_gain"] == pytest.approx(last - first)
+    assert summary["held_out"]["eval/toy/mean@4"] == {"before": 0.25, "after": 0.9, "before_step": 0, "after_step": 30}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "reward_mean": float(i)}) + "\n"
+                                                    for i in range(4)))
+    (tmp_path / "eval.jsonl").unlink()
+    assert write_summary(tmp_path) == ["mean reward: first 2 steps 0.500 -> last 2 steps 2.500 (+2.000)"]

@@ -249,6 +249,7 @@ def test_pipeline_and_tensor_parallel_runs(toy, server, tmp_path, layout):
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sync_check_median"] < 1e-4 and r["mismatch_abs_log_ratio_max"] < 1e-4 for r in rows)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2  # every run ends with its summary
 
 
 def test_a_run_that_trains_nothing_still_saves(toy, server, tmp_path):

@@ -25,6 +25,8 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+import yaml
+
 from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.data.tokenizer import load_tokenizer
 from gspo_mcore.common.errors import InputError, run_cli
@@ -56,6 +58,31 @@ def model_dir(path: Path, scratch: Path | None = None, hf_config_dir: str | None
         last = (done.stderr.strip().splitlines() or [f"mcore-to-hf failed ({done.returncode})"])[-1]
         raise InputError(last.removeprefix("error: "))  # the converter's own one line
     return out
+
+
+def run_seeds(model: Path, hf_dir: Path, seed: int) -> tuple[int, str | None, str]:
+    """The evaluation's seeds (eval_seed: the run's train.seed and the weights' version): for a
+    run's model (its OUTPUT_DIR, or the hf/ in it), those of the run's last evaluation, which
+    evaluated the weights its hf/ holds, so this prints that evaluation's figure; a latest
+    checkpoint converted takes its own step's row. Otherwise `seed` (the config's) and no
+    version. The third item says which, for the user."""
+    run = model if (model / "eval.jsonl").is_file() else model.parent if (model.parent / "eval.jsonl").is_file() \
+        and model.name == "hf" else None
+    if run is None:
+        return seed, None, f"train.seed {seed}, no weight version (not a run's model)"
+    rows = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines() if line.strip()]
+    if hf_dir.parent != run:  # a latest checkpoint converted: the row of its step, if it was evaluated
+        latest = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+                             / "trainer_state.json").read_text())["step"]
+        rows = [row for row in rows if row.get("step") == latest]
+    saved = run / "config.yaml"
+    if saved.is_file():
+        seed = (yaml.safe_load(saved.read_text()) or {}).get("train", {}).get("seed", seed)
+    if not rows:
+        return seed, None, f"the run's train.seed {seed}; no evaluation of these weights in {run / 'eval.jsonl'}"
+    last = rows[-1]
+    return seed, last["version"], (f"the run's last evaluation of these weights: train.seed {seed}, weights "
+                                   f"{last['version']} (step {last['step']}, {run / 'eval.jsonl'})")
 
 
 def table(metrics: dict, names: list[str]) -> str:
@@ -98,7 +125,9 @@ def main(argv=None) -> int:
         if args.urls:  # running servers load the weights from disk
             engines.engine_class(base.rollout.engine).require(DiskLoad, "gspo-eval --urls")
         hf_dir = model_dir(args.model.resolve(), scratch, base.model.hf_dir)
-        config = load_config(args.config, [*args.overrides, f"model.hf_dir={hf_dir}"])
+        seed, version, seeds = run_seeds(args.model.resolve(), hf_dir, base.train.seed)
+        config = load_config(args.config, [*args.overrides, f"model.hf_dir={hf_dir}", f"train.seed={seed}"])
+        print(f"gspo-eval: seeds of {seeds}", file=sys.stderr, flush=True)
         if not config.eval.datasets:
             raise ConfigError(f"eval.datasets: {args.config} names no dataset to evaluate on")
         tokenizer = load_tokenizer(config.data.tokenizer_dir or hf_dir)
@@ -113,7 +142,7 @@ def main(argv=None) -> int:
             print(f"gspo-eval: the servers' logs are in {log_dir}", file=sys.stderr, flush=True)
             engine = engines.connect(config, engines.start_servers(config, log_dir, stack, api_key=key), key)
         client = engine.client(load_hf_config(hf_dir / "config.json").vocab_size)
-        metrics = evaluator.run(client)
+        metrics = evaluator.run(client, seeded_as=version)
     print(table(metrics, [d.name for d in config.eval.datasets]))
     print(json.dumps({"model": str(hf_dir), **metrics}), flush=True)
     return 0

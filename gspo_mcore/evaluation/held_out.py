@@ -96,15 +96,16 @@ class Evaluator:
         self.generator = generator or Generator(config, tokenizer)
         self.last_samples: list[dict] = []  # a few of the last evaluation's responses, for OUTPUT_DIR/samples
 
-    def run(self, client, version: str | None = None, keep_samples: int = 4) -> dict:
+    def run(self, client, version: str | None = None, keep_samples: int = 4, seeded_as: str | None = None) -> dict:
         """Every dataset once against `client`'s servers; `version`: the weight version every
-        response must come from (the one just pushed)."""
+        response must come from (the one just pushed), and the seeds' unless `seeded_as` names
+        another (gspo-eval: the run's version of the weights it serves, to repeat its evaluation)."""
         metrics, self.last_samples = {}, []
         for d, samples, runner in self.datasets:
             began = time.monotonic()
             params = {"max_new_tokens": d.max_new_tokens, "temperature": d.temperature}
             # Seeded by (run seed, dataset, weights, prompt, sample): a rerun evaluates alike.
-            seeds = [eval_seed(self.config.train.seed, d.name, version, i, k)
+            seeds = [eval_seed(self.config.train.seed, d.name, seeded_as or version, i, k)
                      for i in range(len(samples)) for k in range(d.samples)]
             generated = self.generator.run(client, samples, d.samples, params, seeds, weight_version=version,
                                            evaluation=True, name=f"eval {d.name}")

@@ -61,6 +61,7 @@ from gspo_mcore.rollout.source import RolloutSource
 from gspo_mcore.megatron.routing_delivery import deliver_routing, take_routing
 from gspo_mcore.run.directory import clear_run
 from gspo_mcore.run.sample_log import write_samples
+from gspo_mcore.run.summary import write_summary
 from gspo_mcore.batch.rollout import Batch
 
 
@@ -89,6 +90,12 @@ class RankZero:
 
     def say(self, line: str, stream=None) -> None:
         print(line, file=stream or sys.stdout, flush=True)
+
+    def summarize(self) -> None:
+        """The run's summary lines (first and last steps' reward, held-out before and after) and
+        OUTPUT_DIR/summary.json (gspo_mcore.run.summary)."""
+        for line in write_summary(self.output_dir):
+            self.say(line)
 
     def begin(self, start_step: int, version: str, resumed_from: Path | None) -> None:
         """Once the engine holds the trainer's weights `version`: the producer starts generating with
@@ -160,6 +167,9 @@ class OtherRank:
     writes = False
 
     def say(self, line: str, stream=None) -> None:
+        pass
+
+    def summarize(self) -> None:
         pass
 
     def begin(self, start_step: int, version: str, resumed_from: Path | None) -> None:
@@ -440,6 +450,7 @@ class Trainer:
                 self.checkpoints.save(cfg.steps)
             if cfg.export_hf:
                 self.checkpoints.export_hf(self.learner.arch, self.config.model.spec, self.config.model.hf_dir)
+        self.host.summarize()
         self.host.say(self._memory_line())
         self.host.say(self._outputs_line())
         return row

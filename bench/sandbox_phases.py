@@ -105,7 +105,7 @@ def harness_phases(path, tests):
         report = harness.run_test(request, "1 2\n")
         _mark(7)
         walls.append(time.monotonic() - started)
-        assert report["stdout"] == "3\n", report
+        assert report["stdout"] == b"3\n", report  # the bytes as read: the host decodes them
         marks = struct.unpack_from(f"{MARKS}d", _page)
         rows.append([marks[end] - marks[start] for _, start, end in PHASES])
     phases = {name: 1000 * statistics.median(row[i] for row in rows) for i, (name, _, _) in enumerate(PHASES)}

@@ -554,6 +554,33 @@ def _prepare_cpp(responses: list[str], settings: CodeRewardConfig) -> None:
         check_languages(["cpp"], prepare=True)
 
 
+def _rows_to_score(path: str, references: bool) -> tuple[list, list[str]]:
+    """Every row of `path` read before anything runs: (where, problem, responses) each, and the
+    rows skipped (--references: no Python 3 solution); a bad row or an empty input is one line."""
+    from gspo_mcore.common.records import read_records, require_file
+
+    rows, skipped = [], []
+    for where, record in read_records(require_file(path)):
+        problem = problem_from_record(record, where)
+        if references:
+            responses = reference_solutions(record)
+            if not responses:
+                skipped.append(where)
+                continue
+        else:
+            responses = [record.get("response")]
+            if not isinstance(responses[0], str):
+                raise InputError(f"{where}: field 'response': missing or not text (--references scores the "
+                                 "dataset's own solutions)")
+        rows.append((where, problem, responses))
+    if not rows:
+        raise InputError(f"{path}: no records" if not skipped else
+                         f"{path}: none of its {len(skipped)} problems has a Python 3 reference solution "
+                         "(TACO/APPS `solutions`, CodeContests `solutions` of language 3, PrimeIntellect "
+                         "`gold_standard_solution`)")
+    return rows, skipped
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gspo_mcore.rewards.code",
                                      description="Score responses to code problems (or a dataset's own reference "
@@ -572,28 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_setting_flags(parser)
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
-    from gspo_mcore.common.records import read_records, require_file
     from gspo_mcore.common.files import atomic_output
 
-    rows, skipped = [], []
-    for where, record in read_records(require_file(args.input)):  # every row read before anything runs
-        problem = problem_from_record(record, where)
-        if args.references:
-            responses = reference_solutions(record)
-            if not responses:
-                skipped.append(where)
-                continue
-        else:
-            responses = [record.get("response")]
-            if not isinstance(responses[0], str):
-                raise InputError(f"{where}: field 'response': missing or not text (--references scores the "
-                                 "dataset's own solutions)")
-        rows.append((where, problem, responses))
-    if not rows:
-        raise InputError(f"{args.input}: no records" if not skipped else
-                         f"{args.input}: none of its {len(skipped)} problems has a Python 3 reference solution "
-                         "(TACO/APPS `solutions`, CodeContests `solutions` of language 3, PrimeIntellect "
-                         "`gold_standard_solution`)")
+    rows, skipped = _rows_to_score(args.input, args.references)
     check_sandbox()
     _prepare_cpp([response for _, _, responses in rows for response in responses], settings)
     lines = []

@@ -147,7 +147,7 @@ def _enter(request, fds, limits):
     sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
 
 
-def _child(request, fds, limits, argv=None, env=None, _exit=os._exit, messages=None):
+def _child(request, fds, limits, argv=None, env=None, messages=None, _exit=os._exit):
     """In the forked test process: never returns (`_exit` bound here: the program may replace
     os._exit). `argv`: a binary to exec (the compiler, a compiled program) instead of the Python
     program. `messages`: the compiler's run: stdin and stdout /dev/null, stderr this regular file."""

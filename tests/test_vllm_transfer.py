@@ -222,13 +222,21 @@ print(json.dumps(out))
 
 def test_an_nccl_version_the_server_cannot_join_is_one_line(monkeypatch):
     """NCCL refuses ranks of different versions mid-init; we say so before, naming both."""
-    server = StandIn(nccl_raw=22908)
-    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 30, 7))
-    monkeypatch.setattr(vllm_engine.nccl, "bound_path", lambda: "/fake/libnccl.so.2")
+    paths = _refused_at_open(monkeypatch, 22908, (2, 30, 7), "/fake/libnccl.so.2",
+                             r"runs NCCL 2\.29\.8, this trainer 2\.30\.7: .*VLLM_NCCL_SO_PATH")
+    assert "/init_weight_transfer_engine" not in paths
+
+
+def _refused_at_open(monkeypatch, server_raw: int, mine: tuple, path: str, pattern: str) -> list[str]:
+    """open_weight_group against a stand-in server of NCCL `server_raw`, this trainer's `mine` at
+    `path`: refused with `pattern`; the routes the server saw."""
+    server = StandIn(nccl_raw=server_raw)
+    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: mine)
+    monkeypatch.setattr(vllm_engine.nccl, "bound_path", lambda: path)
     try:
-        with pytest.raises(WeightSyncError, match=r"runs NCCL 2\.29\.8, this trainer 2\.30\.7: .*VLLM_NCCL_SO_PATH"):
+        with pytest.raises(WeightSyncError, match=pattern):
             VLLMEngine([server.url], timeout_s=30).open_weight_group(server.url, "g", "127.0.0.1", "nccl", 30)
-        assert "/init_weight_transfer_engine" not in server.paths()
+        return server.paths()
     finally:
         server.server.shutdown()
 
@@ -542,15 +550,8 @@ def test_an_nccl_too_old_for_vllms_cuda_path_stops_the_launch_in_one_line(monkey
     assert server_env({}, weight_transfer="nccl", device="cuda")["VLLM_NCCL_SO_PATH"].endswith("libnccl.so.2")
     monkeypatch.setattr(nccl, "check_for_vllm", lambda path: pytest.fail("a CPU launch reads no library"))
     server_env({}, weight_transfer="nccl", device="cpu")
-    server = StandIn(nccl_raw=22809)
-    monkeypatch.setattr(vllm_engine.nccl, "version", lambda: (2, 28, 9))
-    monkeypatch.setattr(vllm_engine.nccl, "bound_path", lambda: "/usr/lib/libnccl.so.2")
-    try:
-        with pytest.raises(WeightSyncError, match=r"^NCCL 2\.28\.9 \(/usr/lib/libnccl\.so\.2\) is too old"):
-            VLLMEngine([server.url], timeout_s=30).open_weight_group(server.url, "g", "127.0.0.1", "nccl", 30)
-        assert server.paths() == []
-    finally:
-        server.server.shutdown()
+    assert _refused_at_open(monkeypatch, 22809, (2, 28, 9), "/usr/lib/libnccl.so.2",
+                            r"^NCCL 2\.28\.9 \(/usr/lib/libnccl\.so\.2\) is too old") == []
 
 
 def test_a_broadcast_is_waited_for_with_the_servers_refusal_as_the_reason_to_stop(monkeypatch):

@@ -56,8 +56,10 @@ INSIDE_PACKAGES = "/sandbox/packages"
 # Thread pools that start at import (numpy's OpenBLAS: one thread per core, past a test's process
 # limit on a big node) held to one thread: a test's CPU time counts every thread anyway.
 THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-# C++: GNU C++17 as contest judges compile it (Codeforces: -O2), the source on stdin; the harness
-# adds `-o` (the sandbox's /tmp). Errors stop at 20: a template bomb's messages are not read.
+# C++: GNU C++17 as contest judges compile it (Codeforces: -O2); the harness puts the source file
+# in place of `-` and adds `-o` (the sandbox's /tmp: harness.compile_program). No -pipe: a pipe
+# between cc1plus and as is one more stream an include could wait on. Errors stop at 20: a
+# template bomb's messages are not read.
 CPP_FLAGS = ("-x", "c++", "-std=gnu++17", "-O2", "-fmax-errors=20", "-")
 # The compiler's environment (with THREAD_ENV): it finds cc1plus by its own path, as and ld on PATH.
 COMPILE_ENV = {"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp", "LC_ALL": "C"}

@@ -370,9 +370,17 @@ class Session:
             try:
                 self.sandbox.send(message)
             except HarnessDied:
-                cgroup = self.sandbox.slot.cgroup if self.sandbox.slot else None
-                if cgroup is None or cgroup.oom_kills() <= self.oom_kills:
+                if not self._memory_killed_since_ready():
                     raise
+
+    def _cgroup(self):
+        return self.sandbox.slot.cgroup if self.sandbox.slot else None
+
+    def _memory_killed_since_ready(self) -> bool:
+        """The sandbox's memory cgroup killed a process since the last kill counted: what filled it
+        (tmpfs pages, inodes and dentries, charged to it and not to the tmpfs's size) is the program's."""
+        cgroup = self._cgroup()
+        return cgroup is not None and cgroup.oom_kills() > self.oom_kills
 
     def runs(self, inputs: list[str]) -> Iterator[TestRun]:
         """The tests of `inputs` in turn, each next input sent before this one's report is read
@@ -399,23 +407,20 @@ class Session:
     def _report(self, limits: Limits | None = None) -> TestRun:
         if self.killed_for_memory is not None:  # the sandbox died of the program's memory: every later test too
             return self.killed_for_memory
-        cgroup = self.sandbox.slot.cgroup if self.sandbox.slot else None
+        cgroup = self._cgroup()
         try:
             report = self.sandbox.reports.read((limits or self.limits).wall_s + MARGIN_S)
         except SandboxError:
-            # The sandbox's memory cgroup killed the harness while it held this test's output: what
-            # filled the cgroup (tmpfs pages, inodes and dentries, charged to it and not to the
-            # tmpfs's size) is the program's, so the verdict is the program's, not an infrastructure error.
-            if cgroup is None or cgroup.oom_kills() <= self.oom_kills:
+            # The harness killed by the sandbox's memory cgroup while it held this test's output:
+            # the program's verdict, not an infrastructure error.
+            if not self._memory_killed_since_ready():
                 raise
             self.killed_for_memory = TestRun("signaled", None, signal.SIGKILL, "", "the sandbox's memory limit killed "
                                              "its harness", None, 0.0, 0.0, memory_killed=True)
             return self.killed_for_memory
-        for key in ("stdout", "stderr"):
+        for key in ("stdout", "stderr", "result"):  # the harness sends the bytes as read
             if isinstance(report.get(key), bytes):
                 report[key] = report[key].decode("utf-8", "replace")
-        if isinstance(report.get("result"), bytes):
-            report["result"] = report["result"].decode("utf-8", "replace")
         try:
             run = TestRun(**report)
         except TypeError:

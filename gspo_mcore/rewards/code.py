@@ -381,7 +381,7 @@ class CodeScore:
     verdicts: list[str] = field(default_factory=list)
     no_program: bool = False
     infrastructure_error: str | None = None
-    failure: dict | None = None  # the first test not passed, why (sandbox.judge.reason); compile_error: the messages
+    failure: dict | None = None  # why it did not pass: the judge's (sandbox.judge.Judgement.failure)
 
 
 def _count(judgement: Judgement) -> None:
@@ -432,9 +432,7 @@ def score_group(responses: list[str], problem: Problem, every_test: bool = False
                 STATS.hack_checked += 1
                 STATS.hacks += not rest.passed
         reward = 1.0 if passed else (judgement.verdicts.count("passed") / len(tests) if fraction else 0.0)
-        failure = judgement.failure if judgement.compile_output is None else {
-            "test": None, "verdict": "compile_error", "compiler": judgement.compile_output[-2000:]}
-        scores.append(CodeScore(reward, passed, judgement.verdicts, failure=failure))
+        scores.append(CodeScore(reward, passed, judgement.verdicts, failure=judgement.failure))
     return scores
 
 

@@ -63,8 +63,7 @@ class Judgement:
     sandbox_s: float = 0.0  # wall time in the sandbox, start to close
     same_as: int | None = None  # the index of an identical program of the group whose verdicts these are
     compile_output: str | None = None  # compile_error: why (the compiler's last 2000 characters, or its limit)
-    failure: dict | None = None  # the first test that did not pass: why (`reason`), for a person reading it
-
+    failure: dict | None = None  # the first test not passed, or the build: why (`reason`), for a person reading it
 
     @property
     def passed(self) -> bool:
@@ -308,16 +307,15 @@ def _judge_one(program: str, problem: Problem, tests: list[Test], stop_at_first_
                settings, checker: Checker | None, language: str = "python",
                compile_limits: Limits | None = None, spare: bool = True) -> Judgement:
     if language != "python" and problem.kind != "stdin":
-        return Judgement(["compile_error"], compile_output="C++ is judged on stdin problems only: a functional "
-                         f"problem calls {problem.func_name} of a Python class Solution")
+        return _compile_error(Judgement(), "C++ is judged on stdin problems only: a functional problem calls "
+                              f"{problem.func_name} of a Python class Solution")
     judgement = Judgement()
     started = time.monotonic()
     try:
         with Session(program, problem.kind, problem.func_name, limits, settings, spare=spare, language=language,
                      compile_limits=compile_limits) as session:
             if not session.built:
-                judgement.verdicts.append("compile_error")
-                judgement.compile_output = _build_failure(session)
+                _compile_error(judgement, _build_failure(session))
                 judgement.sandbox_s = time.monotonic() - started
                 return judgement
             for index, (test, run) in enumerate(zip(tests, session.runs([test.input for test in tests]))):
@@ -330,6 +328,14 @@ def _judge_one(program: str, problem: Problem, tests: list[Test], stop_at_first_
         judgement.infrastructure_error = str(err)
         judgement.verdicts.append("infrastructure")
     judgement.sandbox_s = time.monotonic() - started
+    return judgement
+
+
+def _compile_error(judgement: Judgement, why: str) -> Judgement:
+    """`judgement` as a build that failed: its verdict, the compiler's words, and the same as its failure."""
+    judgement.verdicts.append("compile_error")
+    judgement.compile_output = why
+    judgement.failure = {"test": None, "verdict": "compile_error", "compiler": why}
     return judgement
 
 

@@ -31,6 +31,7 @@ from gspo_mcore.config import ConfigError, load_config
 from gspo_mcore.data.tokenizer import load_tokenizer
 from gspo_mcore.common.errors import InputError, run_cli
 from gspo_mcore.evaluation.held_out import Evaluator
+from gspo_mcore.megatron.checkpointing import checkpoint_step, latest_checkpoint
 from gspo_mcore.megatron.qwen3_moe.hf_config import load_hf_config
 from gspo_mcore import engines
 from gspo_mcore.engines.capabilities import DiskLoad
@@ -72,8 +73,7 @@ def run_seeds(model: Path, hf_dir: Path, seed: int) -> tuple[int, str | None, st
         return seed, None, f"train.seed {seed}, no weight version (not a run's model)"
     rows = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines() if line.strip()]
     if hf_dir.parent != run:  # a latest checkpoint converted: the row of its step, if it was evaluated
-        latest = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
-                             / "trainer_state.json").read_text())["step"]
+        latest = checkpoint_step(latest_checkpoint(run))
         rows = [row for row in rows if row.get("step") == latest]
     saved = run / "config.yaml"
     if saved.is_file():

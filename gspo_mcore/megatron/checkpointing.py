@@ -62,6 +62,11 @@ def latest_checkpoint(output_dir: Path) -> Path:
     return path
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The steps a run's checkpoint (latest_checkpoint's) has completed: its trainer_state.json's `step`."""
+    return json.loads((Path(checkpoint) / "trainer_state.json").read_text())["step"]
+
+
 def checkpoint_dir(path) -> Path:
     """The directory holding `.metadata`: given either it, a Megatron-LM save root whose
     latest_checkpointed_iteration.txt names `release` or an iteration, or a run's save root

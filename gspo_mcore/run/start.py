@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gspo_mcore.megatron.checkpointing import latest_checkpoint
+from gspo_mcore.megatron.checkpointing import checkpoint_step, latest_checkpoint
 from gspo_mcore.config import Config
 from gspo_mcore.common.records import require_file
 from gspo_mcore.engines import engine_class
@@ -53,12 +53,10 @@ def check_inputs(config: Config, output_dir: Path, resume: bool) -> None:
 def check_not_finished(checkpoint: Path, steps: int) -> None:
     """A resume of a run whose latest checkpoint is already at train.steps would start the
     servers, push the weights and train nothing: one line first, saying how to continue."""
-    import json
-
     from gspo_mcore.common.errors import InputError
 
-    done = json.loads((checkpoint / "trainer_state.json").read_text()).get("step")
-    if isinstance(done, int) and done >= steps:
+    done = checkpoint_step(checkpoint)
+    if done >= steps:
         raise InputError(f"{checkpoint.parent.parent}: finished at step {done} of train.steps {steps}; raise "
                          f"train.steps (e.g. --resume train.steps={done + steps}) to continue")
 

@@ -227,14 +227,13 @@ class Learner:
         self.ddp.train()
         parts, grad_norms = [], []  # parts: per optimizer step, each microbatch's metrics
         band = None  # (clip_low, clip_high) after the first minibatch, with loss.band_from_mismatch
-        slots = torch.zeros(2, dtype=torch.float64)  # host: this rank's real input tokens, its input slots
+        real, slots = 0, 0  # this rank's real input tokens and input slots (host tensors: no device read)
         for _ in range(cfg.ppo_epochs):
             for mini in minibatches:
                 first = not parts  # theta = theta_old: the engine/trainer differences alone
                 microbatches = self.microbatches(mini, rollouts, batch.advantages, extra, batch.routed_by_older)
-                for mb in microbatches:  # host tensors: no device read
-                    slots += torch.tensor([float(mb["input_real"].sum()), float(mb["inputs"].numel())],
-                                          dtype=torch.float64)  # host
+                real += sum(int(mb["input_real"].sum()) for mb in microbatches)
+                slots += sum(mb["inputs"].numel() for mb in microbatches)
                 step_parts, grad_norm = self._optimizer_step(
                     microbatches, band=band, on_policy=first and self.config.loss.on_policy_first_minibatch,
                     compare_routing=first)
@@ -243,7 +242,7 @@ class Learner:
                 if first and self.config.loss.band_from_mismatch:
                     band = self._band_from_mismatch(parts[0])
         return {**self._report(parts), "grad_norm": sum(grad_norms) / len(grad_norms),
-                "padding_fraction": padding_fraction(slots),
+                "padding_fraction": padding_fraction(real, slots),
                 "clip_band_high": band[1] if band else self.config.loss.clip_high,
                 "minibatches": len(minibatches), "lr": self.optimizer.param_groups[0]["lr"]}
 
@@ -309,11 +308,11 @@ class Learner:
         return [to_floats(out) for out in outputs], grad_norm
 
 
-def padding_fraction(slots: torch.Tensor) -> float:
+def padding_fraction(real: int, slots: int) -> float:
     """The share of the update's input slots that held padding (right padding to a microbatch's
     longest row, the TP multiple, filler microbatches), over the data-parallel ranks (each
     stage's and TP rank's microbatches are their DP rank's). Collective over the DP group."""
-    total = slots.to(device())
+    total = torch.tensor([real, slots], dtype=torch.float64, device=device())
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     real, all_slots = total.tolist()
     return 1.0 - real / all_slots if all_slots else 0.0

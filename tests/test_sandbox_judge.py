@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -356,18 +357,26 @@ def test_a_harness_killed_for_memory_the_program_took_is_its_memory_verdict(monk
     SandboxError."""
     from gspo_mcore.sandbox import session as session_module
 
+    def killed(session):  # bwrap killed, and the harness (its own session) gone with it before the test
+        session.sandbox.kill()
+        session.sandbox.process.wait()
+        procs = session.sandbox.slot.cgroup.directories[0] / "cgroup.procs"
+        deadline = time.monotonic() + 10
+        while procs.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     with Session(HONEST, limits=FAST) as session:
         cgroup = session.sandbox.slot.cgroup if session.sandbox.slot else None
         if cgroup is None:
             pytest.skip("no cgroup here (not root)")
-        session.sandbox.kill()
+        killed(session)
         monkeypatch.setattr(type(cgroup), "oom_kills", lambda self: session.oom_kills + 1)
         runs = list(session.runs(["1 2\n", "3 4\n"]))
     assert [(r.memory_killed, r.signal) for r in runs] == [(True, 9), (True, 9)]
     assert [session_module.TestRun is type(r) for r in runs] == [True, True]
     monkeypatch.undo()
     with Session(HONEST, limits=FAST) as session:
-        session.sandbox.kill()
+        killed(session)
         with pytest.raises(session_module.SandboxError):
             session.run("1 2\n")
 

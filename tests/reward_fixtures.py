@@ -83,3 +83,15 @@ def slow_reward(response: str, answer: str) -> float:
     """Scores after a second: a close of the run's source meets it mid-score."""
     time.sleep(1.0)
     return 1.0
+
+
+def category_saying_why(response: str, answer: str) -> float:
+    """category_reward, which says why a response scored 0 (its reward_reasons hook)."""
+    from gspo_mcore.tasks.toy import category_reward
+
+    score = category_reward(response, answer)
+    category_saying_why.last = [None if score else f"not a {answer}: {response.split()[:1]}"]
+    return score
+
+
+category_saying_why.reward_reasons = lambda: category_saying_why.last

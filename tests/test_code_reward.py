@@ -521,3 +521,26 @@ def test_explain_says_why_each_row_scored_what_it_did(tmp_path, capsys):
     assert raised["verdict"] == "runtime_error" and raised["exit_code"] == 1 and "the missing key" in raised["stderr"]
     assert built["verdict"] == "compile_error" and "undeclared_name" in built["compiler"]
     assert none.startswith("no program")
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_code_rewards_reasons_come_back_from_its_workers_with_the_rewards(batched):
+    """The reasons --explain prints reached nothing a run writes: the worker now sends the
+    reward's reward_reasons() with each reply, by response (one per call, or a group's)."""
+    from dataclasses import asdict
+
+    from gspo_mcore.rewards.runner import RewardRunner
+
+    answer = answer_from_problem(Problem("stdin", (Test("1 2\n", "3\n"), Test("5 7\n", "12\n"))))
+    responses = ["```python\nprint(sum(map(int, input().split())))\n```", "```python\nprint(3)\n```",
+                 "I would add them."]
+    name = "gspo_mcore.rewards.code:code_group_reward" if batched else "code"
+    runner = RewardRunner(name, timeout_s=60, workers=1, batched=batched, options=asdict(CodeRewardConfig()))
+    try:
+        rewards, stats = runner.score(responses, [answer] * 3, groups=[0] * 3)
+    finally:
+        runner.close()
+    assert rewards == [1.0, 0.0, 0.0] and sorted(stats.reasons) == [1, 2]
+    wrong = stats.reasons[1]
+    assert (wrong["test"], wrong["verdict"], wrong["got"], wrong["expected"]) == (1, "wrong", "3\n", "12\n")
+    assert stats.reasons[2].startswith("no program")

@@ -64,7 +64,11 @@ def test_gspo_eval_takes_a_model_or_a_run_and_prints_a_table(tmp_path):
     # The prompts counted, k named per row, mean@k with its standard error over the prompts
     # (means 0.5 and 1.0: sd 0.354 / sqrt 2), every pass@j.
     assert table(figures, ["toy"]).splitlines()[-1] == ("| toy | 2 | 2 | 0.750 ± 0.250 | 0.750 | 1.000 | 0.750 / 1.000 | "
-                                                       "- | 3.0 | 1.0 | 0 |")
+                                                       "- | 3.0 | 1.0 | 0 | - |")
+    cut = dataset_metrics("toy", [[1, 0], [1, 1]], [3, 3, 3, 3], greedy=False, seconds=1.0, truncated=1, no_program=2)
+    assert (cut["eval/toy/truncated_fraction"], cut["eval/toy/no_program_fraction"]) == (0.25, 0.5)
+    assert table(cut, ["toy"]).endswith("| 0 | truncated 25%, no program 50% |")
+    assert "eval/toy/no_program_fraction" not in figures  # a reward that does not count programs
 
 
 def test_gspo_eval_keeps_its_servers_logs_out_of_the_current_directory(tmp_path, monkeypatch):
@@ -234,7 +238,7 @@ LCB_SAMPLE = "gspo_mcore/data/samples/lcb_window_sample.jsonl"
 # right and a wrong program, and how many of the 4 samples are right.
 PROGRAMS = {
     "countVowels": ("class Solution:\n    def countVowels(self, s):\n        return sum(c in 'aeiou' for c in s)\n",
-                    "class Solution:\n    def countVowels(self, s):\n        return len(s)\n", 4),
+                    "class Solution:\n    def countVowels(self, s):\n        return len(s)\n", 3),
     "largest of them": ("input()\nprint(max(map(int, input().split())))\n", "input()\nprint(0)\n", 2),
     "twoSmallest": ("class Solution:\n    def twoSmallest(self, nums):\n        return sorted(nums)[:2]\n",
                     "class Solution:\n    def twoSmallest(self, nums):\n        return nums[:2]\n", 1),
@@ -280,15 +284,20 @@ class ProgramEngine:
             text = self.tokenizer.decode(prompt)
             right, wrong, count = next(v for key, v in PROGRAMS.items() if key in text)
             reply = f"Here it is.\n```python\n{right if i % 4 < count else wrong}```"
-            ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            out.append(Rollout(list(prompt), ids, [-0.5] * len(ids), "stop", weight_version or "eval"))
+            cut = "twoSmallest" in text and i % 4 == 3  # its last sample ran out of tokens before any code
+            ids = self.tokenizer.encode("Let me think" if cut else reply, add_special_tokens=False)
+            ids += [] if cut else [self.tokenizer.eos_token_id]
+            out.append(Rollout(list(prompt), ids, [-0.5] * len(ids), "length" if cut else "stop",
+                               weight_version or "eval"))
         return out
 
 
 def test_gspo_eval_reports_pass_at_1_on_a_livecodebench_window(tmp_path, monkeypatch, capsys):
     """prepare_code --since/--until cuts the window out of the shipped LiveCodeBench-format sample;
     gspo-eval scores k = 4 samples per problem with code_all in the sandbox: pass@1 is the mean
-    over the samples (4/4, 2/4, 1/4 right: 7/12), pass@4 the problems solved at all."""
+    over the samples (3/4, 2/4, 1/4 right: 1/2), pass@4 the problems solved at all. The table
+    says what share was cut and held no program (it printed pass@1 alone), and the samples kept
+    say why each wrong one scored 0."""
     import json
     import types
 
@@ -309,14 +318,29 @@ def test_gspo_eval_reports_pass_at_1_on_a_livecodebench_window(tmp_path, monkeyp
         f"eval:\n  datasets:\n    - {{name: lcb_2410_2502, path: {window}, reward: code_all, samples: 4, "
         "max_new_tokens: 512}\n")
     engine = ProgramEngine(tokenizer)
+    evaluators = []
+
+    class Kept(cli.Evaluator):
+        def __init__(self, *args):
+            super().__init__(*args)
+            evaluators.append(self)
+
+    monkeypatch.setattr(cli, "Evaluator", Kept)
     monkeypatch.setattr(cli.engines, "connect", lambda config, urls, key: engine)
     monkeypatch.setattr(cli, "load_hf_config", lambda path: types.SimpleNamespace(vocab_size=len(tokenizer)))
     monkeypatch.chdir(tmp_path)
     assert cli.main(["--config", str(tmp_path / "eval.yaml"), "--model", str(tmp_path / "model"),
                      "--urls", "http://scripted:1"]) == 0
     assert engine.loaded == [(tmp_path / "model", "eval")]
-    figures = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert figures["eval/lcb_2410_2502/pass@1"] == pytest.approx(7 / 12)
+    printed = capsys.readouterr().out.splitlines()
+    figures = json.loads(printed[-1])
+    assert figures["eval/lcb_2410_2502/pass@1"] == pytest.approx(1 / 2)
+    assert figures["eval/lcb_2410_2502/truncated_fraction"] == figures["eval/lcb_2410_2502/no_program_fraction"] == 1 / 12
+    assert printed[-2].endswith("| 0 | truncated 8%, no program 8% |")
+    kept = evaluators[0].last_samples  # countVowels' four: the fourth wrong (len(s) is not the vowels)
+    assert [s["reward"] for s in kept] == [1.0, 1.0, 1.0, 0.0] and ["reason" in s for s in kept] == [False] * 3 + [True]
+    why = kept[3]["reason"]
+    assert why["verdict"] == "wrong" and why["got"] != why["expected"]
     assert figures["eval/lcb_2410_2502/pass@1"] == figures["eval/lcb_2410_2502/mean@4"]
     assert figures["eval/lcb_2410_2502/pass@4"] == 1.0 and figures["eval/lcb_2410_2502/reward_errors"] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.yaml", "lcb_2410_2502.jsonl", "model", "tokenizer"]

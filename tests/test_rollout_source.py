@@ -322,3 +322,27 @@ def test_closing_the_source_while_a_group_thread_scores_waits_for_it_and_leaves_
     assert source.rewards._pool == [] and all(p.poll() is not None for p in workers)
     with pytest.raises(RuntimeError, match="scored after its runner was closed"):
         source.rewards.score(["a"], ["b"])
+
+
+def test_a_rewards_reasons_reach_the_rollouts_and_the_samples_file(task, tmp_path):
+    """A code score of 0 said nothing in samples/step_N.jsonl (reward only): the reward's
+    reward_reasons hook (the code reward's first failing test) now travels with each reply, onto
+    the rollout, into the file; a response that scored says nothing."""
+    import json
+
+    from gspo_mcore.run.sample_log import write_samples
+
+    source, _ = source_for(task, "reward.name=tests.reward_fixtures:category_saying_why", rollout_batch_size=2,
+                          max_sampling_rounds=50)
+    try:
+        rollouts, _, _ = source.collect(step=0)
+    finally:
+        source.close()
+    assert {r.reward for r in rollouts} == {0.0, 1.0}
+    for r in rollouts:
+        first = source.tokenizer.decode(r.response_ids, skip_special_tokens=True).split()[:1]
+        assert r.reward_reason == (None if r.reward else f"not a color: {first}")
+    write_samples(tmp_path / "step_1.jsonl", source.tokenizer, rollouts, [])
+    rows = [json.loads(line) for line in (tmp_path / "step_1.jsonl").read_text().splitlines()]
+    assert [row.get("reason") for row in rows] == [r.reward_reason for r in rollouts]
+    assert all(("reason" in row) == (row["reward"] == 0) for row in rows)

@@ -134,7 +134,9 @@ class StandInEvaluator:
 
     def run(self, client, version: str) -> dict:
         self.versions.append(version)
-        return {EVAL: 0.25 + 0.01 * len(self.versions)}
+        # A share that is 0 is not said on the eval line; one that is not, is.
+        return {EVAL: 0.25 + 0.01 * len(self.versions), "eval/toy/truncated_fraction": 0.0,
+                "eval/toy/no_program_fraction": 0.125 * (len(self.versions) == 2)}
 
 
 class StandInEngine:
@@ -233,8 +235,9 @@ def test_the_loop_saves_evaluates_and_logs_on_its_cadences(one_rank, signal_hand
     assert [r["step"] for r in rows if EVAL in r] == [2, 4, 6]
     assert rows[3][EVAL] == evals[2][EVAL]
     # One layout for every row: a figure absent in a step is null, not missing.
-    keys = {k for k in rows[0] if k != EVAL}
-    assert all({k for k in r if k != EVAL} == keys for r in rows) and set(UPDATE) | set(ASYNC_METRICS) <= keys
+    keys = {k for k in rows[0] if not k.startswith("eval/")}
+    assert all({k for k in r if not k.startswith("eval/")} == keys for r in rows)
+    assert set(UPDATE) | set(ASYNC_METRICS) <= keys
     empty = rows[EMPTY_STEP - 1]
     assert empty["samples"] == 0 and all(empty[k] is None for k in UPDATE)
     assert all(r["loss"] is not None for r in rows if r["step"] != EMPTY_STEP)
@@ -245,9 +248,12 @@ def test_the_loop_saves_evaluates_and_logs_on_its_cadences(one_rank, signal_hand
     assert samples == ["step_000002.jsonl", "step_000004.jsonl", "step_000006.jsonl"]
     written = [json.loads(line) for line in (out / "samples" / "step_000002.jsonl").read_text().splitlines()]
     assert [w.get("eval") for w in written] == [None, None, "toy"] and written[0]["response"] == "3 4 5"
+    assert [w.get("advantage") for w in written] == [1.0, -1.0, None]  # each training response's
     printed = capsys.readouterr().out.splitlines()
     assert [line.split(" [")[0] for line in printed if line.startswith("step ")] == [
         f"step {k:>4}/{STEPS}" for k in range(1, STEPS + 1)]
+    said = [line for line in printed if line.startswith("eval of ")]
+    assert said[1].endswith(f"{EVAL} 0.270, eval/toy/no_program_fraction 12%") and said[0].endswith(f"{EVAL} 0.260")
 
 
 def test_a_batch_generated_beside_training_reports_the_wait_and_the_pause(one_rank, signal_handlers, tmp_path):

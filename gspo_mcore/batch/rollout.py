@@ -31,6 +31,8 @@ class Rollout:
     # `logprobs` entries are 0 and never read. Empty: every token is the model's.
     loss_mask: tuple[float, ...] = ()
     reward: float | None = None  # set once scored (gspo_mcore.rollout.source)
+    # Why it scored so, where the reward says (RewardStats.reasons): OUTPUT_DIR/samples shows it.
+    reward_reason: object = None
     # The requests it came from, one per model turn: "SERVER_URL id=ENGINE_REQUEST_ID" (what
     # train.strict_exactness's evidence names, to find them in the server's log).
     origin: tuple[str, ...] = ()

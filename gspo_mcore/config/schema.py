@@ -502,7 +502,8 @@ class TrainConfig:
     TensorBoard only."""
     log_samples_every: int = 0
     """Every N steps, OUTPUT_DIR/samples/step_N.jsonl: `log_samples` training responses (prompt,
-    response, reward, advantage) and the evaluation's first responses when it ran; 0: never."""
+    response, reward, advantage, the reward's reason where it gave one) and the evaluation's first
+    responses when it ran; 0: never."""
     log_samples: int = 8
     """Training responses per samples file (log_samples_every)."""
 

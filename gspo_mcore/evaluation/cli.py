@@ -85,11 +85,21 @@ def run_seeds(model: Path, hf_dir: Path, seed: int) -> tuple[int, str | None, st
                                    f"{last['version']} (step {last['step']}, {run / 'eval.jsonl'})")
 
 
+def shares(figures: dict) -> str:
+    """A dataset's shares of responses that were cut or held no program, those that are not 0
+    ("-" when none is): a low pass@1 that says why."""
+    said = [f"{label} {figures[key]:.0%}" for key, label in (("truncated_fraction", "truncated"),
+                                                              ("no_program_fraction", "no program"))
+            if figures.get(key)]
+    return ", ".join(said) or "-"
+
+
 def table(metrics: dict, names: list[str]) -> str:
     """One row per dataset: its prompts, samples per prompt (k), mean@k with its standard error
-    over the prompts, pass@1, pass@k, pass@1..k, greedy, response length, time, reward errors."""
+    over the prompts, pass@1, pass@k, pass@1..k, greedy, response length, time, reward errors, and
+    the shares truncated or without a program where they are not 0."""
     lines = ["| dataset | prompts | k | mean@k ± s.e. | pass@1 | pass@k | pass@1..k | greedy | response length | "
-             "time (s) | reward errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "time (s) | reward errors | truncated, no program |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         mine = {key.split("/")[-1]: v for key, v in metrics.items() if key.startswith(f"eval/{name}/")}
         k = max(int(key.split("@")[1]) for key in mine if key.startswith("pass@"))
@@ -97,7 +107,8 @@ def table(metrics: dict, names: list[str]) -> str:
         every = " / ".join(f"{mine[f'pass@{j}']:.3f}" for j in range(1, k + 1))
         lines.append(f"| {name} | {mine['prompts']} | {k} | {mine[f'mean@{k}']:.3f} ± {mine[f'mean_se@{k}']:.3f} | "
                      f"{mine['pass@1']:.3f} | {mine[f'pass@{k}']:.3f} | {every} | {greedy} | "
-                     f"{mine['response_length']:.1f} | {mine['time_s']:.1f} | {mine.get('reward_errors', 0)} |")
+                     f"{mine['response_length']:.1f} | {mine['time_s']:.1f} | {mine.get('reward_errors', 0)} | "
+                     f"{shares(mine)} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,9 @@ text (or the function's own reward). Per dataset `eval/<name>/`: `mean@k` (mean 
 prompt) and `mean_se@k` (its standard error over the prompts), `prompts`, `pass@j` for j = 1..k (Chen et al. 2021's unbiased estimator over the prompts: the
 chance that at least one of j samples is correct, a response being correct when its reward is
 >= 1; pass@1 is then the mean over the k samples of each prompt, as code benchmarks report it),
-`greedy` (accuracy at temperature 0), `response_length`, `time_s`, `reward_errors`.
+`greedy` (accuracy at temperature 0), `response_length`, `time_s`, `reward_errors`,
+`truncated_fraction` (responses cut by max_new_tokens) and, for a code reward, `no_program_fraction`
+(responses with no program to run): gspo-eval's table shows these two when they are not 0.
 
 Each dataset's reward is built as training builds its own (RewardRunner.from_config): the
 training reward with its `reward.batched` / `reward.url`, another one per response, reward.code's
@@ -41,9 +43,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def dataset_metrics(name: str, rewards: list[list[float]], lengths: list[int], greedy: bool, seconds: float,
-                    reward_errors: int = 0) -> dict:
+                    reward_errors: int = 0, truncated: int = 0, no_program: int | None = None) -> dict:
     """eval/<name>/... from each prompt's sample rewards; `reward_errors`: responses whose reward
-    call failed (scored 0)."""
+    call failed (scored 0); `truncated`: responses cut by max_new_tokens; `no_program`: responses
+    with no program to run (a code reward's count; None: the reward does not count them)."""
     k = len(rewards[0])
     flat = [r for prompt in rewards for r in prompt]
     means = [sum(prompt) / k for prompt in rewards]
@@ -53,7 +56,9 @@ def dataset_metrics(name: str, rewards: list[list[float]], lengths: list[int], g
     out = {f"eval/{name}/mean@{k}": sum(flat) / len(flat), f"eval/{name}/mean_se@{k}": spread / len(means) ** 0.5,
            f"eval/{name}/prompts": len(rewards),
            f"eval/{name}/response_length": sum(lengths) / len(lengths), f"eval/{name}/time_s": seconds,
-           f"eval/{name}/reward_errors": reward_errors}
+           f"eval/{name}/reward_errors": reward_errors, f"eval/{name}/truncated_fraction": truncated / len(flat)}
+    if no_program is not None:
+        out[f"eval/{name}/no_program_fraction"] = no_program / len(flat)
     correct = [sum(r >= CORRECT for r in prompt) for prompt in rewards]
     for j in range(1, k + 1):
         out[f"eval/{name}/pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(correct)
@@ -123,9 +128,12 @@ class Evaluator:
             scores = [s if p is None else p for s, p in zip(scores, preset)]  # a function's own reward first
             per_prompt = [scores[i * d.samples:(i + 1) * d.samples] for i in range(len(samples))]
             metrics.update(dataset_metrics(d.name, per_prompt, lengths, d.temperature == 0,
-                                           time.monotonic() - began, failed))
+                                           time.monotonic() - began, failed, sum(generated.truncated or ()),
+                                           stats.metrics.get("code_no_program")))
             self.last_samples += [{"eval": d.name, "prompt": repeated[i].prompt, "response": texts[i],
                                    "reward": scores[i], "answer": repeated[i].answer,
+                                   **({"reason": stats.reasons[i]} if i in stats.reasons and preset[i] is None
+                                      else {}),
                                    **({"transcript": generated.transcripts[i]} if generated.transcripts else {})}
                                   for i in range(min(keep_samples, len(texts)))]
         return metrics

@@ -237,8 +237,10 @@ def combine_kinds() -> dict[str, tuple[str, str]]:
 
 # One family of keys per evaluation dataset (gspo_mcore.evaluation.held_out): eval/<dataset>/mean@k,
 # mean_se@k (its standard error over the prompts), prompts, pass@1..k, greedy, response_length, time_s,
-# reward_errors (responses whose reward call failed, scored 0); in the rows of the steps evaluated, absent elsewhere.
-EVAL_KEY = re.compile(r"^eval/[^/]+/(mean@\d+|mean_se@\d+|prompts|pass@\d+|greedy|response_length|time_s|reward_errors)$")
+# reward_errors (responses whose reward call failed, scored 0), truncated_fraction, no_program_fraction (a code
+# reward's); in the rows of the steps evaluated, absent elsewhere.
+EVAL_KEY = re.compile(r"^eval/[^/]+/(mean@\d+|mean_se@\d+|prompts|pass@\d+|greedy|response_length|time_s|reward_errors"
+                      r"|truncated_fraction|no_program_fraction)$")
 
 
 def unknown(keys) -> list[str]:

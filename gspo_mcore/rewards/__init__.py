@@ -56,11 +56,18 @@ def _code_check_answer(answer: str, where: str) -> None:
     code.reward_check_answer(answer, where)
 
 
-# A reward worker's hooks (gspo_mcore.rewards.worker): the counts it reports, reward.code's settings;
-# the runner's at data load: each answer read as the reward will read it.
+def _code_reasons() -> list:
+    from gspo_mcore.rewards import code
+
+    return code.reward_reasons()
+
+
+# A reward worker's hooks (gspo_mcore.rewards.worker): the counts it reports, why each response
+# scored so, reward.code's settings; the runner's at data load: each answer read as the reward will read it.
 code_reward.reward_metrics = code_all_reward.reward_metrics = _code_metrics
 code_reward.reward_options = code_all_reward.reward_options = _code_options
 code_reward.reward_check_answer = code_all_reward.reward_check_answer = _code_check_answer
+code_reward.reward_reasons = code_all_reward.reward_reasons = _code_reasons
 
 
 RewardFn = Callable[..., float]

@@ -384,6 +384,18 @@ class CodeScore:
     failure: dict | None = None  # why it did not pass: the judge's (sandbox.judge.Judgement.failure)
 
 
+def explained(result: CodeScore) -> dict | str | None:
+    """`--explain`'s reason for a score: the failure, or why there was nothing to run."""
+    if result.no_program:
+        return "no program: the response has no fenced code block in reward.code.languages"
+    if result.infrastructure_error is not None:
+        return f"infrastructure: {result.infrastructure_error}"
+    return result.failure
+
+
+REASONS: list = []  # the last call's, per response: explained()
+
+
 def _count(judgement: Judgement) -> None:
     STATS.tests_run += sum(v != "infrastructure" for v in judgement.verdicts) if judgement.same_as is None else 0
     STATS.sandbox_s += judgement.sandbox_s
@@ -440,21 +452,37 @@ def _hack_check(response: str, settings: CodeRewardConfig) -> bool:
     return hashlib.sha1(response.encode("utf-8", "surrogateescape")).digest()[0] < 256 * settings.hack_check_share
 
 
-def _rewards(responses: list[str], answers: list[str], every_test: bool) -> list[float | None]:
-    """A group's rewards (one problem: a batched reward gets a prompt's group). A response whose
-    program met an infrastructure error (counted in STATS) scores 0, or None (`mask`: the rollout
-    source drops it from its group), never a pass; its reason goes to stderr (the trainer's)."""
+def _results(responses: list[str], answers: list[str], every_test: bool) -> list[CodeScore]:
+    """Each response judged against its answer's problem, a problem's responses as one group."""
     check_sandbox()  # once per worker: the one-line refusal where the sandbox cannot run
     check_languages(SETTINGS.languages)  # and where C++ is judged without a compiler
     if len(set(answers)) != 1:
-        return [value for r, a in zip(responses, answers) for value in _rewards([r], [a], every_test)]
-    results = score_group(responses, problem_from_answer(answers[0]), every_test=every_test)
+        return [result for r, a in zip(responses, answers) for result in _results([r], [a], every_test)]
+    return score_group(responses, problem_from_answer(answers[0]), every_test=every_test)
+
+
+def _rewards(responses: list[str], answers: list[str], every_test: bool) -> list[float | None]:
+    """A group's rewards (one problem: a batched reward gets a prompt's group). A response whose
+    program met an infrastructure error (counted in STATS) scores 0, or None (`mask`: the rollout
+    source drops it from its group), never a pass; its reason goes to stderr (the trainer's).
+    Why each scored as it did is kept for reward_reasons()."""
+    global REASONS
+    results = _results(responses, answers, every_test)
     masked = SETTINGS.infrastructure_errors == "mask"
     for result in results:
         if result.infrastructure_error is not None:
             print(f"code reward: infrastructure error ({'masked' if masked else 'scored 0'}): "
                   f"{result.infrastructure_error}", file=sys.stderr, flush=True)
+    REASONS = [explained(result) for result in results]
     return [None if masked and r.infrastructure_error is not None else r.reward for r in results]
+
+
+
+def reward_reasons() -> list:
+    """The worker's hook (gspo_mcore.rewards.worker): why each response of the last call scored
+    as it did (explained(): the first test not passed, the build's messages, no program; None
+    where it passed), which the run writes beside it in OUTPUT_DIR/samples."""
+    return REASONS
 
 
 def code_reward(response: str, answer: str) -> float | None:
@@ -534,15 +562,6 @@ def settings_from_args(args: argparse.Namespace) -> CodeRewardConfig:
     if settings.problem() is not None:
         raise InputError(f"reward.code.{settings.problem()}")
     return settings
-
-
-def explained(result: CodeScore) -> dict | str | None:
-    """`--explain`'s reason for a score: the failure, or why there was nothing to run."""
-    if result.no_program:
-        return "no program: the response has no fenced code block in reward.code.languages"
-    if result.infrastructure_error is not None:
-        return f"infrastructure: {result.infrastructure_error}"
-    return result.failure
 
 
 def _prepare_cpp(responses: list[str], settings: CodeRewardConfig) -> None:

@@ -41,6 +41,9 @@ class RewardStats:
     messages: list[str] = field(default_factory=list)
     # The reward module's own counts (its reward_metrics(), gspo_mcore.rewards.worker), summed over calls.
     metrics: dict[str, float] = field(default_factory=dict)
+    # Why a response scored as it did, by its index: the reward's reward_reasons() (the code
+    # reward's first failing test) or the failed call's message; for OUTPUT_DIR/samples.
+    reasons: dict[int, object] = field(default_factory=dict)
 
 
 class _Worker:
@@ -184,6 +187,8 @@ class RewardRunner:
                 for key, value in (reply.get("metrics") or {}).items() if isinstance(reply, dict) else ():
                     stats.metrics[key] = stats.metrics.get(key, 0) + value
                 if reply is not None and "rewards" in reply:
+                    said = zip(job, reply.get("reasons") or ())
+                    stats.reasons.update((i, why) for i, why in said if why is not None)
                     for i, value in zip(job, reply["rewards"]):
                         rewards[i] = value if value is not None or self.masking else 0.0
                         if value is None:
@@ -194,11 +199,13 @@ class RewardRunner:
                 stats.errors += len(job)  # it raised, returned NaN, or its process died
                 said = reply.get("error", "failed") if isinstance(reply, dict) else "its worker process died"
                 stats.messages += [f"response {i}: {said}" for i in job]
+                stats.reasons.update((i, f"reward error: {said}") for i in job)
                 if reply is None:
                     self._replace(worker)
             elif time.monotonic() >= worker.started + self.timeout_s:
                 stats.timeouts += len(job)
                 stats.messages += [f"response {i}: timed out after {self.timeout_s:g} s (reward.timeout_s)" for i in job]
+                stats.reasons.update((i, f"reward timed out after {self.timeout_s:g} s") for i in job)
                 self._replace(worker)
 
     def _replace(self, worker: _Worker) -> None:

@@ -4,9 +4,9 @@ Imports only the reward function (not the trainer, torch or megatron), hands it 
 (reward.code's settings) through its `reward_options(options: dict)` hook where it has one, says
 `ready`, then answers one JSON line per request on a private pipe: `[[response, answer], kwargs]`
 (batched: `[[responses, answers], kwargs of lists]`) -> `{"rewards": [x, ...]}` or
-`{"error": "..."}`. A reward may return None for a response it could not score for a reason not
-the response's (the code reward's infrastructure errors, reward.code.infrastructure_errors: mask):
-null in the reply, masked by the runner. The reward's own prints go to stderr, so they cannot
+`{"error": "..."}`, with the reward's counts (`metrics`) and reasons (`reasons`) where it has
+those hooks. A reward may return None for a response it could not score for a reason not the
+response's (the code reward's infrastructure errors, reward.code.infrastructure_errors: mask): null in the reply, masked by the runner. The reward's own prints go to stderr, so they cannot
 corrupt the protocol. Ends at end of input (the trainer closed the pipe or died) or once the process that started it is gone."""
 
 from __future__ import annotations
@@ -40,11 +40,16 @@ def main() -> int:
     # A reward may count things per call (the code reward's tests, sandbox time, ...): a
     # `reward_metrics() -> {name: number}` hook, the counts since its last call, sent with each reply.
     counts = reward_hook(reward_fn, "reward_metrics")
+    # And why each response of the call scored as it did: a `reward_reasons() -> [reason or None, ...]`
+    # hook (the code reward's first failing test), sent with a reply that has rewards.
+    reasons = reward_hook(reward_fn, "reward_reasons")
     protocol.write('"ready"\n')
     for line in sys.stdin:
         args, kwargs = json.loads(line)
         try:
             reply = {"rewards": call(reward_fn, args, kwargs, batched)}
+            if reasons is not None:
+                reply["reasons"] = reasons()
         except Exception as err:
             reply = {"error": f"{type(err).__name__}: {err}"}
         if counts is not None:

@@ -26,6 +26,7 @@ class Generated:
     # Per trajectory, every token after the prompt decoded: the model's turns, the tool calls and
     # results between them (None: single turn, where the response is all of it).
     transcripts: list[str] | None = None
+    truncated: list[bool] | None = None  # cut by a token budget (finish reason "length")
 
 
 class Generator:
@@ -71,7 +72,7 @@ class Generator:
         return Generated([t.text for t in flat], [len(t.token_ids) for t in flat], [len(g) for g in groups],
                          [t.reward for t in flat],
                          None if evaluation else [to_rollout(t, f"{n}") for n, t in enumerate(flat)], infos,
-                         transcripts)
+                         transcripts, [t.finish_reason == "length" for t in flat])
 
     def _single_turn(self, client, samples, repeats, params, seeds, weight_version, oldest_version,
                      evaluation) -> Generated:
@@ -83,7 +84,7 @@ class Generator:
                                    oldest_version=oldest_version, evaluation=evaluation)
         texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
         return Generated(texts, [len(r.response_ids) for r in rollouts], [repeats] * len(samples),
-                         [None] * len(rollouts), rollouts)
+                         [None] * len(rollouts), rollouts, truncated=[r.truncated for r in rollouts])
 
     def close(self) -> None:
         if self.tools is not None:

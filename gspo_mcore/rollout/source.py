@@ -150,7 +150,8 @@ class RolloutSource:
             "reward_errors": stats.errors, "reward_timeouts": stats.timeouts, "reward_counts": stats.metrics,
             "trainable": sum(sum(r.mask) for r in rollouts), "turns": generated.infos,
         }
-        kept = [dataclasses.replace(rollouts[judged[i]], reward=rewards[i].item()) for i in selected]
+        kept = [dataclasses.replace(rollouts[judged[i]], reward=rewards[i].item(),
+                                    reward_reason=stats.reasons.get(judged[i])) for i in selected]
         return kept, [advantages[i].item() for i in selected], figures
 
     def step_metrics(self, rounds: list[dict]) -> dict:

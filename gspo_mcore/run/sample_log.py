@@ -8,11 +8,16 @@ from pathlib import Path
 from gspo_mcore.common.files import atomic_output
 
 
-def write_samples(path: Path, tokenizer, rollouts: list, eval_samples: list[dict]) -> None:
-    """Training responses (prompt, response, reward) and evaluation ones, a JSON object per line."""
+def write_samples(path: Path, tokenizer, rollouts: list, eval_samples: list[dict],
+                  advantages: list[float] = ()) -> None:
+    """Training responses (prompt, response, reward, its advantage where given, and the reward's
+    reason where it gave one: the code reward's first failing test) and evaluation ones, a JSON
+    object per line."""
     rows = [{"prompt": tokenizer.decode(r.prompt_ids, skip_special_tokens=True),
-             "response": tokenizer.decode(r.response_ids, skip_special_tokens=True), "reward": r.reward}
-            for r in rollouts] + eval_samples
+             "response": tokenizer.decode(r.response_ids, skip_special_tokens=True), "reward": r.reward,
+             **({"advantage": advantages[i]} if i < len(advantages) else {}),
+             **({"reason": r.reward_reason} if r.reward_reason is not None else {})}
+            for i, r in enumerate(rollouts)] + eval_samples
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp:
         tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))

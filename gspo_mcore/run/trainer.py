@@ -141,21 +141,24 @@ class RankZero:
     def evaluate(self, done: int, version: str) -> dict:
         """The eval datasets on the engine, which holds the weights `version` (after `done` steps)."""
         metrics = self.evaluator.run(self.source.client, version)
-        self.say(f"eval of {version}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()
-                                                   if "/mean@" in k or "/pass@1" in k or "/greedy" in k))
+        self.say(f"eval of {version}: " + ", ".join(
+            [f"{k} {v:.3f}" for k, v in metrics.items() if "/mean@" in k or "/pass@1" in k or "/greedy" in k]
+            + [f"{k} {v:.0%}" for k, v in metrics.items() if k.endswith("_fraction") and v]))
         self.log.write_eval(done, version, metrics)
         return metrics
 
-    def record(self, row: dict, rollouts: list, version: str) -> None:
+    def record(self, row: dict, rollouts: list, advantages: list, version: str) -> None:
         """Once step `row["step"]` is trained and pushed: the evaluation when due (its figures join
-        the row) and the samples when due, then the row to the sinks and the progress line."""
+        the row) and the samples when due (the step's rollouts with their advantages), then the row
+        to the sinks and the progress line."""
         cfg, done, evaluated = self.config, row["step"], {}
         if self.evaluator is not None and ((cfg.eval.every and done % cfg.eval.every == 0) or done == cfg.train.steps):
             evaluated = self.evaluate(done, version)
         every = cfg.train.log_samples_every
         if every and done % every == 0:
             write_samples(self.output_dir / "samples" / f"step_{done:06d}.jsonl", self.source.tokenizer,
-                          rollouts[: cfg.train.log_samples], self.evaluator.last_samples if evaluated else [])
+                          rollouts[: cfg.train.log_samples], self.evaluator.last_samples if evaluated else [],
+                          advantages)
         row.update(evaluated)
         self.log.write(row)
         self.progress.update(row)
@@ -190,7 +193,7 @@ class OtherRank:
     def resume_engine_memory(self) -> None:
         pass
 
-    def record(self, row: dict, rollouts: list, version: str) -> None:
+    def record(self, row: dict, rollouts: list, advantages: list, version: str) -> None:
         pass
 
 
@@ -308,6 +311,7 @@ class Trainer:
             raise
         self.probes: list[tuple[list[int], int]] = []  # (tokens, first response token)
         self.last_rollouts: list = []
+        self.last_advantages: list = []
         self.peak_gb = 0.0
         self.peak_flops = device_peak_flops(config, self.host.say)  # mfu / hfu's denominator; None on CPU
 
@@ -332,7 +336,7 @@ class Trainer:
         with timed(timings, "time_sync_s"):
             metrics.update(self._push_and_check(step, batch))
         peak = peak_memory_gb()  # collective: the peak over the ranks
-        self.last_rollouts = batch.rollouts
+        self.last_rollouts, self.last_advantages = batch.rollouts, batch.advantages
         return self._row(step, batch, metrics, timings, peak)
 
     def _prepared_batch(self, step: int) -> tuple[Batch, dict]:
@@ -441,7 +445,7 @@ class Trainer:
                 saved = cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
                 if saved:
                     self.checkpoints.save(step + 1)
-                self.host.record(row, self.last_rollouts, self.version)
+                self.host.record(row, self.last_rollouts, self.last_advantages, self.version)
                 self.peak_gb = max(self.peak_gb, row["peak_memory_gb"])
                 if step + 1 < cfg.steps and self.stop.requested_anywhere():  # collective
                     self._stop_for_signal(step + 1, saved=bool(saved))

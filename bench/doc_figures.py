@@ -1,0 +1,221 @@
+"""The figures the docs quote from runs, made again at this code by one command.
+
+    python bench/doc_figures.py --list
+    python bench/doc_figures.py NAME [NAME ...] [--out DIR]
+
+Each figure sits in its doc between `<!-- figures: NAME -->` and `<!-- /figures: NAME -->`, and
+its text names what made it: this command, the runs' config and seeds, the date and the git
+revision. NAME runs what the block needs (under DIR/NAME, default outputs/doc_figures; a finished
+run is not run again, so an interrupted one continues) and rewrites the block in place (the doc
+written whole or not at all). Not a test: a block's figures move with the code, which is why the
+block says which code made them. `tests/test_doc_figures.py` holds every marked block to an entry
+here and each entry's text to naming its command and seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "outputs" / "doc_figures"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+
+
+@dataclass(frozen=True)
+class Made:
+    """Where a block's figures came from, said in the block."""
+    command: str  # this script's, to make them again
+    date: str
+    revision: str
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: str  # relative to the repository
+    what: str  # for --list
+    make: Callable[[Path], dict]  # DIR -> the figures (runs what is not run yet)
+    render: Callable[[dict, Made], str]  # the block's text
+
+
+# ---- the GSPO lineage on the CPU default (docs/07)
+
+LINEAGE = ["gspo", "sapo", "cispo", "gmpo", "luspo"]
+LINEAGE_SEEDS = [1234, 1235]
+LINEAGE_STEPS = 30
+
+
+def train(run_dir: Path, config: str, overrides: list[str], steps: int) -> Path:
+    """One gspo-train run to its end into `run_dir` (kept when it finished: its summary.json and
+    `steps` rows)."""
+    rows = run_dir / "metrics.jsonl"
+    if (run_dir / "summary.json").is_file() and rows.is_file() and len(rows.read_text().splitlines()) >= steps:
+        return run_dir
+    cmd = [sys.executable, "-m", "gspo_mcore.train", "--config", config, "--output-dir", str(run_dir), "--overwrite",
+           f"train.steps={steps}", *overrides]
+    print(" ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {run_dir}: the run failed:\n{done.stderr[-3000:]}")
+    return run_dir
+
+
+def lineage_gains(out: Path) -> dict:
+    """Each loss at its defaults on configs/tiny_cpu.yaml: the mean reward's gain from its first 10
+    to its last 10 steps (summary.json's), per seed."""
+    from gspo_mcore.tasks.toy import make_toy_task
+
+    toy = make_toy_task(out / "toy", seed=0)  # the demo's task, as `make demo` writes it
+    task = [f"model.hf_dir={toy / 'model'}", f"data.path={toy / 'prompts.jsonl'}", "eval.datasets=[]",
+            "train.export_hf=false", "train.save_every=0"]
+    gains = {}
+    for seed in LINEAGE_SEEDS:  # seed-major: an interrupted run has every loss at the same depth
+        for loss in LINEAGE:
+            run = train(out / loss / f"seed-{seed}", "configs/tiny_cpu.yaml",
+                        [*task, f"loss.function={loss}", f"train.seed={seed}"], LINEAGE_STEPS)
+            gains.setdefault(loss, []).append(json.loads((run / "summary.json").read_text())["reward_gain"])
+    return {"gains": gains, "seeds": LINEAGE_SEEDS, "steps": LINEAGE_STEPS}
+
+
+def render_lineage(figures: dict, made: Made) -> str:
+    seeds = " and ".join(map(str, figures["seeds"]))
+    each = ", ".join(f"{loss} {' / '.join(f'{g:+.2f}' for g in gains)}" for loss, gains in figures["gains"].items())
+    return (f"Each trains the CPU default at its defaults (`configs/tiny_cpu.yaml`, {figures['steps']} steps, "
+            f"`loss.function` set, seeds {seeds}; the mean reward's gain from the first 10 to the last 10 "
+            f"steps, per seed): {each}. Made by `{made.command}` on {made.date} at {made.revision}; two seeds "
+            "of a toy task rank nothing (the grid below has three on the long task).")
+
+
+# ---- the demo's end (README)
+
+DEMO_SEED = 1234  # configs/tiny_cpu.yaml's train.seed
+
+
+def demo(out: Path) -> dict:
+    """`make demo` into DIR: the lines the README quotes from what it printed."""
+    log = out / "demo.log"
+    if not (out / "tiny_cpu" / "summary.json").is_file():
+        cmd = [sys.executable, "-m", "gspo_mcore.run.demo", "--output-dir", str(out), "--overwrite"]
+        print(" ".join(cmd[1:]), flush=True)
+        with open(log, "w") as printed:
+            done = subprocess.run(cmd, cwd=REPO, env=ENV, stdout=printed, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"error: the demo failed:\n{done.stderr[-3000:]}")
+    lines = log.read_text().splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    tail = [line for line in lines if line.startswith(("mean reward:", "held-out ", "the exported model again:"))]
+    return {"lines": [steps[0], "...", steps[-1], *tail], "seed": DEMO_SEED, "out": str(out)}
+
+
+def render_demo(figures: dict, made: Made) -> str:
+    text = "\n".join(figures["lines"]).replace(figures["out"], "outputs/demo")  # as `make demo` prints it
+    return (f"```\n{text}\n```\n\n(Made by `{made.command}` on {made.date} at {made.revision}: `make demo`, "
+            f"`train.seed` {figures['seed']}.)")
+
+
+# ---- both engines side by side (docs/12)
+
+ENGINE_STEPS = 40
+
+
+def engines(out: Path) -> dict:
+    """bench/engines.py's one JSON line (both engines in one invocation, SGLang first)."""
+    line = out / "engines.json"
+    if not line.is_file():
+        cmd = [sys.executable, "bench/engines.py", "--steps", str(ENGINE_STEPS), "--out", str(out / "runs")]
+        print(" ".join(cmd[1:]), flush=True)
+        done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"error: bench/engines.py failed:\n{done.stderr[-3000:]}")
+        line.write_text(done.stdout.strip().splitlines()[-1] + "\n")
+    return {**json.loads(line.read_text()), "seed": DEMO_SEED, "steps": ENGINE_STEPS}
+
+
+def render_engines(figures: dict, made: Made) -> str:
+    rows = []
+    for engine, config in (("SGLang", "configs/tiny_cpu.yaml"), ("vLLM", "configs/tiny_cpu_vllm.yaml")):
+        r = figures[engine.lower()]
+        mismatch = "-" if r["mismatch_max"] is None else f"{r['mismatch_max']:.1e}"
+        rows.append(f"| {engine} (`{config}`) | {r['reward_first']:.3f} -> {r['reward_last']:.3f} "
+                    f"({r['reward_gain']:+.3f}) | {r['generated_tokens_per_s']:.0f} | {r['step_s']:.2f} | {mismatch} | "
+                    f"{r['server_start_s']} s |")
+    return (f"Made by `{made.command}` on {made.date} at {made.revision} (`python bench/engines.py --steps "
+            f"{figures['steps']}`, `train.seed` {figures['seed']}; 2 cores, one run, SGLang first; each engine's "
+            "model is the toy's with its own head size, 32 for SGLang, 64 for vLLM):\n\n"
+            "| | reward, first 10 -> last 10 steps | generated tok/s | s / step | mismatch max (float32) | server ready |\n"
+            "| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows))
+
+
+BLOCKS = {
+    "lineage_gains": Block("docs/07-loss.md", "the GSPO lineage's gains on the CPU default, 5 losses x 2 seeds",
+                           lineage_gains, render_lineage),
+    "demo": Block("README.md", "`make demo`'s first and last step and its summary", demo, render_demo),
+    "engines": Block("docs/12-engines.md", "the CPU default on SGLang and on vLLM, side by side", engines,
+                     render_engines),
+}
+
+
+# ---- the blocks in the docs
+
+def marked(text: str) -> dict[str, str]:
+    """NAME -> the text between its markers, for every marked block of a doc."""
+    found = re.findall(r"<!-- figures: (\w+) -->\n(.*?)\n<!-- /figures: \1 -->", text, flags=re.S)
+    return dict(found)
+
+
+def replaced(text: str, name: str, block: str) -> str:
+    """`text` with block `name`'s contents replaced (a one-line error if it has no such block)."""
+    pattern = re.compile(rf"(<!-- figures: {name} -->\n).*?(\n<!-- /figures: {name} -->)", flags=re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"error: no block '{name}' (<!-- figures: {name} --> ... <!-- /figures: {name} -->)")
+    return pattern.sub(lambda m: m.group(1) + block + m.group(2), text, count=1)
+
+
+def made_now(name: str) -> Made:
+    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True).stdout.strip() or "an unknown revision"
+    return Made(f"python bench/doc_figures.py {name}", datetime.date.today().isoformat(), revision)
+
+
+def write(doc: Path, text: str) -> None:
+    tmp = doc.with_name(doc.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(doc)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"blocks to make again, of {', '.join(BLOCKS)}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the runs go (DIR/NAME)")
+    parser.add_argument("--list", action="store_true", help="each block: its doc and what it holds")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in BLOCKS]
+    if unknown:
+        raise SystemExit(f"error: {unknown[0]!r} is not a block: one of {', '.join(BLOCKS)}")
+    if args.list or not args.names:
+        for name, block in BLOCKS.items():
+            print(f"{name}: {block.doc}: {block.what}")
+        return 0
+    sys.path.insert(0, str(REPO))
+    for name in args.names:
+        block = BLOCKS[name]
+        out = args.out / name
+        out.mkdir(parents=True, exist_ok=True)
+        figures = block.make(out)
+        (out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")
+        doc = REPO / block.doc
+        write(doc, replaced(doc.read_text(), name, block.render(figures, made_now(name))))
+        print(f"{name}: {block.doc} rewritten", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""bench/doc_figures.py: every figure block the docs hold is one it makes again, and each says
+what made it (the command, the seeds, the date, the revision). docs/07 quoted the lineage's
+gains with no seed or command (cispo +0.58 / +0.60; a new user's run gave +0.691), so a reader
+could not tell stale from noise."""
+
+import re
+import sys
+
+import pytest
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import doc_figures  # noqa: E402
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_every_marked_block_is_one_the_script_makes_and_says_what_made_it():
+    found = {name: (doc.relative_to(REPO).as_posix(), text) for doc in DOCS
+             for name, text in doc_figures.marked(doc.read_text()).items()}
+    assert sorted(found) == sorted(doc_figures.BLOCKS)
+    for name, (doc, text) in found.items():
+        assert doc == doc_figures.BLOCKS[name].doc
+        assert f"`python bench/doc_figures.py {name}` on 20" in text and re.search(r"seeds? \d+|train.seed` \d+", text)
+
+
+def test_a_block_is_rendered_with_its_command_and_seeds_and_replaced_alone():
+    made = doc_figures.Made("python bench/doc_figures.py lineage_gains", "2026-12-02", "abc1234")
+    text = doc_figures.render_lineage({"gains": {"gspo": [0.51, 0.6], "cispo": [0.691, -0.02]}, "seeds": [1234, 1235],
+                                       "steps": 30}, made)
+    assert "30 steps" in text and "seeds 1234 and 1235" in text and "gspo +0.51 / +0.60, cispo +0.69 / -0.02" in text
+    assert "Made by `python bench/doc_figures.py lineage_gains` on 2026-12-02 at abc1234" in text
+    doc = "before\n<!-- figures: lineage_gains -->\nold\nlines\n<!-- /figures: lineage_gains -->\nafter\n"
+    assert doc_figures.replaced(doc, "lineage_gains", text) == doc.replace("old\nlines", text)
+    assert doc_figures.marked(doc_figures.replaced(doc, "lineage_gains", text)) == {"lineage_gains": text}
+    with pytest.raises(SystemExit, match=r"^error: no block 'demo' \(<!-- figures: demo -->"):
+        doc_figures.replaced(doc, "demo", text)
+
+
+def test_the_demo_block_quotes_the_run_as_make_demo_prints_it():
+    figures = {"lines": ["step    1/40 [---] reward 0.258", "...", "step   40/40 [###] reward 0.953",
+                         "the exported model again: python -m gspo_mcore.evaluation.cli --config configs/tiny_cpu.yaml "
+                         "--model /tmp/x/demo/tiny_cpu"], "seed": 1234, "out": "/tmp/x/demo"}
+    text = doc_figures.render_demo(figures, doc_figures.Made("python bench/doc_figures.py demo", "2026-12-02", "abc"))
+    assert text.startswith("```\nstep    1/40") and "--model outputs/demo/tiny_cpu\n```" in text
+    assert text.endswith("(Made by `python bench/doc_figures.py demo` on 2026-12-02 at abc: `make demo`, "
+                         "`train.seed` 1234.)")
+
+
+def test_an_unknown_block_is_one_line(capsys):
+    with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, engines$"):
+        doc_figures.main(["nosuch"])
+    assert doc_figures.main(["--list"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("lineage_gains: docs/07-loss.md: ")
+
+
+def test_the_engines_block_is_a_row_per_engine():
+    one = {"reward_first": 0.293, "reward_last": 0.951, "reward_gain": 0.658, "generated_tokens_per_s": 737.2,
+           "step_s": 0.521, "mismatch_max": 3.2e-7, "server_start_s": 19}
+    text = doc_figures.render_engines({"sglang": one, "vllm": {**one, "mismatch_max": None}, "seed": 1234, "steps": 40},
+                                      doc_figures.Made("python bench/doc_figures.py engines", "2026-12-02", "abc"))
+    assert "`python bench/engines.py --steps 40`, `train.seed` 1234" in text
+    assert text.splitlines()[-2:] == [
+        "| SGLang (`configs/tiny_cpu.yaml`) | 0.293 -> 0.951 (+0.658) | 737 | 0.52 | 3.2e-07 | 19 s |",
+        "| vLLM (`configs/tiny_cpu_vllm.yaml`) | 0.293 -> 0.951 (+0.658) | 737 | 0.52 | - | 19 s |"]

@@ -44,6 +44,7 @@ class Block:
     what: str  # for --list
     make: Callable[[Path], dict]  # DIR -> the figures (runs what is not run yet)
     render: Callable[[dict, Made], str]  # the block's text
+    files: tuple[tuple[str, str], ...] = ()  # (made under DIR, copied to this path of the repository)
 
 
 # ---- the GSPO lineage on the CPU default (docs/07)
@@ -154,10 +155,72 @@ def render_engines(figures: dict, made: Made) -> str:
             "| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows))
 
 
+# ---- every built-in loss on the long task (docs/07's grid)
+
+GRID_SEEDS = [1234, 1235, 1236]  # bench/losses.py's three
+GRID_FIRST = 7  # steps: the grid's start, as its reward is its last 7 of 28
+
+
+def losses_grid(out: Path) -> dict:
+    """bench/losses.py's grid (7 losses x 3 seeds x 28 steps on configs/long_cpu.yaml, its runs under
+    DIR/runs), its JSON line, and each arm's first step and first 7 steps per seed."""
+    line = out / "losses.json"
+    if not line.is_file():
+        cmd = [sys.executable, "bench/losses.py", "--out", str(out), "--seeds", str(len(GRID_SEEDS))]
+        print(" ".join(cmd[1:]), flush=True)
+        done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"error: bench/losses.py failed:\n{done.stderr[-3000:]}")
+        line.write_text(done.stdout.strip().splitlines()[-1] + "\n")
+    arms = json.loads(line.read_text())["arms"]
+    starts = {}
+    for arm in arms:
+        for seed in GRID_SEEDS:
+            rows = [json.loads(r) for r in (out / "runs" / arm / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()]
+            starts.setdefault(arm, []).append({"first_step": rows[0]["reward_mean"],
+                                               "first_steps": sum(r["reward_mean"] for r in rows[:GRID_FIRST])
+                                               / GRID_FIRST})
+    return {"arms": arms, "starts": starts, "seeds": GRID_SEEDS}
+
+
+def render_losses_grid(figures: dict, made: Made) -> str:
+    arms, starts, seeds = figures["arms"], figures["starts"], figures["seeds"]
+    first = ", ".join(f"{s['first_step']:.3f}" for s in starts["gspo"])
+    opening = [s["first_steps"] for arm in arms for s in starts[arm]]
+    head = (f"One grid on this 2-core CPU machine, made by `{made.command}` on {made.date} at {made.revision} "
+            f"(`python bench/losses.py --seeds {len(seeds)}`, seeds {', '.join(map(str, seeds))}; each seed's "
+            f"first step drew the same responses in every arm, reward {first}); reward is the mean of the last 7 "
+            f"steps, mean +- sd over seeds (every arm's first {GRID_FIRST} steps: {min(opening):.2f}-"
+            f"{max(opening):.2f}); clip is the share of response tokens the clip took; mismatch the mean |log s_i| "
+            "of trainer vs engine at theta_old, and the share of sequences whose mismatch alone is outside the "
+            "arm's band:")
+    fmt = (lambda v, spec: "-" if v is None else format(v, spec))
+    table = ["| loss | reward | clip | masked | mismatch / seq | out of band | response length | train s/step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, s in arms.items():
+        masked = s.get("mismatch_truncated_fraction")
+        masked = s.get("mismatch_masked_fraction") if masked is None else masked
+        table.append(f"| {arm} | {s['final_reward_mean']:.3f} +- {s['final_reward_sd']:.3f} | "
+                     f"{fmt(s['clip_fraction'], '.3f')} | {fmt(masked, '.1%')} | {fmt(s['mismatch_seq'], '.3g')} | "
+                     f"{fmt(s['out_of_band'], '.0%')} | {fmt(s['response_length'], '.1f')} | "
+                     f"{fmt(s['train_s_per_step'], '.2f')} |")
+    base = arms["gspo"]["final_reward_per_seed"]
+    per_seed = [f"| loss | {' | '.join(map(str, seeds))} | minus gspo, per seed |", "|---|" + "---|" * (len(seeds) + 1)]
+    for arm, s in arms.items():
+        values = s["final_reward_per_seed"]
+        minus = "" if arm == "gspo" else ", ".join(f"{v - b:+.3f}" for v, b in zip(values, base))
+        per_seed.append(f"| {arm} | {' | '.join(f'{v:.3f}' for v in values)} | {minus} |")
+    return "\n".join([head, "", *table, "", f"Per seed ({', '.join(map(str, seeds))}), the same seed across a "
+                      "column:", "", *per_seed])
+
+
 BLOCKS = {
     "lineage_gains": Block("docs/07-loss.md", "the GSPO lineage's gains on the CPU default, 5 losses x 2 seeds",
                            lineage_gains, render_lineage),
     "demo": Block("README.md", "`make demo`'s first and last step and its summary", demo, render_demo),
+    "losses_grid": Block("docs/07-loss.md", "every built-in loss on the long task, 7 losses x 3 seeds x 28 steps",
+                         losses_grid, render_losses_grid,
+                         (("losses.md", "docs/losses_grid.md"), ("reward.png", "docs/losses_reward.png"))),
     "engines": Block("docs/12-engines.md", "the CPU default on SGLang and on vLLM, side by side", engines,
                      render_engines),
 }
@@ -185,9 +248,10 @@ def made_now(name: str) -> Made:
     return Made(f"python bench/doc_figures.py {name}", datetime.date.today().isoformat(), revision)
 
 
-def write(doc: Path, text: str) -> None:
+def write(doc: Path, content: str | bytes) -> None:
+    """`doc` written whole or not at all."""
     tmp = doc.with_name(doc.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(content.encode() if isinstance(content, str) else content)
     tmp.replace(doc)
 
 
@@ -213,6 +277,8 @@ def main(argv=None) -> int:
         (out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")
         doc = REPO / block.doc
         write(doc, replaced(doc.read_text(), name, block.render(figures, made_now(name))))
+        for made, kept in block.files:
+            write(REPO / kept, (out / made).read_bytes())
         print(f"{name}: {block.doc} rewritten", flush=True)
     return 0
 

@@ -53,12 +53,14 @@ def _row_of(line: str, printed) -> dict:
     head, body = line.split("] ", 1)
     row = {"step": int(head.split()[1].split("/")[0])}
     body = " " + body.rsplit(" | ETA", 1)[0]
-    for metric in printed:
+    for metric in sorted(printed, key=lambda m: m.printed_if_nonzero):  # the line's order: those always shown first
         before, _, after = metric.printed.partition("{")
-        after = after.partition("}")[2]
-        found = re.match(" " + re.escape(before) + r"(-?[0-9.]+(?:e[-+][0-9]+)?|-)" + re.escape(after) + r"(?= |$)", body)
+        spec, _, after = after.partition("}")
+        share = spec.endswith("%")  # printed as a percentage: "truncated 98%"
+        found = re.match(" " + re.escape(before) + r"(-?[0-9.]+(?:e[-+][0-9]+)?|-)" + ("%" if share else "")
+                         + re.escape(after) + r"(?= |$)", body)
         if found:
-            row[metric.name] = None if found.group(1) == "-" else float(found.group(1))
+            row[metric.name] = None if found.group(1) == "-" else float(found.group(1)) / (100 if share else 1)
             body = body[found.end():]
     for name, value in re.findall(r" \| (eval/\S+) ([0-9.]+)", body):
         row[name] = float(value)

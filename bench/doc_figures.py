@@ -122,6 +122,45 @@ def render_demo(figures: dict, made: Made) -> str:
             f"`train.seed` {figures['seed']}.)")
 
 
+# ---- the agent task (docs/03)
+
+AGENT_WRITERS = [0, 1, 2, 3]  # task writer seeds (0: the shipped task), each trained at train.seed 1234
+AGENT_SEEDS = [1235, 1236]  # more training seeds, on writer seed 0
+
+
+def agent(out: Path) -> dict:
+    """configs/agent_cpu.yaml as shipped (30 steps), on each writer seed's task and on more training
+    seeds of writer 0's: summary.json's first 10 -> last 10."""
+    from gspo_mcore.tasks.agent import make_agent_task
+
+    runs = [(writer, DEMO_SEED) for writer in AGENT_WRITERS] + [(AGENT_WRITERS[0], seed) for seed in AGENT_SEEDS]
+    found = []
+    for writer, seed in runs:
+        task = make_agent_task(out / f"task-{writer}", seed=writer)
+        run = train(out / f"writer-{writer}" / f"seed-{seed}", "configs/agent_cpu.yaml",
+                    [f"model.hf_dir={task / 'model'}", f"data.path={task / 'prompts.jsonl'}", f"train.seed={seed}",
+                     "eval.datasets=[]", "train.export_hf=false", "train.save_every=0", "train.log_samples_every=0"],
+                    30)
+        summary = json.loads((run / "summary.json").read_text())
+        found.append({"writer": writer, "seed": seed, "first": summary["reward_first"], "last": summary["reward_last"],
+                      "gain": summary["reward_gain"]})
+    return {"runs": found}
+
+
+def render_agent(figures: dict, made: Made) -> str:
+    writers = [r for r in figures["runs"] if r["seed"] == DEMO_SEED]
+    more = [r for r in figures["runs"] if r["seed"] != DEMO_SEED]
+    gains = [r["gain"] for r in writers]
+    return (f"Measured (made by `{made.command}` on {made.date} at {made.revision}: `configs/agent_cpu.yaml` as "
+            f"shipped, 30 steps of 16 prompts x 8, lr 5e-4 after a 3-step warmup, on 2 cores), the mean reward of "
+            f"the first 10 steps against the last 10, for writer seeds {', '.join(str(r['writer']) for r in writers)} "
+            f"(each its own random model, warm start and prompts; 0 is the shipped task) at `train.seed` "
+            f"{DEMO_SEED}: " + ", ".join(f"{r['first']:.2f} -> {r['last']:.2f}" for r in writers)
+            + f" (rise {min(gains):+.2f} to {max(gains):+.2f}), and training seeds "
+            + " and ".join(str(r["seed"]) for r in more) + " on the shipped task: "
+            + ", ".join(f"{r['gain']:+.2f}" for r in more) + ".")
+
+
 # ---- both engines side by side (docs/12)
 
 ENGINE_STEPS = 40
@@ -221,6 +260,8 @@ BLOCKS = {
     "losses_grid": Block("docs/07-loss.md", "every built-in loss on the long task, 7 losses x 3 seeds x 28 steps",
                          losses_grid, render_losses_grid,
                          (("losses.md", "docs/losses_grid.md"), ("reward.png", "docs/losses_reward.png"))),
+    "agent": Block("docs/03-multi-turn.md", "the agent task's rise, 4 writer seeds and 2 more training seeds",
+                   agent, render_agent),
     "engines": Block("docs/12-engines.md", "the CPU default on SGLang and on vLLM, side by side", engines,
                      render_engines),
 }

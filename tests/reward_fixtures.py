@@ -95,3 +95,10 @@ def category_saying_why(response: str, answer: str) -> float:
 
 
 category_saying_why.reward_reasons = lambda: category_saying_why.last
+
+
+def reasons_not_json(response: str, answer: str) -> float:
+    return 0.0
+
+
+reasons_not_json.reward_reasons = lambda: [{"seen": {1, 2}}]  # a set: not JSON

@@ -232,3 +232,26 @@ def test_no_reward_worker_outlives_a_killed_trainer(tmp_path):
             for worker in [*workers, *psutil.Process().children(recursive=True)]:
                 if worker.is_running():
                     worker.kill()
+
+
+def test_reasons_reach_the_runner_and_one_that_is_not_json_comes_as_text():
+    """A reward's reward_reasons() travels with each reply (by response), the failed calls'
+    messages beside them; what json cannot write in a reason is sent as its str, not a dead worker."""
+    runner = RewardRunner("tests.reward_fixtures:category_saying_why", timeout_s=10.0, workers=1)
+    try:
+        rewards, stats = runner.score(["color_1 x", "fruit_2 y"], ["color", "color"])
+    finally:
+        runner.close()
+    assert rewards == [1.0, 0.0] and stats.reasons == {1: "not a color: ['fruit_2']"}
+    runner = RewardRunner("tests.reward_fixtures:reasons_not_json", timeout_s=10.0, workers=1)
+    try:
+        rewards, stats = runner.score(["a"], ["b"])
+    finally:
+        runner.close()
+    assert rewards == [0.0] and stats.errors == 0 and stats.reasons == {0: {"seen": "{1, 2}"}}
+    runner = RewardRunner("tests.reward_fixtures:always_raises", timeout_s=10.0, workers=1)
+    try:
+        _, stats = runner.score(["a"], ["b"])
+    finally:
+        runner.close()
+    assert stats.reasons == {0: "reward error: RuntimeError: this reward never works"}

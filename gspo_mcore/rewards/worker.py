@@ -49,12 +49,12 @@ def main() -> int:
         try:
             reply = {"rewards": call(reward_fn, args, kwargs, batched)}
             if reasons is not None:
-                reply["reasons"] = reasons()
+                reply["reasons"] = reasons()  # a reason that is not JSON is sent as its str (below)
         except Exception as err:
             reply = {"error": f"{type(err).__name__}: {err}"}
         if counts is not None:
             reply["metrics"] = counts()
-        protocol.write(json.dumps(reply) + "\n")
+        protocol.write(json.dumps(reply, default=str) + "\n")
     return 0
 
 

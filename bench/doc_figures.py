@@ -226,7 +226,8 @@ def render_losses_grid(figures: dict, made: Made) -> str:
     arms, starts, seeds = figures["arms"], figures["starts"], figures["seeds"]
     first = ", ".join(f"{s['first_step']:.3f}" for s in starts["gspo"])
     opening = [s["first_steps"] for arm in arms for s in starts[arm]]
-    head = (f"One grid on this 2-core CPU machine, made by `{made.command}` on {made.date} at {made.revision} "
+    head = (f"One grid on this 2-core CPU machine (`docs/losses_grid.md`, `docs/losses_reward.png`), made by "
+            f"`{made.command}` on {made.date} at {made.revision} "
             f"(`python bench/losses.py --seeds {len(seeds)}`, seeds {', '.join(map(str, seeds))}; each seed's "
             f"first step drew the same responses in every arm, reward {first}); reward is the mean of the last 7 "
             f"steps, mean +- sd over seeds (every arm's first {GRID_FIRST} steps: {min(opening):.2f}-"

@@ -49,7 +49,7 @@ def test_the_demo_block_quotes_the_run_as_make_demo_prints_it():
 
 
 def test_an_unknown_block_is_one_line(capsys):
-    with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, engines$"):
+    with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, losses_grid, agent, engines$"):
         doc_figures.main(["nosuch"])
     assert doc_figures.main(["--list"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("lineage_gains: docs/07-loss.md: ")
@@ -64,3 +64,21 @@ def test_the_engines_block_is_a_row_per_engine():
     assert text.splitlines()[-2:] == [
         "| SGLang (`configs/tiny_cpu.yaml`) | 0.293 -> 0.951 (+0.658) | 737 | 0.52 | 3.2e-07 | 19 s |",
         "| vLLM (`configs/tiny_cpu_vllm.yaml`) | 0.293 -> 0.951 (+0.658) | 737 | 0.52 | - | 19 s |"]
+
+
+def test_the_losses_grid_block_has_both_tables_and_the_seeds_start():
+    def arm(per_seed, clip):
+        return {"final_reward_mean": sum(per_seed) / 3, "final_reward_sd": 0.05, "final_reward_per_seed": per_seed,
+                "clip_fraction": clip, "mismatch_seq": 0.00531, "out_of_band": 0.93, "response_length": 39.4,
+                "train_s_per_step": 0.95, "mismatch_truncated_fraction": None, "mismatch_masked_fraction": None}
+
+    arms = {"gspo": arm([0.411, 0.384, 0.471], 0.279), "sapo": arm([0.419, 0.414, 0.309], None)}
+    starts = {a: [{"first_step": f, "first_steps": g} for f, g in ((0.211, 0.22), (0.202, 0.24), (0.216, 0.23))]
+              for a in arms}
+    text = doc_figures.render_losses_grid({"arms": arms, "starts": starts, "seeds": [1234, 1235, 1236]},
+                                          doc_figures.Made("python bench/doc_figures.py losses_grid", "2026-12-02", "a"))
+    assert "seeds 1234, 1235, 1236; each seed's first step drew the same responses in every arm, reward 0.211, 0.202, " \
+           "0.216)" in text and "first 7 steps: 0.22-0.24)" in text
+    assert "| gspo | 0.422 +- 0.050 | 0.279 | - | 0.00531 | 93% | 39.4 | 0.95 |" in text
+    assert "| sapo | 0.381 +- 0.050 | - | - |" in text  # SAPO clips nothing
+    assert text.endswith("| sapo | 0.419 | 0.414 | 0.309 | +0.008, +0.030, -0.162 |")

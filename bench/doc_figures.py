@@ -7,7 +7,8 @@ Each figure sits in its doc between `<!-- figures: NAME -->` and `<!-- /figures:
 its text names what made it: this command, the runs' config and seeds, the date and the git
 revision. NAME runs what the block needs (under DIR/NAME, default outputs/doc_figures; a finished
 run is not run again, so an interrupted one continues) and rewrites the block in place (the doc
-written whole or not at all). Not a test: a block's figures move with the code, which is why the
+written whole or not at all); the revision and date are those DIR/NAME's runs were started at, so
+making a block again at new code takes a new DIR (or DIR/NAME removed). Not a test: a block's figures move with the code, which is why the
 block says which code made them. `tests/test_doc_figures.py` holds every marked block to an entry
 here and each entry's text to naming its command and seeds.
 """
@@ -15,6 +16,7 @@ here and each entry's text to naming its command and seeds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -228,7 +230,7 @@ def render_losses_grid(figures: dict, made: Made) -> str:
     opening = [s["first_steps"] for arm in arms for s in starts[arm]]
     head = (f"One grid on this 2-core CPU machine (`docs/losses_grid.md`, `docs/losses_reward.png`), made by "
             f"`{made.command}` on {made.date} at {made.revision} "
-            f"(`python bench/losses.py --seeds {len(seeds)}`, seeds {', '.join(map(str, seeds))}; each seed's "
+            f"(`python bench/losses.py --out DIR --seeds {len(seeds)}`, seeds {', '.join(map(str, seeds))}; each seed's "
             f"first step drew the same responses in every arm, reward {first}); reward is the mean of the last 7 "
             f"steps, mean +- sd over seeds (every arm's first {GRID_FIRST} steps: {min(opening):.2f}-"
             f"{max(opening):.2f}); clip is the share of response tokens the clip took; mismatch the mean |log s_i| "
@@ -315,10 +317,16 @@ def main(argv=None) -> int:
         block = BLOCKS[name]
         out = args.out / name
         out.mkdir(parents=True, exist_ok=True)
+        # The revision and date the runs were made at, kept with them: a block rendered again from
+        # runs made earlier says when those were made (a new DIR, or DIR/NAME removed, makes them anew).
+        stamp = out / "made.json"
+        if not stamp.is_file():
+            stamp.write_text(json.dumps(dataclasses.asdict(made_now(name))) + "\n")
+        made = Made(**json.loads(stamp.read_text()))
         figures = block.make(out)
         (out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")
         doc = REPO / block.doc
-        write(doc, replaced(doc.read_text(), name, block.render(figures, made_now(name))))
+        write(doc, replaced(doc.read_text(), name, block.render(figures, made)))
         for made, kept in block.files:
             write(REPO / kept, (out / made).read_bytes())
         print(f"{name}: {block.doc} rewritten", flush=True)

@@ -82,3 +82,22 @@ def test_the_losses_grid_block_has_both_tables_and_the_seeds_start():
     assert "| gspo | 0.422 +- 0.050 | 0.279 | - | 0.00531 | 93% | 39.4 | 0.95 |" in text
     assert "| sapo | 0.381 +- 0.050 | - | - |" in text  # SAPO clips nothing
     assert text.endswith("| sapo | 0.419 | 0.414 | 0.309 | +0.008, +0.030, -0.162 |")
+
+
+def test_a_block_made_again_from_its_runs_keeps_the_revision_they_were_made_at(tmp_path, monkeypatch):
+    """Rendering again from runs already made (a renderer's fix) said the current revision, not the
+    one the runs came from."""
+    (tmp_path / "doc.md").write_text("a\n<!-- figures: toy -->\nold\n<!-- /figures: toy -->\nb\n")
+    runs = []
+    block = doc_figures.Block("doc.md", "a toy", lambda out: runs.append(out) or {"x": len(runs)},
+                              lambda figures, made: f"x {figures['x']} at {made.revision} (`{made.command}`)")
+    monkeypatch.setattr(doc_figures, "REPO", tmp_path)
+    monkeypatch.setattr(doc_figures, "BLOCKS", {"toy": block})
+    revisions = iter(["first", "second"])
+    monkeypatch.setattr(doc_figures, "made_now", lambda name: doc_figures.Made(f"python bench/doc_figures.py {name}",
+                                                                               "2026-12-02", next(revisions)))
+    assert doc_figures.main(["toy", "--out", str(tmp_path / "out")]) == 0
+    assert doc_figures.main(["toy", "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "doc.md").read_text() == ("a\n<!-- figures: toy -->\nx 2 at first (`python bench/doc_figures.py "
+                                                 "toy`)\n<!-- /figures: toy -->\nb\n")
+    assert runs == [tmp_path / "out" / "toy"] * 2 and not list(tmp_path.glob("*.tmp"))

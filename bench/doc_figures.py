@@ -8,9 +8,10 @@ its text names what made it: this command, the runs' config and seeds, the date 
 revision. NAME runs what the block needs (under DIR/NAME, default outputs/doc_figures; a finished
 run is not run again, so an interrupted one continues) and rewrites the block in place (the doc
 written whole or not at all); the revision and date are those DIR/NAME's runs were started at, so
-making a block again at new code takes a new DIR (or DIR/NAME removed). Not a test: a block's figures move with the code, which is why the
-block says which code made them. `tests/test_doc_figures.py` holds every marked block to an entry
-here and each entry's text to naming its command and seeds.
+making a block again at new code takes a new DIR (or DIR/NAME removed). Not a test: a block's
+figures move with the code, which is why the block says which code made them.
+`tests/test_doc_figures.py` holds every marked block to an entry here and each entry's text to
+naming its command and seeds.
 """
 
 from __future__ import annotations
@@ -56,18 +57,30 @@ LINEAGE_SEEDS = [1234, 1235]
 LINEAGE_STEPS = 30
 
 
+def run(cmd: list[str], what: str, **options) -> subprocess.CompletedProcess:
+    """`cmd` (said first) in the repository; its failure is one line naming `what`, with its stderr's end."""
+    print(" ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, cwd=REPO, env=ENV, text=True, stderr=subprocess.PIPE, **options)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {what} failed:\n{done.stderr[-3000:]}")
+    return done
+
+
+def bench_line(path: Path, cmd: list[str]) -> dict:
+    """A bench's last line (its JSON figures), kept in `path`: run only when not there yet."""
+    if not path.is_file():
+        path.write_text(run(cmd, cmd[1], stdout=subprocess.PIPE).stdout.strip().splitlines()[-1] + "\n")
+    return json.loads(path.read_text())
+
+
 def train(run_dir: Path, config: str, overrides: list[str], steps: int) -> Path:
     """One gspo-train run to its end into `run_dir` (kept when it finished: its summary.json and
     `steps` rows)."""
     rows = run_dir / "metrics.jsonl"
     if (run_dir / "summary.json").is_file() and rows.is_file() and len(rows.read_text().splitlines()) >= steps:
         return run_dir
-    cmd = [sys.executable, "-m", "gspo_mcore.train", "--config", config, "--output-dir", str(run_dir), "--overwrite",
-           f"train.steps={steps}", *overrides]
-    print(" ".join(cmd[1:]), flush=True)
-    done = subprocess.run(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: {run_dir}: the run failed:\n{done.stderr[-3000:]}")
+    run([sys.executable, "-m", "gspo_mcore.train", "--config", config, "--output-dir", str(run_dir), "--overwrite",
+         f"train.steps={steps}", *overrides], f"{run_dir}: the run", stdout=subprocess.DEVNULL)
     return run_dir
 
 
@@ -106,12 +119,9 @@ def demo(out: Path) -> dict:
     """`make demo` into DIR: the lines the README quotes from what it printed."""
     log = out / "demo.log"
     if not (out / "tiny_cpu" / "summary.json").is_file():
-        cmd = [sys.executable, "-m", "gspo_mcore.run.demo", "--output-dir", str(out), "--overwrite"]
-        print(" ".join(cmd[1:]), flush=True)
         with open(log, "w") as printed:
-            done = subprocess.run(cmd, cwd=REPO, env=ENV, stdout=printed, stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"error: the demo failed:\n{done.stderr[-3000:]}")
+            run([sys.executable, "-m", "gspo_mcore.run.demo", "--output-dir", str(out), "--overwrite"], "the demo",
+                stdout=printed)
     lines = log.read_text().splitlines()
     steps = [line for line in lines if line.startswith("step ")]
     tail = [line for line in lines if line.startswith(("mean reward:", "held-out ", "the exported model again:"))]
@@ -170,15 +180,9 @@ ENGINE_STEPS = 40
 
 def engines(out: Path) -> dict:
     """bench/engines.py's one JSON line (both engines in one invocation, SGLang first)."""
-    line = out / "engines.json"
-    if not line.is_file():
-        cmd = [sys.executable, "bench/engines.py", "--steps", str(ENGINE_STEPS), "--out", str(out / "runs")]
-        print(" ".join(cmd[1:]), flush=True)
-        done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"error: bench/engines.py failed:\n{done.stderr[-3000:]}")
-        line.write_text(done.stdout.strip().splitlines()[-1] + "\n")
-    return {**json.loads(line.read_text()), "seed": DEMO_SEED, "steps": ENGINE_STEPS}
+    line = bench_line(out / "engines.json", [sys.executable, "bench/engines.py", "--steps", str(ENGINE_STEPS),
+                                             "--out", str(out / "runs")])
+    return {**line, "seed": DEMO_SEED, "steps": ENGINE_STEPS}
 
 
 def render_engines(figures: dict, made: Made) -> str:
@@ -205,19 +209,13 @@ GRID_FIRST = 7  # steps: the grid's start, as its reward is its last 7 of 28
 def losses_grid(out: Path) -> dict:
     """bench/losses.py's grid (7 losses x 3 seeds x 28 steps on configs/long_cpu.yaml, its runs under
     DIR/runs), its JSON line, and each arm's first step and first 7 steps per seed."""
-    line = out / "losses.json"
-    if not line.is_file():
-        cmd = [sys.executable, "bench/losses.py", "--out", str(out), "--seeds", str(len(GRID_SEEDS))]
-        print(" ".join(cmd[1:]), flush=True)
-        done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"error: bench/losses.py failed:\n{done.stderr[-3000:]}")
-        line.write_text(done.stdout.strip().splitlines()[-1] + "\n")
-    arms = json.loads(line.read_text())["arms"]
+    arms = bench_line(out / "losses.json", [sys.executable, "bench/losses.py", "--out", str(out), "--seeds",
+                                            str(len(GRID_SEEDS))])["arms"]
     starts = {}
     for arm in arms:
         for seed in GRID_SEEDS:
-            rows = [json.loads(r) for r in (out / "runs" / arm / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()]
+            rows = (out / "runs" / arm / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()
+            rows = [json.loads(row) for row in rows]
             starts.setdefault(arm, []).append({"first_step": rows[0]["reward_mean"],
                                                "first_steps": sum(r["reward_mean"] for r in rows[:GRID_FIRST])
                                                / GRID_FIRST})
@@ -327,8 +325,8 @@ def main(argv=None) -> int:
         (out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")
         doc = REPO / block.doc
         write(doc, replaced(doc.read_text(), name, block.render(figures, made)))
-        for made, kept in block.files:
-            write(REPO / kept, (out / made).read_bytes())
+        for source, kept in block.files:
+            write(REPO / kept, (out / source).read_bytes())
         print(f"{name}: {block.doc} rewritten", flush=True)
     return 0
 

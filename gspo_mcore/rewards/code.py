@@ -477,7 +477,6 @@ def _rewards(responses: list[str], answers: list[str], every_test: bool) -> list
     return [None if masked and r.infrastructure_error is not None else r.reward for r in results]
 
 
-
 def reward_reasons() -> list:
     """The worker's hook (gspo_mcore.rewards.worker): why each response of the last call scored
     as it did (explained(): the first test not passed, the build's messages, no program; None

@@ -6,8 +6,9 @@ Imports only the reward function (not the trainer, torch or megatron), hands it 
 (batched: `[[responses, answers], kwargs of lists]`) -> `{"rewards": [x, ...]}` or
 `{"error": "..."}`, with the reward's counts (`metrics`) and reasons (`reasons`) where it has
 those hooks. A reward may return None for a response it could not score for a reason not the
-response's (the code reward's infrastructure errors, reward.code.infrastructure_errors: mask): null in the reply, masked by the runner. The reward's own prints go to stderr, so they cannot
-corrupt the protocol. Ends at end of input (the trainer closed the pipe or died) or once the process that started it is gone."""
+response's (the code reward's infrastructure errors, reward.code.infrastructure_errors: mask): null
+in the reply, masked by the runner. The reward's own prints go to stderr, so they cannot corrupt the
+protocol. Ends at end of input (the trainer closed the pipe or died) or once the process that started it is gone."""
 
 from __future__ import annotations
 

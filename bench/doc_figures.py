@@ -21,7 +21,11 @@ import dataclasses
 import datetime
 import json
 import os
+import importlib.util
+import math
 import re
+import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -48,6 +52,7 @@ class Block:
     make: Callable[[Path], dict]  # DIR -> the figures (runs what is not run yet)
     render: Callable[[dict, Made], str]  # the block's text
     files: tuple[tuple[str, str], ...] = ()  # (made under DIR, copied to this path of the repository)
+    runs: str | None = None  # another block whose DIR (runs and stamp) this one renders from
 
 
 # ---- the GSPO lineage on the CPU default (docs/07)
@@ -254,6 +259,241 @@ def render_losses_grid(figures: dict, made: Made) -> str:
                       "column:", "", *per_seed])
 
 
+# ---- the claim grid (docs/10; its mismatch paragraph, and its asynchronous arm in docs/02)
+
+CLAIM_ARMS = ["gspo-engine", "gspo-recompute", "gspo-engine-paper", "gspo-recompute-paper", "grpo-engine",
+              "grpo-recompute", "gspo-engine-replay", "gspo-engine-tokenmask", "gspo-engine-seqmask", "gspo-async"]
+CLAIM_DECIDING = ["gspo-engine", "gspo-recompute", "gspo-engine-paper"]  # the question's three arms, on more seeds
+CLAIM_SEEDS = [1234, 1235, 1236]  # bench/claim.py's first three
+CLAIM_MORE_SEEDS = [1234, 1235, 1236, 1237, 1238, 1239]
+CLAIM_THRESHOLD = 0.35  # bench/claim.py's --threshold default
+PAPER_CLIP_HIGH = 4e-4
+CLAIM_LABELS = {
+    "gspo-engine": ("**GSPO, engine log-probs (default)**", "default"),
+    "gspo-recompute": ("GSPO, recomputed, same band rule", "GSPO, recomputed, same band rule"),
+    "gspo-engine-paper": ("GSPO, engine log-probs, paper band", "GSPO, engine log-probs, paper band"),
+    "gspo-recompute-paper": ("GSPO, recomputed, paper band", "GSPO, recomputed, paper band"),
+    "grpo-engine": ("GRPO, engine log-probs", "GRPO, engine log-probs"),
+    "grpo-recompute": ("GRPO, recomputed", "GRPO, recomputed"),
+    "gspo-engine-replay": ("GSPO, engine, routing replay (R3), paper band", "routing replay"),
+    "gspo-engine-tokenmask": ("GSPO, engine, IcePop token mask [0.5, 2]", "token mask"),
+    "gspo-engine-seqmask": ("GSPO, engine, DeepSeek-V3.2 sequence mask", "sequence mask"),
+    "gspo-async": ("GSPO, asynchronous (max_staleness 1)", "asynchronous"),
+}
+
+
+def metric_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def mean_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def claim_grid(out: Path) -> dict:
+    """bench/claim.py's grid (10 arms x 3 seeds x 28 steps on configs/long_cpu.yaml, under DIR/runs),
+    then its three deciding arms on 6 seeds (the first three seeds' runs reused), each's JSON line;
+    and from the runs, each arm's first-step reward per seed and the default's mismatch at step 1
+    and response length."""
+    cmd = [sys.executable, "bench/claim.py", "--out", str(out), "--seeds"]
+    grid = bench_line(out / "claim.json", [*cmd, str(len(CLAIM_SEEDS)), "--arms", ",".join(CLAIM_ARMS)])["arms"]
+    if not (out / "claim6.json").is_file():  # the next call rewrites claim.md and the plots for its three arms
+        for source in ("claim.md", "reward.png", "clip_fraction.png"):
+            shutil.copyfile(out / source, out / source.replace(".", "3.", 1))
+    more = bench_line(out / "claim6.json", [*cmd, str(len(CLAIM_MORE_SEEDS)), "--arms",
+                                            ",".join(CLAIM_DECIDING)])["arms"]
+    runs = {arm: [metric_rows(out / "runs" / arm / f"seed-{seed}" / "metrics.jsonl") for seed in CLAIM_SEEDS]
+            for arm in CLAIM_ARMS}
+    default = runs["gspo-engine"]
+    return {"grid": grid, "more": more, "seeds": CLAIM_SEEDS, "more_seeds": CLAIM_MORE_SEEDS,
+            "threshold": CLAIM_THRESHOLD,
+            "first_rewards": {arm: [rows[0]["reward_mean"] for rows in by_seed] for arm, by_seed in runs.items()},
+            "first_mismatch": [rows[0]["mismatch_abs_log_ratio_mean"] for rows in default],
+            "response_length": statistics.mean(mean_of(rows, "response_length_mean") for rows in default),
+            "train_s_per_step": {arm: statistics.mean(mean_of(rows, "time_train_s") for rows in by_seed)
+                                 for arm, by_seed in runs.items()}}
+
+
+def seeds_span(seeds: list[int]) -> str:
+    return f"{seeds[0]}-{seeds[-1]}"
+
+
+def claim_made(figures: dict, made: Made) -> str:
+    return (f"made by `{made.command}` on {made.date} at {made.revision} (`python bench/claim.py --out DIR --seeds "
+            f"{len(figures['seeds'])} --arms {','.join(figures['grid'])}`, seeds {seeds_span(figures['seeds'])})")
+
+
+def paired(values: list[float], base: list[float]) -> tuple[float, float, list[float]]:
+    """The mean of `values - base` seed by seed, its standard error, and the differences."""
+    diffs = [v - b for v, b in zip(values, base)]
+    return statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)), diffs
+
+
+def render_claim_mismatch(figures: dict, made: Made) -> str:
+    grid = figures["grid"]
+    default, replay = grid["gspo-engine"], grid["gspo-engine-replay"]
+    seq, tok, length = default["mismatch_seq"], default["mismatch_token"], figures["response_length"]
+    first = statistics.mean(figures["first_mismatch"])
+    routing = [s["routing_mismatch"] for arm, s in grid.items() if arm != "gspo-engine-replay"
+               and s["routing_mismatch"] is not None]
+    cut = 1 - replay["mismatch_seq"] / seq
+    trend = "falling" if first > seq else "rising"
+    return (f"**The mismatch.** On `configs/long_cpu.yaml` (the demo's tiny Qwen3-MoE, a bf16 SGLang engine, "
+            f"~{length:.0f}-token responses whose reward counts every word), at theta = theta_old the trainer's and "
+            f"the engine's per-token log-probs differ by a mean |d| of {tok:.4f}, and the length-normalised |log s_i| "
+            f"of GSPO's sequence ratio is {seq:.4f} averaged over a run ({first:.4f} at the initial weights, {trend} "
+            f"as the policy trains): {seq / PAPER_CLIP_HIGH:.0f}x the paper's upper clip of 4e-4, so "
+            f"{default['out_of_band']:.0%} of sequences are outside the paper's band at theta_old. Where it comes "
+            f"from, measured in the grid below ({claim_made(figures, made)}): {min(routing):.2%}-{max(routing):.2%} "
+            "of (token, MoE layer) pairs route to a different top-k set in the engine than in the trainer (bf16 "
+            f"rounding flips near-ties); replaying the engine's routing (`train.routing_replay`) cuts the "
+            f"per-sequence mismatch from {seq:.4f} to {replay['mismatch_seq']:.4f} ({cut:.0%}) and the per-token one "
+            f"from {tok:.4f} to {replay['mismatch_token']:.4f}. So the router is "
+            f"{'most' if cut > 0.5 else 'part'} of it; the rest is bf16 arithmetic, zero-mean noise that length "
+            f"normalisation shrinks as 1/sqrt(L) ({replay['mismatch_token']:.4f} / sqrt({length:.0f}) = "
+            f"{replay['mismatch_token'] / math.sqrt(length):.4f}).")
+
+
+def render_claim_grid(figures: dict, made: Made) -> str:
+    grid, seeds, threshold = figures["grid"], figures["seeds"], figures["threshold"]
+    firsts = {round(r[0], 6) for r in figures["first_rewards"].values()}
+    start = (f"every arm's first step draws the same responses (reward {next(iter(firsts)):.3f} on seed {seeds[0]}), "
+             "so arms part by what they train alone" if len(firsts) == 1 else
+             f"the arms' first steps on seed {seeds[0]} drew rewards {min(firsts):.3f}-{max(firsts):.3f}")
+    head = (f"{len(grid) * len(seeds)} runs, {claim_made(figures, made)}; the full output is in "
+            "[claim_grid.md](claim_grid.md); reward = mean of the last 7 of 28 steps, mean +- sd over "
+            f"{len(seeds)} seeds; mismatch and out-of-band at theta_old; every request's sampling seeded "
+            f"([Reproducible runs](09-reliability.md#reproducible-runs)): {start}. The runs one after another on "
+            "2 cores, each arm's seed by seed (seed-major), so train s/step compares arms within the grid:")
+    fmt = (lambda v, spec: "-" if v is None else format(v, spec))
+    table = [f"| arm | reward | steps to {threshold} | \\|log s_i\\| | out of band | routing mismatch | clip fraction "
+             "| train s/step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm, s in grid.items():
+        label = CLAIM_LABELS[arm][0]
+        reward = f"{s['final_reward_mean']:.3f} +- {s['final_reward_sd']:.3f}"
+        band = "-" if arm.startswith("grpo") else fmt(s["out_of_band"], ".0%")
+        table.append(f"| {label} | {f'**{reward}**' if arm == 'gspo-engine' else reward} | "
+                     f"{', '.join('-' if v is None else str(v) for v in s['steps_to_threshold'])} | "
+                     f"{fmt(s['mismatch_seq'], '.4f')} | {band} | {fmt(s['routing_mismatch'], '.2%')} | "
+                     f"{fmt(s['clip_fraction'], '.2f')} | {fmt(s['train_s_per_step'], '.2f')} |")
+    base = grid["gspo-engine"]["final_reward_per_seed"]
+    diffs = [f"| arm | {' | '.join(map(str, seeds))} | mean |", "| --- |" + " --- |" * (len(seeds) + 1)]
+    for arm, s in grid.items():
+        if arm != "gspo-engine":
+            d = [v - b for v, b in zip(s["final_reward_per_seed"], base)]
+            diffs.append(f"| {CLAIM_LABELS[arm][1]} | {' | '.join(f'{x:+.3f}' for x in d)} | {statistics.mean(d):+.3f} |")
+    more, more_seeds = figures["more"], figures["more_seeds"]
+    six = [f"| arm | reward, {len(more_seeds)} seeds | per seed | minus the default (SE) | train s/step |",
+           "| --- | --- | --- | --- | --- |"]
+    for arm, s in more.items():
+        per_seed = ", ".join(f"{v:.3f}" for v in s["final_reward_per_seed"])
+        minus = ""
+        if arm != "gspo-engine":
+            mean, se, d = paired(s["final_reward_per_seed"], more["gspo-engine"]["final_reward_per_seed"])
+            side = (sum(x > 0 for x in d), "ahead") if mean > 0 else (sum(x < 0 for x in d), "behind")
+            minus = f"{mean:+.3f} +- {se:.3f} ({side[0]} of {len(d)} {side[1]})"
+        six.append(f"| {CLAIM_LABELS[arm][0].strip('*')} | {s['final_reward_mean']:.3f} +- {s['final_reward_sd']:.3f} "
+                   f"| {per_seed} | {minus} | {s['train_s_per_step']:.2f} |")
+    return "\n".join([head, "", *table, "", "Each arm minus the default, per seed (the same seed draws the same "
+                      "first responses in every arm):", "", *diffs, "",
+                      f"![mean reward per step, each arm averaged over {len(seeds)} seeds](claim_reward.png)", "",
+                      "The question the grid is for, engine log-probs against recomputation under the same band "
+                      f"rule, on seeds {seeds_span(more_seeds)} for the three arms that decide it (`--seeds "
+                      f"{len(more_seeds)} --arms {','.join(more)}` into the same DIR reuses the first "
+                      f"{len(seeds)} seeds' runs):", "", *six])
+
+
+def render_claim_async(figures: dict, made: Made) -> str:
+    grid, seeds = figures["grid"], figures["seeds"]
+    sync, stale = grid["gspo-engine"], grid["gspo-async"]
+    rows = ["| arm | final reward | per seed | steps to 0.35 | clip fraction | band (later minibatches) |",
+            "|---|---|---|---|---|---|"]
+    for label, s in (("sync (default)", sync), ("async, max_staleness 1", stale)):
+        rows.append(f"| {label} | {s['final_reward_mean']:.3f} +- {s['final_reward_sd']:.3f} | "
+                    f"{', '.join(f'{v:.3f}' for v in s['final_reward_per_seed'])} | "
+                    f"{', '.join('-' if v is None else str(v) for v in s['steps_to_threshold'])} | "
+                    f"{s['clip_fraction']:.3f} | {s['clip_band_high']:.4f} |")
+    mean, se, d = paired(stale["final_reward_per_seed"], sync["final_reward_per_seed"])
+    return (f"**Learning (measured, seeded).** The claim grid's synchronous default and asynchronous arm "
+            f"([Findings](10-findings.md)), {claim_made(figures, made)}: `configs/long_cpu.yaml`, 28 steps, final "
+            f"reward over the last 7 steps, every request's sampling seeded, the runs one after another on 2 "
+            "unpinned cores:\n\n" + "\n".join(rows) + f"\n\nAsync minus sync per seed: "
+            f"{', '.join(f'{x:+.3f}' for x in d)} (mean {mean:+.3f} +- {se:.3f}; the synchronous seeds' own sd "
+            f"{sync['final_reward_sd']:.3f}); routing mismatch {stale['routing_mismatch']:.2%} against "
+            f"{sync['routing_mismatch']:.2%} of token-layer pairs.")
+
+
+# ---- asynchronous against synchronous, pinned cores (docs/02)
+
+ASYNC_SEEDS = [1, 2, 3, 4, 5, 6]
+ASYNC_ARGS = ["--steps", "28", "--modes", "sync,async", "--seeds", ",".join(map(str, ASYNC_SEEDS)),
+              "rollout.max_new_tokens=40"]  # long_cpu's own length (the bench's default is 160)
+
+
+def async_bench():
+    """bench/async.py as a module (its name is a keyword): its per-run summary and learning_in_time."""
+    spec = importlib.util.spec_from_file_location("async_bench", REPO / "bench" / "async.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def async_seeded(out: Path) -> dict:
+    """bench/async.py's six seeds of sync against async (28 steps, pinned cores) and its JSON line;
+    per seed and mode, from the runs under DIR/seed-S/MODE: samples/s, the reward per step (last 7),
+    in time and held out, the clip fraction and the later minibatches' band."""
+    line = bench_line(out / "async.json", [sys.executable, "bench/async.py", "--out", str(out), *ASYNC_ARGS])
+    bench = async_bench()
+    per_seed = []
+    for seed in ASYNC_SEEDS:
+        runs = {mode: metric_rows(out / f"seed-{seed}" / mode / "metrics.jsonl") for mode in ("sync", "async")}
+        in_time = bench.learning_in_time(runs)
+        figures = {"seed": seed}
+        for mode, rows in runs.items():
+            held = json.loads((out / f"seed-{seed}" / mode / "held_out.json").read_text())["eval/long/mean@4"]
+            figures[mode] = {"samples_per_s": bench.summary(rows)["samples_per_s"],
+                             "per_step": sum(r["reward_mean"] for r in rows[-7:]) / 7, "in_time": in_time[mode],
+                             "held_out": held, "clip_fraction": mean_of(rows, "clip_fraction"),
+                             "band": mean_of(rows, "clip_band_high")}
+        per_seed.append(figures)
+    return {"line": line, "seeds": per_seed}
+
+
+def render_async(figures: dict, made: Made) -> str:
+    seeds = figures["seeds"]
+    keys = ("per_step", "in_time", "held_out")
+    table = ["| seed | sync samples/s | async samples/s | sync per step | async per step | sync in time | async in time "
+             "| sync held-out | async held-out |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in seeds:
+        table.append(f"| {s['seed']} | {s['sync']['samples_per_s']:.1f} | {s['async']['samples_per_s']:.1f} | "
+                     + " | ".join(f"{s['sync'][k]:.3f} | {s['async'][k]:.3f}" for k in keys) + " |")
+    spread = {(m, k): (statistics.mean(s[m][k] for s in seeds), statistics.stdev(s[m][k] for s in seeds))
+              for m in ("sync", "async") for k in keys}
+    table.append(f"| mean +- sd | | {figures['line']['async_speedup']:.2f}x | " + " | ".join(
+        f"{spread[('sync', k)][0]:.3f} +- {spread[('sync', k)][1]:.3f} | {spread[('async', k)][0]:.3f} +- "
+        f"{spread[('async', k)][1]:.3f}" for k in keys) + " |")
+    said = []
+    for k, what in zip(keys, ("per step", "per second (at the same wall-clock time)", "held out after 28 updates")):
+        mean, se, d = paired([s["async"][k] for s in seeds], [s["sync"][k] for s in seeds])
+        said.append(f"{what} {mean:+.3f} +- {se:.3f} (ahead on {sum(x > 0 for x in d)} of {len(d)}; "
+                    f"{', '.join(f'{x:+.3f}' for x in d)})")
+    line = figures["line"]
+    clip = {m: statistics.mean(s[m]["clip_fraction"] for s in seeds) for m in ("sync", "async")}
+    band = {m: statistics.mean(s[m]["band"] for s in seeds) for m in ("sync", "async")}
+    return (f"Made by `{made.command}` on {made.date} at {made.revision}: `python bench/async.py --out DIR "
+            f"{' '.join(ASYNC_ARGS)}`, seeds {', '.join(str(s['seed']) for s in seeds)} (`train.seed`), the trainer "
+            "pinned to core 0 and the server to core 1, nothing else running. \"Per step\" is the mean training "
+            "reward over the last 7 steps, \"in time\" that of the steps that ended in the last quarter of a "
+            "wall-clock budget both share, \"held-out\" the final weights on the 64 held-out prompts, 4 samples "
+            "each:\n\n" + "\n".join(table) + "\n\n"
+            f"`{{\"async_speedup\": {line['async_speedup']:.2f}, \"overlap_bound\": {line['overlap_bound']:.2f}, "
+            f"\"max_staleness_seen\": {line['max_staleness_seen']}, \"tokens_regenerated\": "
+            f"{line['tokens_regenerated']:.0f}}}`. Async minus sync, paired by seed (mean +- standard error): "
+            + "; ".join(said) + f". Clip fraction: async {clip['async']:.3f} against sync {clip['sync']:.3f}, under "
+            f"a band of {band['async']:.4f} against {band['sync']:.4f}.")
+
+
 BLOCKS = {
     "lineage_gains": Block("docs/07-loss.md", "the GSPO lineage's gains on the CPU default, 5 losses x 2 seeds",
                            lineage_gains, render_lineage),
@@ -265,6 +505,16 @@ BLOCKS = {
                    agent, render_agent),
     "engines": Block("docs/12-engines.md", "the CPU default on SGLang and on vLLM, side by side", engines,
                      render_engines),
+    "claim_grid": Block("docs/10-findings.md", "the claim grid, 10 arms x 3 seeds x 28 steps, 3 of them on 6 seeds",
+                        claim_grid, render_claim_grid,
+                        (("claim3.md", "docs/claim_grid.md"), ("reward3.png", "docs/claim_reward.png"),
+                         ("clip_fraction3.png", "docs/claim_clip_fraction.png"))),
+    "claim_mismatch": Block("docs/10-findings.md", "the train-inference mismatch the claim grid measured", claim_grid,
+                            render_claim_mismatch, runs="claim_grid"),
+    "claim_async": Block("docs/02-async.md", "the claim grid's synchronous and asynchronous arms", claim_grid,
+                         render_claim_async, runs="claim_grid"),
+    "async_seeded": Block("docs/02-async.md", "sync against async on pinned cores, 6 seeds x 28 steps", async_seeded,
+                          render_async, (("over_seeds.png", "docs/async_over_seeds_seeded.png"),)),
 }
 
 
@@ -313,7 +563,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     for name in args.names:
         block = BLOCKS[name]
-        out = args.out / name
+        out = args.out / (block.runs or name)
         out.mkdir(parents=True, exist_ok=True)
         # The revision and date the runs were made at, kept with them: a block rendered again from
         # runs made earlier says when those were made (a new DIR, or DIR/NAME removed, makes them anew).

@@ -49,7 +49,8 @@ def test_the_demo_block_quotes_the_run_as_make_demo_prints_it():
 
 
 def test_an_unknown_block_is_one_line(capsys):
-    with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, losses_grid, agent, engines$"):
+    with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, losses_grid, agent, engines, "
+                       r"claim_grid, claim_mismatch, claim_async, async_seeded$"):
         doc_figures.main(["nosuch"])
     assert doc_figures.main(["--list"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("lineage_gains: docs/07-loss.md: ")
@@ -101,3 +102,93 @@ def test_a_block_made_again_from_its_runs_keeps_the_revision_they_were_made_at(t
     assert (tmp_path / "doc.md").read_text() == ("a\n<!-- figures: toy -->\nx 2 at first (`python bench/doc_figures.py "
                                                  "toy`)\n<!-- /figures: toy -->\nb\n")
     assert runs == [tmp_path / "out" / "toy"] * 2 and not list(tmp_path.glob("*.tmp"))
+
+
+def claim_arm(per_seed, routing=0.0177, seq=0.0053, tok=0.0188, steps=(20, None, 17)):
+    return {"final_reward_mean": sum(per_seed) / len(per_seed), "final_reward_sd": 0.045, "final_reward_per_seed": per_seed,
+            "steps_to_threshold": list(steps), "mismatch_seq": seq, "mismatch_token": tok, "out_of_band": 0.93,
+            "routing_mismatch": routing, "clip_fraction": 0.279, "train_s_per_step": 0.39, "clip_band_high": 0.0106}
+
+
+def claim_figures(first_rewards=None):
+    grid = {arm: claim_arm([0.4, 0.4, 0.4]) for arm in doc_figures.CLAIM_ARMS}
+    grid["gspo-engine"] = claim_arm([0.411, 0.384, 0.471])
+    grid["gspo-async"] = claim_arm([0.446, 0.325, 0.335], routing=0.0179)
+    grid["gspo-engine-replay"] = claim_arm([0.35, 0.3, 0.4], routing=0.0, seq=0.0014, tok=0.0086)
+    grid["grpo-engine"] = claim_arm([0.4, 0.4, 0.4], routing=0.0197)
+    more = {arm: claim_arm(values) for arm, values in (("gspo-engine", [0.41, 0.38, 0.47, 0.35, 0.45, 0.38]),
+                                                       ("gspo-recompute", [0.54, 0.37, 0.52, 0.33, 0.40, 0.41]),
+                                                       ("gspo-engine-paper", [0.35, 0.39, 0.35, 0.31, 0.36, 0.35]))}
+    return {"grid": grid, "more": more, "seeds": [1234, 1235, 1236], "more_seeds": list(range(1234, 1240)),
+            "threshold": 0.35, "first_rewards": first_rewards or {arm: [0.211, 0.2, 0.22] for arm in grid},
+            "first_mismatch": [0.011, 0.009, 0.01], "response_length": 38.2,
+            "train_s_per_step": {arm: 0.39 for arm in grid}}
+
+
+MADE = doc_figures.Made("python bench/doc_figures.py claim_grid", "2026-12-02", "abc")
+
+
+def test_the_claim_grid_block_has_every_arm_the_seeds_differences_and_the_six_seed_question():
+    text = doc_figures.render_claim_grid(claim_figures(), MADE)
+    assert text.startswith("30 runs, made by `python bench/doc_figures.py claim_grid` on 2026-12-02 at abc "
+                           "(`python bench/claim.py --out DIR --seeds 3 --arms gspo-engine,gspo-recompute,")
+    assert "every arm's first step draws the same responses (reward 0.211 on seed 1234)" in text
+    assert ("| **GSPO, engine log-probs (default)** | **0.422 +- 0.045** | 20, -, 17 | 0.0053 | 93% | 1.77% | 0.28 | "
+            "0.39 |") in text
+    assert "| GRPO, engine log-probs | 0.400 +- 0.045 | 20, -, 17 | 0.0053 | - | 1.97% |" in text  # GRPO has no band
+    assert "| asynchronous | +0.035 | -0.059 | -0.136 | -0.053 |" in text  # async minus the default, per seed
+    # 6 seeds: recompute minus the default, mean +- its standard error, and how many seeds ahead.
+    assert "| GSPO, recomputed, same band rule | 0.428 +- 0.045 | 0.540, 0.370, 0.520, 0.330, 0.400, 0.410 | " \
+           "+0.022 +- 0.026 (3 of 6 ahead) | 0.39 |" in text
+    assert "| GSPO, engine log-probs, paper band | 0.352 +- 0.045 | 0.350, 0.390, 0.350, 0.310, 0.360, 0.350 | " \
+           "-0.055 +- 0.019 (5 of 6 behind) | 0.39 |" in text
+    split = doc_figures.render_claim_grid(claim_figures({"gspo-engine": [0.211], "gspo-async": [0.25]}), MADE)
+    assert "the arms' first steps on seed 1234 drew rewards 0.211-0.250" in split
+
+
+def test_the_mismatch_paragraph_is_said_from_the_grid():
+    text = doc_figures.render_claim_mismatch(claim_figures(), MADE)
+    assert "~38-token responses" in text and "mean |d| of 0.0188" in text and "|log s_i| of GSPO's sequence ratio " \
+        "is 0.0053 averaged over a run (0.0100 at the initial weights, falling as the policy trains): 13x" in text
+    assert "1.77%-1.97% of (token, MoE layer) pairs" in text  # replay's 0 is not a routing mismatch
+    assert "from 0.0053 to 0.0014 (74%) and the per-token one from 0.0188 to 0.0086. So the router is most" in text
+    assert text.endswith("(0.0086 / sqrt(38) = 0.0014).")
+
+
+def test_the_claim_grids_async_arm_is_two_rows_and_the_paired_difference():
+    text = doc_figures.render_claim_async(claim_figures(), MADE)
+    assert "| async, max_staleness 1 | 0.369 +- 0.045 | 0.446, 0.325, 0.335 | 20, -, 17 | 0.279 | 0.0106 |" in text
+    assert "Async minus sync per seed: +0.035, -0.059, -0.136 (mean -0.053 +- 0.049;" in text
+
+
+def test_the_async_block_pairs_the_modes_seed_by_seed():
+    def mode(per_step, samples):
+        return {"samples_per_s": samples, "per_step": per_step, "in_time": per_step - 0.02, "held_out": per_step + 0.01,
+                "clip_fraction": 0.25, "band": 0.01}
+
+    seeds = [{"seed": 1, "sync": mode(0.441, 40.7), "async": mode(0.435, 55.0)},
+             {"seed": 2, "sync": mode(0.380, 41.5), "async": mode(0.349, 51.3)}]
+    line = {"async_speedup": 1.2345, "overlap_bound": 1.27, "max_staleness_seen": 1, "tokens_regenerated": 0.0}
+    text = doc_figures.render_async({"line": line, "seeds": seeds},
+                                    doc_figures.Made("python bench/doc_figures.py async_seeded", "2026-12-02", "abc"))
+    assert "`python bench/async.py --out DIR --steps 28 --modes sync,async --seeds 1,2,3,4,5,6 " \
+           "rollout.max_new_tokens=40`, seeds 1, 2 (`train.seed`)" in text
+    assert "| 1 | 40.7 | 55.0 | 0.441 | 0.435 | 0.421 | 0.415 | 0.451 | 0.445 |" in text
+    assert "| mean +- sd | | 1.23x | 0.410 +- 0.043 | 0.392 +- 0.061 |" in text
+    assert "per step -0.019 +- 0.013 (ahead on 0 of 2; -0.006, -0.031)" in text
+    assert '`{"async_speedup": 1.23, "overlap_bound": 1.27, "max_staleness_seen": 1, "tokens_regenerated": 0}`' in text
+
+
+def test_a_block_rendered_from_another_blocks_runs_uses_its_dir_and_stamp(tmp_path, monkeypatch):
+    (tmp_path / "doc.md").write_text("<!-- figures: a -->\nold\n<!-- /figures: a -->\n<!-- figures: b -->\nold\n<!-- /figures: b -->\n")
+    seen = []
+    make = (lambda out: seen.append(out) or {})
+    monkeypatch.setattr(doc_figures, "REPO", tmp_path)
+    monkeypatch.setattr(doc_figures, "BLOCKS", {
+        "a": doc_figures.Block("doc.md", "a", make, lambda f, made: f"a at {made.revision}"),
+        "b": doc_figures.Block("doc.md", "b", make, lambda f, made: f"b at {made.revision}", runs="a")})
+    revisions = iter(["first", "second"])
+    monkeypatch.setattr(doc_figures, "made_now", lambda name: doc_figures.Made(name, "2026-12-02", next(revisions)))
+    assert doc_figures.main(["a", "b", "--out", str(tmp_path / "out")]) == 0
+    assert seen == [tmp_path / "out" / "a"] * 2
+    assert doc_figures.marked((tmp_path / "doc.md").read_text()) == {"a": "a at first", "b": "b at first"}

@@ -293,26 +293,29 @@ def mean_of(rows: list[dict], key: str) -> float | None:
 
 def claim_grid(out: Path) -> dict:
     """bench/claim.py's grid (10 arms x 3 seeds x 28 steps on configs/long_cpu.yaml, under DIR/runs),
-    then its three deciding arms on 6 seeds (the first three seeds' runs reused), each's JSON line;
-    and from the runs, each arm's first-step reward per seed and the default's mismatch at step 1
-    and response length."""
-    cmd = [sys.executable, "bench/claim.py", "--out", str(out), "--seeds"]
-    grid = bench_line(out / "claim.json", [*cmd, str(len(CLAIM_SEEDS)), "--arms", ",".join(CLAIM_ARMS)])["arms"]
-    if not (out / "claim6.json").is_file():  # the next call rewrites claim.md and the plots for its three arms
+    its JSON line (its claim.md and plots kept as claim3.md, reward3.png, clip_fraction3.png: a
+    later call, claim_more's, rewrites them); and from the runs, each arm's first-step reward per
+    seed, and the default's mismatch at step 1 and response length."""
+    grid = bench_line(out / "claim.json", [sys.executable, "bench/claim.py", "--out", str(out), "--seeds",
+                                           str(len(CLAIM_SEEDS)), "--arms", ",".join(CLAIM_ARMS)])["arms"]
+    if not (out / "claim6.json").is_file():
         for source in ("claim.md", "reward.png", "clip_fraction.png"):
             shutil.copyfile(out / source, out / source.replace(".", "3.", 1))
-    more = bench_line(out / "claim6.json", [*cmd, str(len(CLAIM_MORE_SEEDS)), "--arms",
-                                            ",".join(CLAIM_DECIDING)])["arms"]
     runs = {arm: [metric_rows(out / "runs" / arm / f"seed-{seed}" / "metrics.jsonl") for seed in CLAIM_SEEDS]
             for arm in CLAIM_ARMS}
     default = runs["gspo-engine"]
-    return {"grid": grid, "more": more, "seeds": CLAIM_SEEDS, "more_seeds": CLAIM_MORE_SEEDS,
-            "threshold": CLAIM_THRESHOLD,
+    return {"grid": grid, "seeds": CLAIM_SEEDS, "threshold": CLAIM_THRESHOLD,
             "first_rewards": {arm: [rows[0]["reward_mean"] for rows in by_seed] for arm, by_seed in runs.items()},
             "first_mismatch": [rows[0]["mismatch_abs_log_ratio_mean"] for rows in default],
-            "response_length": statistics.mean(mean_of(rows, "response_length_mean") for rows in default),
-            "train_s_per_step": {arm: statistics.mean(mean_of(rows, "time_train_s") for rows in by_seed)
-                                 for arm, by_seed in runs.items()}}
+            "response_length": statistics.mean(mean_of(rows, "response_length_mean") for rows in default)}
+
+
+def claim_more(out: Path) -> dict:
+    """The claim grid's three deciding arms on 6 seeds (the first three seeds' runs reused): its JSON line."""
+    claim_grid(out)
+    more = bench_line(out / "claim6.json", [sys.executable, "bench/claim.py", "--out", str(out), "--seeds",
+                                            str(len(CLAIM_MORE_SEEDS)), "--arms", ",".join(CLAIM_DECIDING)])["arms"]
+    return {"more": more, "more_seeds": CLAIM_MORE_SEEDS, "seeds": CLAIM_SEEDS}
 
 
 def seeds_span(seeds: list[int]) -> str:
@@ -383,7 +386,13 @@ def render_claim_grid(figures: dict, made: Made) -> str:
         if arm != "gspo-engine":
             d = [v - b for v, b in zip(s["final_reward_per_seed"], base)]
             diffs.append(f"| {CLAIM_LABELS[arm][1]} | {' | '.join(f'{x:+.3f}' for x in d)} | {statistics.mean(d):+.3f} |")
-    more, more_seeds = figures["more"], figures["more_seeds"]
+    return "\n".join([head, "", *table, "", "Each arm minus the default, per seed (the same seed draws the same "
+                      "first responses in every arm):", "", *diffs, "",
+                      f"![mean reward per step, each arm averaged over {len(seeds)} seeds](claim_reward.png)"])
+
+
+def render_claim_more(figures: dict, made: Made) -> str:
+    more, more_seeds, seeds = figures["more"], figures["more_seeds"], figures["seeds"]
     six = [f"| arm | reward, {len(more_seeds)} seeds | per seed | minus the default (SE) | train s/step |",
            "| --- | --- | --- | --- | --- |"]
     for arm, s in more.items():
@@ -395,13 +404,10 @@ def render_claim_grid(figures: dict, made: Made) -> str:
             minus = f"{mean:+.3f} +- {se:.3f} ({side[0]} of {len(d)} {side[1]})"
         six.append(f"| {CLAIM_LABELS[arm][0].strip('*')} | {s['final_reward_mean']:.3f} +- {s['final_reward_sd']:.3f} "
                    f"| {per_seed} | {minus} | {s['train_s_per_step']:.2f} |")
-    return "\n".join([head, "", *table, "", "Each arm minus the default, per seed (the same seed draws the same "
-                      "first responses in every arm):", "", *diffs, "",
-                      f"![mean reward per step, each arm averaged over {len(seeds)} seeds](claim_reward.png)", "",
-                      "The question the grid is for, engine log-probs against recomputation under the same band "
-                      f"rule, on seeds {seeds_span(more_seeds)} for the three arms that decide it (`--seeds "
-                      f"{len(more_seeds)} --arms {','.join(more)}` into the same DIR reuses the first "
-                      f"{len(seeds)} seeds' runs):", "", *six])
+    return (f"The question the grid is for, engine log-probs against recomputation under the same band rule, on "
+            f"seeds {seeds_span(more_seeds)} for the three arms that decide it, made by `{made.command}` on "
+            f"{made.date} at {made.revision} (`python bench/claim.py --out DIR --seeds {len(more_seeds)} --arms "
+            f"{','.join(more)}` into the grid's DIR reuses its first {len(seeds)} seeds' runs):\n\n" + "\n".join(six))
 
 
 def render_claim_async(figures: dict, made: Made) -> str:
@@ -509,6 +515,8 @@ BLOCKS = {
                         claim_grid, render_claim_grid,
                         (("claim3.md", "docs/claim_grid.md"), ("reward3.png", "docs/claim_reward.png"),
                          ("clip_fraction3.png", "docs/claim_clip_fraction.png"))),
+    "claim_more": Block("docs/10-findings.md", "the claim grid's three deciding arms on 6 seeds", claim_more,
+                        render_claim_more, runs="claim_grid"),
     "claim_mismatch": Block("docs/10-findings.md", "the train-inference mismatch the claim grid measured", claim_grid,
                             render_claim_mismatch, runs="claim_grid"),
     "claim_async": Block("docs/02-async.md", "the claim grid's synchronous and asynchronous arms", claim_grid,
@@ -570,7 +578,8 @@ def main(argv=None) -> int:
         stamp = out / "made.json"
         if not stamp.is_file():
             stamp.write_text(json.dumps(dataclasses.asdict(made_now(name))) + "\n")
-        made = Made(**json.loads(stamp.read_text()))
+        # Its command is this block's own (a block may render another's runs).
+        made = dataclasses.replace(Made(**json.loads(stamp.read_text())), command=f"python bench/doc_figures.py {name}")
         figures = block.make(out)
         (out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n")
         doc = REPO / block.doc

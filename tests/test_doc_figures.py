@@ -50,7 +50,7 @@ def test_the_demo_block_quotes_the_run_as_make_demo_prints_it():
 
 def test_an_unknown_block_is_one_line(capsys):
     with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, losses_grid, agent, engines, "
-                       r"claim_grid, claim_mismatch, claim_async, async_seeded$"):
+                       r"claim_grid, claim_more, claim_mismatch, claim_async, async_seeded$"):
         doc_figures.main(["nosuch"])
     assert doc_figures.main(["--list"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("lineage_gains: docs/07-loss.md: ")
@@ -121,14 +121,13 @@ def claim_figures(first_rewards=None):
                                                        ("gspo-engine-paper", [0.35, 0.39, 0.35, 0.31, 0.36, 0.35]))}
     return {"grid": grid, "more": more, "seeds": [1234, 1235, 1236], "more_seeds": list(range(1234, 1240)),
             "threshold": 0.35, "first_rewards": first_rewards or {arm: [0.211, 0.2, 0.22] for arm in grid},
-            "first_mismatch": [0.011, 0.009, 0.01], "response_length": 38.2,
-            "train_s_per_step": {arm: 0.39 for arm in grid}}
+            "first_mismatch": [0.011, 0.009, 0.01], "response_length": 38.2}
 
 
 MADE = doc_figures.Made("python bench/doc_figures.py claim_grid", "2026-12-02", "abc")
 
 
-def test_the_claim_grid_block_has_every_arm_the_seeds_differences_and_the_six_seed_question():
+def test_the_claim_grid_block_has_every_arm_and_each_arms_difference_per_seed():
     text = doc_figures.render_claim_grid(claim_figures(), MADE)
     assert text.startswith("30 runs, made by `python bench/doc_figures.py claim_grid` on 2026-12-02 at abc "
                            "(`python bench/claim.py --out DIR --seeds 3 --arms gspo-engine,gspo-recompute,")
@@ -137,13 +136,21 @@ def test_the_claim_grid_block_has_every_arm_the_seeds_differences_and_the_six_se
             "0.39 |") in text
     assert "| GRPO, engine log-probs | 0.400 +- 0.045 | 20, -, 17 | 0.0053 | - | 1.97% |" in text  # GRPO has no band
     assert "| asynchronous | +0.035 | -0.059 | -0.136 | -0.053 |" in text  # async minus the default, per seed
+    split = doc_figures.render_claim_grid(claim_figures({"gspo-engine": [0.211], "gspo-async": [0.25]}), MADE)
+    assert "the arms' first steps on seed 1234 drew rewards 0.211-0.250" in split
+
+
+def test_the_claim_grids_six_seeds_say_each_arm_minus_the_default_and_its_standard_error():
+    text = doc_figures.render_claim_more(claim_figures(), doc_figures.Made("python bench/doc_figures.py claim_more",
+                                                                           "2026-12-02", "abc"))
+    assert "on seeds 1234-1239 for the three arms that decide it, made by `python bench/doc_figures.py claim_more` " \
+           "on 2026-12-02 at abc (`python bench/claim.py --out DIR --seeds 6 --arms gspo-engine,gspo-recompute," \
+           "gspo-engine-paper` into the grid's DIR reuses its first 3 seeds' runs)" in text
     # 6 seeds: recompute minus the default, mean +- its standard error, and how many seeds ahead.
     assert "| GSPO, recomputed, same band rule | 0.428 +- 0.045 | 0.540, 0.370, 0.520, 0.330, 0.400, 0.410 | " \
            "+0.022 +- 0.026 (3 of 6 ahead) | 0.39 |" in text
     assert "| GSPO, engine log-probs, paper band | 0.352 +- 0.045 | 0.350, 0.390, 0.350, 0.310, 0.360, 0.350 | " \
            "-0.055 +- 0.019 (5 of 6 behind) | 0.39 |" in text
-    split = doc_figures.render_claim_grid(claim_figures({"gspo-engine": [0.211], "gspo-async": [0.25]}), MADE)
-    assert "the arms' first steps on seed 1234 drew rewards 0.211-0.250" in split
 
 
 def test_the_mismatch_paragraph_is_said_from_the_grid():
@@ -185,10 +192,12 @@ def test_a_block_rendered_from_another_blocks_runs_uses_its_dir_and_stamp(tmp_pa
     make = (lambda out: seen.append(out) or {})
     monkeypatch.setattr(doc_figures, "REPO", tmp_path)
     monkeypatch.setattr(doc_figures, "BLOCKS", {
-        "a": doc_figures.Block("doc.md", "a", make, lambda f, made: f"a at {made.revision}"),
-        "b": doc_figures.Block("doc.md", "b", make, lambda f, made: f"b at {made.revision}", runs="a")})
+        "a": doc_figures.Block("doc.md", "a", make, lambda f, made: f"a at {made.revision} ({made.command})"),
+        "b": doc_figures.Block("doc.md", "b", make, lambda f, made: f"b at {made.revision} ({made.command})",
+                                     runs="a")})
     revisions = iter(["first", "second"])
-    monkeypatch.setattr(doc_figures, "made_now", lambda name: doc_figures.Made(name, "2026-12-02", next(revisions)))
+    monkeypatch.setattr(doc_figures, "made_now", lambda name: doc_figures.Made("", "2026-12-02", next(revisions)))
     assert doc_figures.main(["a", "b", "--out", str(tmp_path / "out")]) == 0
     assert seen == [tmp_path / "out" / "a"] * 2
-    assert doc_figures.marked((tmp_path / "doc.md").read_text()) == {"a": "a at first", "b": "b at first"}
+    assert doc_figures.marked((tmp_path / "doc.md").read_text()) == {"a": "a at first (python bench/doc_figures.py a)",
+                                                                 "b": "b at first (python bench/doc_figures.py b)"}

@@ -360,10 +360,13 @@ def render_claim_mismatch(figures: dict, made: Made) -> str:
 
 def render_claim_grid(figures: dict, made: Made) -> str:
     grid, seeds, threshold = figures["grid"], figures["seeds"], figures["threshold"]
-    firsts = {round(r[0], 6) for r in figures["first_rewards"].values()}
-    start = (f"every arm's first step draws the same responses (reward {next(iter(firsts)):.3f} on seed {seeds[0]}), "
-             "so arms part by what they train alone" if len(firsts) == 1 else
-             f"the arms' first steps on seed {seeds[0]} drew rewards {min(firsts):.3f}-{max(firsts):.3f}")
+    per_seed = [{round(rewards[i], 6) for rewards in figures["first_rewards"].values()} for i in range(len(seeds))]
+    if all(len(firsts) == 1 for firsts in per_seed):
+        start = (f"each seed's first step draws the same responses in every arm (reward "
+                 f"{', '.join(f'{min(firsts):.3f}' for firsts in per_seed)}), so arms part by what they train alone")
+    else:
+        start = "the arms' first steps drew rewards " + ", ".join(
+            f"{min(firsts):.3f}-{max(firsts):.3f} on seed {seed}" for firsts, seed in zip(per_seed, seeds))
     head = (f"{len(grid) * len(seeds)} runs, {claim_made(figures, made)}; the full output is in "
             "[claim_grid.md](claim_grid.md); reward = mean of the last 7 of 28 steps, mean +- sd over "
             f"{len(seeds)} seeds; mismatch and out-of-band at theta_old; every request's sampling seeded "

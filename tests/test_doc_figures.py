@@ -131,13 +131,14 @@ def test_the_claim_grid_block_has_every_arm_and_each_arms_difference_per_seed():
     text = doc_figures.render_claim_grid(claim_figures(), MADE)
     assert text.startswith("30 runs, made by `python bench/doc_figures.py claim_grid` on 2026-12-02 at abc "
                            "(`python bench/claim.py --out DIR --seeds 3 --arms gspo-engine,gspo-recompute,")
-    assert "every arm's first step draws the same responses (reward 0.211 on seed 1234)" in text
+    assert "each seed's first step draws the same responses in every arm (reward 0.211, 0.200, 0.220)" in text
     assert ("| **GSPO, engine log-probs (default)** | **0.422 +- 0.045** | 20, -, 17 | 0.0053 | 93% | 1.77% | 0.28 | "
             "0.39 |") in text
     assert "| GRPO, engine log-probs | 0.400 +- 0.045 | 20, -, 17 | 0.0053 | - | 1.97% |" in text  # GRPO has no band
     assert "| asynchronous | +0.035 | -0.059 | -0.136 | -0.053 |" in text  # async minus the default, per seed
-    split = doc_figures.render_claim_grid(claim_figures({"gspo-engine": [0.211], "gspo-async": [0.25]}), MADE)
-    assert "the arms' first steps on seed 1234 drew rewards 0.211-0.250" in split
+    split = doc_figures.render_claim_grid(claim_figures({"gspo-engine": [0.211, 0.2, 0.22],
+                                                         "gspo-async": [0.25, 0.2, 0.22]}), MADE)
+    assert "the arms' first steps drew rewards 0.211-0.250 on seed 1234, 0.200-0.200 on seed 1235" in split
 
 
 def test_the_claim_grids_six_seeds_say_each_arm_minus_the_default_and_its_standard_error():

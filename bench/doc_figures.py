@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import claim  # the claim grid's runner: its metrics reader and formatting, as bench/losses.py uses them
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "outputs" / "doc_figures"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
@@ -219,8 +221,7 @@ def losses_grid(out: Path) -> dict:
     starts = {}
     for arm in arms:
         for seed in GRID_SEEDS:
-            rows = (out / "runs" / arm / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()
-            rows = [json.loads(row) for row in rows]
+            rows = claim.rows_of(out / "runs" / arm / f"seed-{seed}")
             starts.setdefault(arm, []).append({"first_step": rows[0]["reward_mean"],
                                                "first_steps": sum(r["reward_mean"] for r in rows[:GRID_FIRST])
                                                / GRID_FIRST})
@@ -239,7 +240,7 @@ def render_losses_grid(figures: dict, made: Made) -> str:
             f"{max(opening):.2f}); clip is the share of response tokens the clip took; mismatch the mean |log s_i| "
             "of trainer vs engine at theta_old, and the share of sequences whose mismatch alone is outside the "
             "arm's band:")
-    fmt = (lambda v, spec: "-" if v is None else format(v, spec))
+    fmt = claim._fmt
     table = ["| loss | reward | clip | masked | mismatch / seq | out of band | response length | train s/step |",
              "|---|---|---|---|---|---|---|---|"]
     for arm, s in arms.items():
@@ -282,27 +283,27 @@ CLAIM_LABELS = {
 }
 
 
-def metric_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def mean_of(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
+    return claim._mean([r.get(key) for r in rows])
 
 
-def claim_grid(out: Path) -> dict:
-    """bench/claim.py's grid (10 arms x 3 seeds x 28 steps on configs/long_cpu.yaml, under DIR/runs),
-    its JSON line (its claim.md and plots kept as claim3.md, reward3.png, clip_fraction3.png: a
-    later call, claim_more's, rewrites them); and from the runs, each arm's first-step reward per
-    seed, and the default's mismatch at step 1 and response length."""
+def claim_grid_line(out: Path) -> dict:
+    """bench/claim.py's grid (10 arms x 3 seeds x 28 steps on configs/long_cpu.yaml, under DIR/runs):
+    its JSON line's arms, its claim.md and plots kept as claim3.md, reward3.png, clip_fraction3.png
+    (a later call, claim_more's, rewrites them)."""
     grid = bench_line(out / "claim.json", [sys.executable, "bench/claim.py", "--out", str(out), "--seeds",
                                            str(len(CLAIM_SEEDS)), "--arms", ",".join(CLAIM_ARMS)])["arms"]
     if not (out / "claim6.json").is_file():
         for source in ("claim.md", "reward.png", "clip_fraction.png"):
             shutil.copyfile(out / source, out / source.replace(".", "3.", 1))
-    runs = {arm: [metric_rows(out / "runs" / arm / f"seed-{seed}" / "metrics.jsonl") for seed in CLAIM_SEEDS]
-            for arm in CLAIM_ARMS}
+    return grid
+
+
+def claim_grid(out: Path) -> dict:
+    """The grid's arms, and from its runs each arm's first-step reward per seed, and the default's
+    mismatch at step 1 and response length."""
+    grid = claim_grid_line(out)
+    runs = {arm: [claim.rows_of(out / "runs" / arm / f"seed-{seed}") for seed in CLAIM_SEEDS] for arm in CLAIM_ARMS}
     default = runs["gspo-engine"]
     return {"grid": grid, "seeds": CLAIM_SEEDS, "threshold": CLAIM_THRESHOLD,
             "first_rewards": {arm: [rows[0]["reward_mean"] for rows in by_seed] for arm, by_seed in runs.items()},
@@ -312,7 +313,7 @@ def claim_grid(out: Path) -> dict:
 
 def claim_more(out: Path) -> dict:
     """The claim grid's three deciding arms on 6 seeds (the first three seeds' runs reused): its JSON line."""
-    claim_grid(out)
+    claim_grid_line(out)  # the grid first: its files are kept before this call rewrites them
     more = bench_line(out / "claim6.json", [sys.executable, "bench/claim.py", "--out", str(out), "--seeds",
                                             str(len(CLAIM_MORE_SEEDS)), "--arms", ",".join(CLAIM_DECIDING)])["arms"]
     return {"more": more, "more_seeds": CLAIM_MORE_SEEDS, "seeds": CLAIM_SEEDS}
@@ -325,6 +326,11 @@ def seeds_span(seeds: list[int]) -> str:
 def claim_made(figures: dict, made: Made) -> str:
     return (f"made by `{made.command}` on {made.date} at {made.revision} (`python bench/claim.py --out DIR --seeds "
             f"{len(figures['seeds'])} --arms {','.join(figures['grid'])}`, seeds {seeds_span(figures['seeds'])})")
+
+
+def reached(steps: list[int | None]) -> str:
+    """Steps to the threshold per seed, '-' where a run never reached it."""
+    return ", ".join("-" if v is None else str(v) for v in steps)
 
 
 def paired(values: list[float], base: list[float]) -> tuple[float, float, list[float]]:
@@ -372,7 +378,7 @@ def render_claim_grid(figures: dict, made: Made) -> str:
             f"{len(seeds)} seeds; mismatch and out-of-band at theta_old; every request's sampling seeded "
             f"([Reproducible runs](09-reliability.md#reproducible-runs)): {start}. The runs one after another on "
             "2 cores, each arm's seed by seed (seed-major), so train s/step compares arms within the grid:")
-    fmt = (lambda v, spec: "-" if v is None else format(v, spec))
+    fmt = claim._fmt
     table = [f"| arm | reward | steps to {threshold} | \\|log s_i\\| | out of band | routing mismatch | clip fraction "
              "| train s/step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, s in grid.items():
@@ -380,15 +386,15 @@ def render_claim_grid(figures: dict, made: Made) -> str:
         reward = f"{s['final_reward_mean']:.3f} +- {s['final_reward_sd']:.3f}"
         band = "-" if arm.startswith("grpo") else fmt(s["out_of_band"], ".0%")
         table.append(f"| {label} | {f'**{reward}**' if arm == 'gspo-engine' else reward} | "
-                     f"{', '.join('-' if v is None else str(v) for v in s['steps_to_threshold'])} | "
+                     f"{reached(s['steps_to_threshold'])} | "
                      f"{fmt(s['mismatch_seq'], '.4f')} | {band} | {fmt(s['routing_mismatch'], '.2%')} | "
                      f"{fmt(s['clip_fraction'], '.2f')} | {fmt(s['train_s_per_step'], '.2f')} |")
     base = grid["gspo-engine"]["final_reward_per_seed"]
     diffs = [f"| arm | {' | '.join(map(str, seeds))} | mean |", "| --- |" + " --- |" * (len(seeds) + 1)]
     for arm, s in grid.items():
         if arm != "gspo-engine":
-            d = [v - b for v, b in zip(s["final_reward_per_seed"], base)]
-            diffs.append(f"| {CLAIM_LABELS[arm][1]} | {' | '.join(f'{x:+.3f}' for x in d)} | {statistics.mean(d):+.3f} |")
+            mean, _, d = paired(s["final_reward_per_seed"], base)
+            diffs.append(f"| {CLAIM_LABELS[arm][1]} | {' | '.join(f'{x:+.3f}' for x in d)} | {mean:+.3f} |")
     return "\n".join([head, "", *table, "", "Each arm minus the default, per seed (the same seed draws the same "
                       "first responses in every arm):", "", *diffs, "",
                       f"![mean reward per step, each arm averaged over {len(seeds)} seeds](claim_reward.png)"])
@@ -421,7 +427,7 @@ def render_claim_async(figures: dict, made: Made) -> str:
     for label, s in (("sync (default)", sync), ("async, max_staleness 1", stale)):
         rows.append(f"| {label} | {s['final_reward_mean']:.3f} +- {s['final_reward_sd']:.3f} | "
                     f"{', '.join(f'{v:.3f}' for v in s['final_reward_per_seed'])} | "
-                    f"{', '.join('-' if v is None else str(v) for v in s['steps_to_threshold'])} | "
+                    f"{reached(s['steps_to_threshold'])} | "
                     f"{s['clip_fraction']:.3f} | {s['clip_band_high']:.4f} |")
     mean, se, d = paired(stale["final_reward_per_seed"], sync["final_reward_per_seed"])
     return (f"**Learning (measured, seeded).** The claim grid's synchronous default and asynchronous arm "
@@ -456,7 +462,7 @@ def async_seeded(out: Path) -> dict:
     bench = async_bench()
     per_seed = []
     for seed in ASYNC_SEEDS:
-        runs = {mode: metric_rows(out / f"seed-{seed}" / mode / "metrics.jsonl") for mode in ("sync", "async")}
+        runs = {mode: claim.rows_of(out / f"seed-{seed}" / mode) for mode in ("sync", "async")}
         in_time = bench.learning_in_time(runs)
         figures = {"seed": seed}
         for mode, rows in runs.items():

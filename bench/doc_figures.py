@@ -509,6 +509,127 @@ def render_async(figures: dict, made: Made) -> str:
             f"a band of {band['async']:.4f} against {band['sync']:.4f}.")
 
 
+# ---- the asynchronous modes' throughput, pinned cores (docs/02)
+
+LONG_SEED = 1234  # configs/long_cpu.yaml's train.seed (the schema's default)
+MODES_ARGS = ["--steps", "10"]  # every mode, responses up to the bench's 160 tokens
+BALANCED_ARGS = ["--steps", "10", "--modes", "sync,one_step_off,async,async-first-minibatch", "train.ppo_epochs=4"]
+MODE_COLUMNS = (("samples/s", "samples_per_s", ".1f"), ("step s", "step_s", ".2f"), ("rollout s", "rollout_s", ".2f"),
+                ("train s", "train_s", ".2f"), ("sync s", "sync_s", ".2f"), ("trainer idle", "idle", ".2f"),
+                ("engine idle", "engine_idle", ".2f"), ("staleness max", "staleness_max", "d"),
+                ("tokens regenerated", "tokens_regenerated", "d"))
+
+
+def async_modes_of(out: Path, args: list[str]) -> dict:
+    """bench/async.py's one-seed run of `args` into DIR: its JSON line and each mode's summary
+    (steps 2.., from DIR/MODE's metrics)."""
+    line = bench_line(out / "async.json", [sys.executable, "bench/async.py", "--out", str(out), *args])
+    modes = args[args.index("--modes") + 1].split(",") if "--modes" in args else list(async_bench().MODES)
+    bench = async_bench()
+    return {"line": line, "args": args, "seed": LONG_SEED,
+            "modes": {mode: bench.summary(claim.rows_of(out / mode)) for mode in modes}}
+
+
+def async_modes(out: Path) -> dict:
+    return async_modes_of(out, MODES_ARGS)
+
+
+def async_balanced(out: Path) -> dict:
+    return async_modes_of(out, BALANCED_ARGS)
+
+
+def render_modes(figures: dict, made: Made) -> str:
+    modes, line = figures["modes"], figures["line"]
+    steps = int(figures["args"][figures["args"].index("--steps") + 1])
+    table = ["| mode | " + " | ".join(c[0] for c in MODE_COLUMNS) + " |", "|---|" + "---|" * len(MODE_COLUMNS)]
+    for mode, r in modes.items():
+        table.append(f"| {mode} | " + " | ".join(format(r[key], spec) for _, key, spec in MODE_COLUMNS) + " |")
+    sync = modes["sync"]
+    bound = line["overlap_bound"]
+    said = [f"generation is {sync['rollout_s'] / sync['step_s']:.0%} of a synchronous step, so overlap alone "
+            f"could give at most {bound:.2f}x"]
+    for mode in modes:
+        if mode == "sync":
+            continue
+        speedup = line[f"{mode.replace('-', '_')}_speedup"]
+        said.append(f"{mode} {speedup:.2f}x ({speedup / bound:.0%} of the bound; its train phase "
+                    f"{modes[mode]['train_s'] / sync['train_s']:.2f}x sync's, the engine idle "
+                    f"{modes[mode]['engine_idle']:.0%} of the time against {sync['engine_idle']:.0%})")
+    return (f"Made by `{made.command}` on {made.date} at {made.revision}: `python bench/async.py --out DIR "
+            f"{' '.join(figures['args'])}`, `train.seed` {figures['seed']} (configs/long_cpu.yaml's) in every mode, "
+            f"{steps} steps (steps 2-{steps}: the first includes start-up), the trainer pinned to core 0 and the "
+            "server to core 1, nothing else running:\n\n" + "\n".join(table) + "\n\n"
+            + "; ".join(said) + f". Max staleness seen: {line['max_staleness_seen']}.")
+
+
+# ---- where the mismatch comes from (docs/10)
+
+MISMATCH_ROWS = (("float32 trainer (what training sees)", "bf16 engine vs fp32 trainer"),
+                 ("trainer with bf16-rounded weights, float32 compute", "bf16 engine vs bf16 weights trainer"),
+                 ("trainer in bf16 (weights and compute)", "bf16 engine vs bf16 trainer"),
+                 ("its own prefill of the same tokens (decoding, batching)", "bf16 engine decode vs its prefill"),
+                 ("(float32 engine vs float32 trainer)", "fp32 engine vs fp32 trainer"))
+
+
+def small(x: float) -> str:
+    """A mismatch: four decimals, or two significant digits below 1e-3 (a float32 engine's ~1e-7)."""
+    return f"{x:.4f}" if x >= 1e-3 else f"{x:.1e}"
+
+
+def mismatch_sources(out: Path) -> dict:
+    """bench/mismatch_sources.py at its defaults (32 responses of configs/long_cpu.yaml at the
+    initial weights, each request seeded from train.seed): its JSON line."""
+    run([sys.executable, "-m", "gspo_mcore.tasks.long", "outputs/long_task"], "the long task", stdout=subprocess.DEVNULL)
+    return {"line": bench_line(out / "mismatch_sources.json", [sys.executable, "bench/mismatch_sources.py"]),
+            "seed": LONG_SEED}
+
+
+def render_mismatch_sources(figures: dict, made: Made) -> str:
+    line = figures["line"]
+    table = ["| engine vs | \\|log s_i\\| | tokens \\|d\\| > 0.1 | routing flips (token, layer) vs float32 |",
+             "| --- | --- | --- | --- |"]
+    for label, key in MISMATCH_ROWS:
+        r = line[key]
+        flips = r.get("routing_flips_vs_fp32")
+        flips = "-" if flips is None or key.endswith("fp32 trainer") else f"{flips:.1%}"  # vs itself: 0
+        table.append(f"| {label} | {small(r['seq_mean_abs_log_ratio'])} | {r['token_share_abs_over_0.1']:.0%} | {flips} |")
+    trainer, alone = line["bf16 engine vs fp32 trainer"], line["bf16 trainer vs fp32 trainer"]
+    return (f"Made by `{made.command}` on {made.date} at {made.revision}: `python bench/mismatch_sources.py` (32 "
+            f"responses of configs/long_cpu.yaml at the initial weights, every request's sampling seeded from "
+            f"`train.seed` {figures['seed']}; per sequence mean |log s_i|, all at theta_old):\n\n" + "\n".join(table)
+            + "\n\n"
+            f"Against the float32 trainer: the per-token bias's t-statistic is {trainer['bias_t']:.1f}; zeroing the "
+            f"tail (|d| > 0.1) leaves |log s_i| {small(trainer['seq_mean_abs_log_ratio_tail_zeroed'])}; subtracting "
+            f"the first half's mean offset from the second half leaves "
+            f"{trainer['seq_out_of_band_after_first_half_offset']:.0%} of those sequences out of the paper's band "
+            f"({trainer['seq_out_of_band']:.0%} before); a band holding 90% of sequences is "
+            f"{small(trainer['seq_band_for_90pct'])}. bf16 against float32 with no engine: the "
+            f"{alone['tokens_flipped']:.0%} of tokens that any layer routes differently carry mean |d| "
+            f"{alone['mean_abs_d_flipped_tokens']:.3f} against {alone['mean_abs_d_other_tokens']:.3f} for the rest.")
+
+
+# ---- step time, the engine's log-probs against recomputation (docs/10)
+
+STEP_ARGS = ["--steps", "8"]
+
+
+def step_time(out: Path) -> dict:
+    """bench/step.py --steps 8 on configs/long_cpu.yaml: its JSON line."""
+    run([sys.executable, "-m", "gspo_mcore.tasks.long", "outputs/long_task"], "the long task", stdout=subprocess.DEVNULL)
+    return {"line": bench_line(out / "step.json", [sys.executable, "bench/step.py", *STEP_ARGS]), "seed": LONG_SEED}
+
+
+def render_step_time(figures: dict, made: Made) -> str:
+    line = figures["line"]
+    return (f"Made by `{made.command}` on {made.date} at {made.revision}: `python bench/step.py "
+            f"{' '.join(STEP_ARGS)}` (configs/long_cpu.yaml, `train.seed` {figures['seed']}, both arms on the same "
+            f"{line['steps']} batches after a warm-up step, nothing else running): {line['engine_step_s']:.2f} s a "
+            f"step with the engine's log-probs against {line['recompute_step_s']:.2f} s recomputing "
+            f"(`step_time_ratio` {line['step_time_ratio']:.2f}); the train phase {line['engine_train_s']:.2f} s "
+            f"against {line['recompute_train_s']:.2f} s (`train_time_ratio` {line['train_time_ratio']:.2f}); "
+            f"generation is {line['rollout_s'] / line['engine_step_s']:.0%} of the engine arm's step.")
+
+
 BLOCKS = {
     "lineage_gains": Block("docs/07-loss.md", "the GSPO lineage's gains on the CPU default, 5 losses x 2 seeds",
                            lineage_gains, render_lineage),
@@ -532,6 +653,14 @@ BLOCKS = {
                          render_claim_async, runs="claim_grid"),
     "async_seeded": Block("docs/02-async.md", "sync against async on pinned cores, 6 seeds x 28 steps", async_seeded,
                           render_async, (("over_seeds.png", "docs/async_over_seeds_seeded.png"),)),
+    "async_modes": Block("docs/02-async.md", "every rollout mode's throughput on pinned cores, 10 steps", async_modes,
+                         render_modes),
+    "async_balanced": Block("docs/02-async.md", "the same with four passes over each batch (train.ppo_epochs=4)",
+                            async_balanced, render_modes),
+    "mismatch_sources": Block("docs/10-findings.md", "where the mismatch comes from, op by op (32 responses)",
+                              mismatch_sources, render_mismatch_sources),
+    "step_time": Block("docs/10-findings.md", "step time, the engine's log-probs against recomputation",
+                       step_time, render_step_time),
 }
 
 

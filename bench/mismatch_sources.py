@@ -4,7 +4,8 @@ GSPO's importance ratio s_i = exp(mean_t(log pi_theta - log pi_old)) (eq. 7) is 
 [1 - 3e-4, 1 + 4e-4]; with pi_old the engine's log-probs, at theta == theta_old it should be 1,
 and whatever it is instead is mismatch. This script samples `--sequences` responses of a task
 from a real SGLang server (CPU) at the config's initial weights, once with a bf16 and once with
-an fp32 engine, and compares the engine's per-token log-probs (the ones the trainer trains
+an fp32 engine (every request's sampling seeded from the config's `train.seed`: a rerun samples
+the same responses), and compares the engine's per-token log-probs (the ones the trainer trains
 against) with transformers forwards of the same Hugging Face checkpoint, log_softmax of
 logits / temperature gathered at the sampled tokens:
 
@@ -51,11 +52,13 @@ sys.path.insert(0, str(REPO))
 
 def engine_rollouts(config, dtype: str, prompts: list[list[int]], vocab_size: int,
                     log_dir: Path) -> tuple[list, list[list[float]]]:
-    """Responses sampled by a fresh server in `dtype` (decode log-probs), and the same server's
-    prefill log-probs of the same response tokens."""
+    """Responses sampled by a fresh server in `dtype` (decode log-probs; each request seeded from
+    `train.seed`, so a rerun samples the same tokens), and the same server's prefill log-probs of
+    the same response tokens."""
     import dataclasses
 
     from gspo_mcore.common.netaddr import free_port
+    from gspo_mcore.common.seeds import request_seed
     from gspo_mcore.engines.sglang.engine import SGLangEngine
     from gspo_mcore.common.processes import ManagedServer
     from gspo_mcore.engines.sglang.server import server_for_config
@@ -66,7 +69,8 @@ def engine_rollouts(config, dtype: str, prompts: list[list[int]], vocab_size: in
     url = f"http://127.0.0.1:{port}"
     with ManagedServer(cmd, url, log_dir / f"sglang_{dtype}.log", env=env):
         params = {"max_new_tokens": config.rollout.max_new_tokens, "temperature": config.rollout.temperature}
-        rollouts = SGLangEngine([url]).client(vocab_size).generate(prompts, params)
+        seeds = [request_seed(config.train.seed, "mismatch_sources", i) for i in range(len(prompts))]
+        rollouts = SGLangEngine([url]).client(vocab_size).generate(prompts, params, seeds=seeds)
         prefill = SGLangEngine([url]).prompt_logprobs(url, [r.prompt_ids + r.response_ids for r in rollouts])
     return rollouts, [p[len(r.prompt_ids) - 1:] for r, p in zip(rollouts, prefill)]
 

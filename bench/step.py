@@ -117,6 +117,8 @@ def report(rows: list[dict]) -> None:
     print(json.dumps({"step_time_ratio": round(engine / recompute, 4),
                       "train_time_ratio": round(train_engine / train_recompute, 4),
                       "engine_step_s": round(engine, 4), "recompute_step_s": round(recompute, 4),
+                      "rollout_s": round(phases["engine"]["rollout"], 4), "engine_train_s": round(train_engine, 4),
+                      "recompute_train_s": round(train_recompute, 4),
                       "steps": len(rows)}))
 
 

@@ -16,7 +16,8 @@ from helpers import REPO, last_json_line, run_module
 
 
 # bench -> the keys of its last line (a full run's; the smoke run must print the same).
-STEP_KEYS = {"step_time_ratio", "train_time_ratio", "engine_step_s", "recompute_step_s", "steps"}
+STEP_KEYS = {"step_time_ratio", "train_time_ratio", "engine_step_s", "recompute_step_s", "rollout_s", "engine_train_s",
+             "recompute_train_s", "steps"}
 ASYNC_KEYS = {"async_speedup", "one_step_off_speedup", "async_restart_speedup", "async_first_minibatch_speedup",
               "overlap_bound", "max_staleness_seen", "tokens_regenerated", "tokens_regenerated_restart",
               "reward_last_steps", "reward_in_time", "reward_held_out"}

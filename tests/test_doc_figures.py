@@ -50,7 +50,8 @@ def test_the_demo_block_quotes_the_run_as_make_demo_prints_it():
 
 def test_an_unknown_block_is_one_line(capsys):
     with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, losses_grid, agent, engines, "
-                       r"claim_grid, claim_more, claim_mismatch, claim_async, async_seeded$"):
+                       r"claim_grid, claim_more, claim_mismatch, claim_async, async_seeded, async_modes, async_balanced, "
+                       r"mismatch_sources, step_time$"):
         doc_figures.main(["nosuch"])
     assert doc_figures.main(["--list"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("lineage_gains: docs/07-loss.md: ")
@@ -202,3 +203,60 @@ def test_a_block_rendered_from_another_blocks_runs_uses_its_dir_and_stamp(tmp_pa
     assert seen == [tmp_path / "out" / "a"] * 2
     assert doc_figures.marked((tmp_path / "doc.md").read_text()) == {"a": "a at first (python bench/doc_figures.py a)",
                                                                  "b": "b at first (python bench/doc_figures.py b)"}
+
+
+def test_the_modes_block_is_a_row_per_mode_and_each_speedup_against_the_bound():
+    def mode(samples, step, rollout, train, engine_idle, regenerated=0):
+        return {"samples_per_s": samples, "step_s": step, "rollout_s": rollout, "train_s": train, "sync_s": 0.06,
+                "idle": 0.5, "engine_idle": engine_idle, "staleness_max": 1, "tokens_regenerated": regenerated}
+
+    modes = {"sync": mode(7.4, 8.0, 6.0, 2.0, 0.17), "async": mode(9.2, 6.9, 4.3, 2.5, 0.12),
+             "async-restart": mode(6.5, 9.8, 5.6, 3.2, 0.18, regenerated=10220)}
+    modes["sync"]["staleness_max"] = 0
+    line = {"async_speedup": 1.24, "async_restart_speedup": 0.88, "overlap_bound": 1.2, "max_staleness_seen": 1}
+    args = ["--steps", "10", "--modes", "sync,async,async-restart", "train.ppo_epochs=4"]
+    text = doc_figures.render_modes({"line": line, "args": args, "seed": 1234, "modes": modes},
+                                    doc_figures.Made("python bench/doc_figures.py async_balanced", "2026-12-02", "abc"))
+    assert text.startswith("Made by `python bench/doc_figures.py async_balanced` on 2026-12-02 at abc: `python "
+                           "bench/async.py --out DIR --steps 10 --modes sync,async,async-restart train.ppo_epochs=4`, "
+                           "`train.seed` 1234 (configs/long_cpu.yaml's) in every mode, 10 steps (steps 2-10")
+    assert "| sync | 7.4 | 8.00 | 6.00 | 2.00 | 0.06 | 0.50 | 0.17 | 0 | 0 |" in text
+    assert "| async-restart | 6.5 | 9.80 | 5.60 | 3.20 | 0.06 | 0.50 | 0.18 | 1 | 10220 |" in text
+    assert "generation is 75% of a synchronous step, so overlap alone could give at most 1.20x; async 1.24x (103% " \
+           "of the bound; its train phase 1.25x sync's, the engine idle 12% of the time against 17%)" in text
+
+
+def test_the_mismatch_sources_block_is_a_row_per_comparison():
+    def row(seq, tail=0.1, flips=None):
+        return {"seq_mean_abs_log_ratio": seq, "token_share_abs_over_0.1": tail, "routing_flips_vs_fp32": flips,
+                "bias_t": -1.94, "seq_mean_abs_log_ratio_tail_zeroed": 0.0041, "seq_out_of_band": 0.97,
+                "seq_out_of_band_after_first_half_offset": 0.94, "seq_band_for_90pct": 0.0251}
+
+    line = {"bf16 engine vs fp32 trainer": row(0.0135, flips=0.0), "bf16 engine vs bf16 weights trainer":
+            row(0.0066, 0.06, 0.019), "bf16 engine vs bf16 trainer": row(0.013, 0.07, 0.033),
+            "bf16 engine decode vs its prefill": row(0.005, 0.03), "fp32 engine vs fp32 trainer": row(1.1e-7, 0.0, 0.0),
+            "bf16 trainer vs fp32 trainer": {"tokens_flipped": 0.088, "mean_abs_d_flipped_tokens": 0.2612,
+                                             "mean_abs_d_other_tokens": 0.0231}}
+    text = doc_figures.render_mismatch_sources({"line": line, "seed": 1234}, doc_figures.Made(
+        "python bench/doc_figures.py mismatch_sources", "2026-12-02", "abc"))
+    assert "`python bench/mismatch_sources.py` (32 responses of configs/long_cpu.yaml at the initial weights, every " \
+           "request's sampling seeded from `train.seed` 1234;" in text
+    assert "| float32 trainer (what training sees) | 0.0135 | 10% | - |" in text  # its flips are against itself
+    assert "| trainer with bf16-rounded weights, float32 compute | 0.0066 | 6% | 1.9% |" in text
+    assert "| its own prefill of the same tokens (decoding, batching) | 0.0050 | 3% | - |" in text
+    assert "| (float32 engine vs float32 trainer) | 1.1e-07 | 0% | - |" in text
+    assert "t-statistic is -1.9; zeroing the tail (|d| > 0.1) leaves |log s_i| 0.0041;" in text
+    assert "leaves 94% of those sequences out of the paper's band (97% before)" in text
+    assert text.endswith("the 9% of tokens that any layer routes differently carry mean |d| 0.261 against 0.023 for "
+                         "the rest.")
+
+
+def test_the_step_time_block_says_both_arms_and_the_ratios():
+    line = {"step_time_ratio": 0.9487, "train_time_ratio": 0.8012, "engine_step_s": 2.59, "recompute_step_s": 2.73,
+            "rollout_s": 1.97, "engine_train_s": 0.55, "recompute_train_s": 0.69, "steps": 8}
+    text = doc_figures.render_step_time({"line": line, "seed": 1234}, doc_figures.Made(
+        "python bench/doc_figures.py step_time", "2026-12-02", "abc"))
+    assert "`python bench/step.py --steps 8` (configs/long_cpu.yaml, `train.seed` 1234, both arms on the same 8 " \
+           "batches after a warm-up step" in text
+    assert "2.59 s a step with the engine's log-probs against 2.73 s recomputing (`step_time_ratio` 0.95); the train " \
+           "phase 0.55 s against 0.69 s (`train_time_ratio` 0.80); generation is 76% of the engine arm's step." in text

@@ -150,20 +150,56 @@ AGENT_SEEDS = [1235, 1236]  # more training seeds, on writer seed 0
 def agent(out: Path) -> dict:
     """configs/agent_cpu.yaml as shipped (30 steps), on each writer seed's task and on more training
     seeds of writer 0's: summary.json's first 10 -> last 10."""
+    runs = [(writer, DEMO_SEED) for writer in AGENT_WRITERS] + [(AGENT_WRITERS[0], seed) for seed in AGENT_SEEDS]
+    return {"runs": [agent_run(out, writer, seed) for writer, seed in runs]}
+
+
+def agent_run(out: Path, writer: int, seed: int, key_hint: float | None = None, overrides=(), name: str = "") -> dict:
+    """configs/agent_cpu.yaml (30 steps) on writer seed `writer`'s task (its warm start's prior
+    `key_hint`, the writer's own by default) at train.seed `seed`, under DIR/[NAME/]writer-W/seed-S:
+    summary.json's first 10 -> last 10, and the lowest step's reward and step."""
     from gspo_mcore.tasks.agent import make_agent_task
 
-    runs = [(writer, DEMO_SEED) for writer in AGENT_WRITERS] + [(AGENT_WRITERS[0], seed) for seed in AGENT_SEEDS]
-    found = []
-    for writer, seed in runs:
-        task = make_agent_task(out / f"task-{writer}", seed=writer)
-        run = train(out / f"writer-{writer}" / f"seed-{seed}", "configs/agent_cpu.yaml",
+    hint = {} if key_hint is None else {"key_hint": key_hint}
+    task = make_agent_task(out / (f"task-{writer}" + (f"-hint-{key_hint}" if hint else "")), seed=writer, **hint)
+    run_dir = train(out / name / f"writer-{writer}" / f"seed-{seed}", "configs/agent_cpu.yaml",
                     [f"model.hf_dir={task / 'model'}", f"data.path={task / 'prompts.jsonl'}", f"train.seed={seed}",
-                     "eval.datasets=[]", "train.export_hf=false", "train.save_every=0", "train.log_samples_every=0"],
-                    30)
-        summary = json.loads((run / "summary.json").read_text())
-        found.append({"writer": writer, "seed": seed, "first": summary["reward_first"], "last": summary["reward_last"],
-                      "gain": summary["reward_gain"]})
-    return {"runs": found}
+                     "eval.datasets=[]", "train.export_hf=false", "train.save_every=0", "train.log_samples_every=0",
+                     *overrides], 30)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = claim.rows_of(run_dir)
+    lowest = min(rows[1:], key=lambda r: r["reward_mean"])
+    return {"writer": writer, "seed": seed, "first": summary["reward_first"], "last": summary["reward_last"],
+            "gain": summary["reward_gain"], "lowest": lowest["reward_mean"], "lowest_step": lowest["step"]}
+
+
+AGENT_WEAK_HINT = 0.1  # the shipped warm start's prior is gspo_mcore.tasks.agent.KEY_HINT (0.2)
+AGENT_NO_WARMUP = ["optimizer.lr=1e-3", "optimizer.lr_warmup_steps=0"]
+
+
+def agent_ablations(out: Path) -> dict:
+    """What the agent task's settings are for, at train.seed 1234: a weaker prior (writer seeds 0
+    and 1), none (writer seed 0), and no LR warmup at twice the LR (writer seeds 0-3)."""
+    from gspo_mcore.tasks.agent import KEY_HINT
+
+    return {"seed": DEMO_SEED, "key_hint": KEY_HINT, "weak_hint": AGENT_WEAK_HINT,
+            "weak": [agent_run(out, w, DEMO_SEED, AGENT_WEAK_HINT, name="weak") for w in AGENT_WRITERS[:2]],
+            "none": [agent_run(out, AGENT_WRITERS[0], DEMO_SEED, 0.0, name="none")],
+            "no_warmup": [agent_run(out, w, DEMO_SEED, overrides=AGENT_NO_WARMUP, name="no-warmup")
+                          for w in AGENT_WRITERS]}
+
+
+def render_agent_ablations(figures: dict, made: Made) -> str:
+    def runs(found: list[dict]) -> str:
+        return ", ".join(f"writer seed {r['writer']} {r['first']:.2f} -> {r['last']:.2f} ({r['gain']:+.2f}; lowest "
+                         f"step {r['lowest_step']} at {r['lowest']:.2f})" for r in found)
+
+    return (f"Ablations (made by `{made.command}` on {made.date} at {made.revision}: `configs/agent_cpu.yaml`, 30 "
+            f"steps at `train.seed` {figures['seed']}, first 10 steps -> last 10, and each run's lowest step after "
+            f"the first): a prior of {figures['weak_hint']:.0%} instead of {figures['key_hint']:.0%} (the warm "
+            f"start's share of calls that ask the prompt's key): {runs(figures['weak'])}; no prior: "
+            f"{runs(figures['none'])}; no LR warmup at lr 1e-3 (`{' '.join(AGENT_NO_WARMUP)}`), the shipped prior: "
+            f"{runs(figures['no_warmup'])}.")
 
 
 def render_agent(figures: dict, made: Made) -> str:
@@ -639,6 +675,8 @@ BLOCKS = {
                          (("losses.md", "docs/losses_grid.md"), ("reward.png", "docs/losses_reward.png"))),
     "agent": Block("docs/03-multi-turn.md", "the agent task's rise, 4 writer seeds and 2 more training seeds",
                    agent, render_agent),
+    "agent_ablations": Block("docs/03-multi-turn.md", "the agent task with a weaker prior, none, and no LR warmup",
+                             agent_ablations, render_agent_ablations),
     "engines": Block("docs/12-engines.md", "the CPU default on SGLang and on vLLM, side by side", engines,
                      render_engines),
     "claim_grid": Block("docs/10-findings.md", "the claim grid, 10 arms x 3 seeds x 28 steps, 3 of them on 6 seeds",

@@ -123,6 +123,26 @@ def test_format_transcripts_call_the_prompts_table_and_relay_the_result(tokenize
     assert asked_right < 64 * 0.5  # mostly a random key
 
 
+def test_the_warm_starts_prior_is_the_share_of_calls_that_ask_the_prompts_key(tokenizer):
+    """docs/03's ablation (a weaker prior, none) writes the task with another key_hint."""
+    import random
+
+    tools = load_tools(TOOLS)
+
+    def asked_right(key_hint):
+        ids, _ = agent_task.warm_transcripts(tokenizer, 64, random.Random(0), key_hint)
+        right = 0
+        for row in ids.tolist():
+            tokens = tokenizer.convert_ids_to_tokens(row)
+            start = tokens.index("<tool_call>")
+            (call,) = parse_tool_calls(tokenizer.decode(row[start:start + 19]), tools)
+            right += call.arguments["key"] == tokens[11].strip('"')  # look up "k_" in "t_"
+        return right
+
+    # 1: every call asks the prompt's key; 0: a random key among KEYS (1 in 8 by chance).
+    assert asked_right(1.0) == 64 and asked_right(0.0) < 64 * 0.3
+
+
 def _write(out, monkeypatch, steps=2):
     monkeypatch.setattr(agent_task, "WARM_STEPS", steps)
     return make_agent_task(out, num_prompts=20)

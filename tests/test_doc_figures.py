@@ -49,8 +49,8 @@ def test_the_demo_block_quotes_the_run_as_make_demo_prints_it():
 
 
 def test_an_unknown_block_is_one_line(capsys):
-    with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, losses_grid, agent, engines, "
-                       r"claim_grid, claim_more, claim_mismatch, claim_async, async_seeded, async_modes, async_balanced, "
+    with pytest.raises(SystemExit, match=r"^error: 'nosuch' is not a block: one of lineage_gains, demo, losses_grid, agent, agent_ablations, "
+                       r"engines, claim_grid, claim_more, claim_mismatch, claim_async, async_seeded, async_modes, async_balanced, "
                        r"mismatch_sources, step_time$"):
         doc_figures.main(["nosuch"])
     assert doc_figures.main(["--list"]) == 0
@@ -260,3 +260,18 @@ def test_the_step_time_block_says_both_arms_and_the_ratios():
            "batches after a warm-up step" in text
     assert "2.59 s a step with the engine's log-probs against 2.73 s recomputing (`step_time_ratio` 0.95); the train " \
            "phase 0.55 s against 0.69 s (`train_time_ratio` 0.80); generation is 76% of the engine arm's step." in text
+
+
+def test_the_agent_ablations_block_says_each_run_and_its_lowest_step():
+    def run(writer, first, last, lowest, step):
+        return {"writer": writer, "seed": 1234, "first": first, "last": last, "gain": last - first, "lowest": lowest,
+                "lowest_step": step}
+
+    figures = {"seed": 1234, "key_hint": 0.2, "weak_hint": 0.1, "weak": [run(0, 0.3, 0.77, 0.25, 2)],
+               "none": [run(0, 0.05, 0.13, 0.0, 4)], "no_warmup": [run(0, 0.41, 0.88, 0.3, 3), run(1, 0.2, 0.0, 0.0, 6)]}
+    text = doc_figures.render_agent_ablations(figures, doc_figures.Made(
+        "python bench/doc_figures.py agent_ablations", "2026-12-02", "abc"))
+    assert "30 steps at `train.seed` 1234" in text and "a prior of 10% instead of 20%" in text
+    assert "writer seed 0 0.30 -> 0.77 (+0.47; lowest step 2 at 0.25); no prior: writer seed 0 0.05 -> 0.13" in text
+    assert text.endswith("the shipped prior: writer seed 0 0.41 -> 0.88 (+0.47; lowest step 3 at 0.30), writer seed "
+                         "1 0.20 -> 0.00 (-0.20; lowest step 6 at 0.00).")

@@ -23,9 +23,8 @@ prompt's table, but its key is drawn at random among KEYS (8) in all but KEY_HIN
 where it is the prompt's key (a weak prior, as a pretrained model's); the tool's true result for
 that key; the answer relaying the result. The warm model calls the tool in format and relays what
 it returns, but asks the wrong key most of the time: its reward starts near 0.3. RL has to learn
-to ask for the key the prompt names (configs/agent_cpu.yaml, first 10 steps against the last 10:
-+0.41 to +0.46 for writer seeds 0-3; at KEY_HINT 10% writer seed 0 rose +0.47 but seed 1 only
-+0.13, a prior too weak for 30 steps; with none, 4 keys, RL gained 0.08).
+to ask for the key the prompt names (configs/agent_cpu.yaml's rise, and what a weaker prior or no
+LR warmup does: docs/03-multi-turn.md, made by bench/doc_figures.py agent and agent_ablations).
 
 `python -m gspo_mcore.tasks.agent OUT_DIR` writes OUT_DIR/model (the warm model + tokenizer),
 OUT_DIR/prompts.jsonl and OUT_DIR/eval.jsonl, to a temporary sibling first; the same seed gives
@@ -37,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,10 +124,12 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
             f.write(json.dumps({"prompt": prompt_text(table, key), "answer": lookup(table, key)}) + "\n")
 
 
-def warm_transcripts(tokenizer, count: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+def warm_transcripts(tokenizer, count: int, rng: random.Random,
+                     key_hint: float = KEY_HINT) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, loss mask) of `count` transcripts of the format, laid out by tokens as the tool
     loop lays out a trajectory (prompt, call, the tool's result spliced by `environment_ids`,
-    answer): the call names the prompt's table and a random key; the answer relays the result."""
+    answer): the call names the prompt's table and a random key (the prompt's own in a share
+    `key_hint` of them); the answer relays the result."""
     import torch
     from transformers.utils import get_json_schema
 
@@ -136,7 +138,7 @@ def warm_transcripts(tokenizer, count: int, rng: random.Random) -> tuple[torch.T
     sequences, masks = [], []
     for _ in range(count):
         table, key = _draw(rng)
-        asked = key if rng.random() < KEY_HINT else f"k_{rng.randrange(KEYS)}"  # mostly not the prompt's
+        asked = key if rng.random() < key_hint else f"k_{rng.randrange(KEYS)}"  # mostly not the prompt's
         value = lookup(table, asked)
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(table, key)}],
                                                tools=tools, add_generation_prompt=True, tokenize=False)
@@ -149,7 +151,7 @@ def warm_transcripts(tokenizer, count: int, rng: random.Random) -> tuple[torch.T
     return torch.tensor(sequences), torch.tensor(masks, dtype=torch.float32)
 
 
-def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS) -> None:
+def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS, key_hint: float = KEY_HINT) -> None:
     """Fit the model of `model_dir` on `steps` batches of format transcripts, in place."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the writer only
@@ -168,7 +170,7 @@ def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS) -> None:
     torch.set_num_threads(WARM_THREADS)
     try:
         for _ in range(steps):
-            ids, mask = warm_transcripts(tokenizer, WARM_BATCH, rng)
+            ids, mask = warm_transcripts(tokenizer, WARM_BATCH, rng, key_hint)
             logits = model(input_ids=ids[:, :-1]).logits
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # position t predicts token t + 1
@@ -180,14 +182,17 @@ def warm_start(model_dir: Path, seed: int, steps: int = WARM_STEPS) -> None:
     model.save_pretrained(model_dir)
 
 
-def make_model(model_dir: Path, seed: int) -> None:
+def make_model(model_dir: Path, seed: int, key_hint: float = KEY_HINT) -> None:
     """The toy's random tiny model with this task's tokenizer, warm-started on the format."""
     toy.make_model(model_dir, seed, vocabulary(), CHAT_TEMPLATE)
-    warm_start(model_dir, seed, WARM_STEPS)
+    warm_start(model_dir, seed, WARM_STEPS, key_hint)
 
 
-def make_agent_task(out_dir, seed: int = 0, num_prompts: int = 1024) -> Path:
-    return toy.make_toy_task(out_dir, seed, num_prompts, write_prompts=make_prompts, write_model=make_model)
+def make_agent_task(out_dir, seed: int = 0, num_prompts: int = 1024, key_hint: float = KEY_HINT) -> Path:
+    """The task; `key_hint` other than KEY_HINT: a warm start with a weaker or stronger prior (the
+    ablation of docs/03, bench/doc_figures.py agent_ablations)."""
+    return toy.make_toy_task(out_dir, seed, num_prompts, write_prompts=make_prompts,
+                             write_model=partial(make_model, key_hint=key_hint))
 
 
 if __name__ == "__main__":

@@ -478,7 +478,8 @@ def render_claim_async(figures: dict, made: Made) -> str:
 # ---- asynchronous against synchronous, pinned cores (docs/02)
 
 ASYNC_SEEDS = [1, 2, 3, 4, 5, 6]
-ASYNC_ARGS = ["--steps", "28", "--modes", "sync,async", "--seeds", ",".join(map(str, ASYNC_SEEDS)),
+ASYNC_MODES = ["sync", "async", "async-first-minibatch"]  # pi_prox recomputed, and from the first minibatch
+ASYNC_ARGS = ["--steps", "28", "--modes", ",".join(ASYNC_MODES), "--seeds", ",".join(map(str, ASYNC_SEEDS)),
               "rollout.max_new_tokens=40"]  # long_cpu's own length (the bench's default is 160)
 
 
@@ -491,14 +492,15 @@ def async_bench():
 
 
 def async_seeded(out: Path) -> dict:
-    """bench/async.py's six seeds of sync against async (28 steps, pinned cores) and its JSON line;
-    per seed and mode, from the runs under DIR/seed-S/MODE: samples/s, the reward per step (last 7),
-    in time and held out, the clip fraction and the later minibatches' band."""
+    """bench/async.py's six seeds of sync against async, pi_prox recomputed and from the first
+    minibatch (28 steps, pinned cores), and its JSON line; per seed and mode, from the runs under
+    DIR/seed-S/MODE: samples/s, the reward per step (last 7), in time and held out, the clip
+    fraction and the later minibatches' band."""
     line = bench_line(out / "async.json", [sys.executable, "bench/async.py", "--out", str(out), *ASYNC_ARGS])
     bench = async_bench()
     per_seed = []
     for seed in ASYNC_SEEDS:
-        runs = {mode: claim.rows_of(out / f"seed-{seed}" / mode) for mode in ("sync", "async")}
+        runs = {mode: claim.rows_of(out / f"seed-{seed}" / mode) for mode in ASYNC_MODES}
         in_time = bench.learning_in_time(runs)
         figures = {"seed": seed}
         for mode, rows in runs.items():
@@ -508,41 +510,48 @@ def async_seeded(out: Path) -> dict:
                              "held_out": held, "clip_fraction": mean_of(rows, "clip_fraction"),
                              "band": mean_of(rows, "clip_band_high")}
         per_seed.append(figures)
-    return {"line": line, "seeds": per_seed}
+    return {"line": line, "seeds": per_seed, "modes": ASYNC_MODES}
+
+
+ASYNC_LABELS = {"sync": "sync", "async": "async", "async-first-minibatch": "first-minibatch"}
 
 
 def render_async(figures: dict, made: Made) -> str:
-    seeds = figures["seeds"]
+    seeds, modes, line = figures["seeds"], figures["modes"], figures["line"]
     keys = ("per_step", "in_time", "held_out")
-    table = ["| seed | sync samples/s | async samples/s | sync per step | async per step | sync in time | async in time "
-             "| sync held-out | async held-out |", "|---|---|---|---|---|---|---|---|---|"]
+    label = {m: ASYNC_LABELS[m] for m in modes}
+    header = [f"{label[m]} samples/s" for m in modes] + [f"{label[m]} {what}" for what in ("per step", "in time",
+                                                                                           "held-out") for m in modes]
+    table = ["| seed | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
     for s in seeds:
-        table.append(f"| {s['seed']} | {s['sync']['samples_per_s']:.1f} | {s['async']['samples_per_s']:.1f} | "
-                     + " | ".join(f"{s['sync'][k]:.3f} | {s['async'][k]:.3f}" for k in keys) + " |")
-    spread = {(m, k): (statistics.mean(s[m][k] for s in seeds), statistics.stdev(s[m][k] for s in seeds))
-              for m in ("sync", "async") for k in keys}
-    table.append(f"| mean +- sd | | {figures['line']['async_speedup']:.2f}x | " + " | ".join(
-        f"{spread[('sync', k)][0]:.3f} +- {spread[('sync', k)][1]:.3f} | {spread[('async', k)][0]:.3f} +- "
-        f"{spread[('async', k)][1]:.3f}" for k in keys) + " |")
+        table.append(f"| {s['seed']} | " + " | ".join(f"{s[m]['samples_per_s']:.1f}" for m in modes) + " | "
+                     + " | ".join(f"{s[m][k]:.3f}" for k in keys for m in modes) + " |")
+    speedups = ["" if m == "sync" else f"{line[m.replace('-', '_') + '_speedup']:.2f}x" for m in modes]
+    table.append("| mean +- sd | " + " | ".join(speedups) + " | " + " | ".join(
+        f"{statistics.mean(s[m][k] for s in seeds):.3f} +- {statistics.stdev(s[m][k] for s in seeds):.3f}"
+        for k in keys for m in modes) + " |")
     said = []
-    for k, what in zip(keys, ("per step", "per second (at the same wall-clock time)", "held out after 28 updates")):
-        mean, se, d = paired([s["async"][k] for s in seeds], [s["sync"][k] for s in seeds])
-        said.append(f"{what} {mean:+.3f} +- {se:.3f} (ahead on {sum(x > 0 for x in d)} of {len(d)}; "
-                    f"{', '.join(f'{x:+.3f}' for x in d)})")
-    line = figures["line"]
-    clip = {m: statistics.mean(s[m]["clip_fraction"] for s in seeds) for m in ("sync", "async")}
-    band = {m: statistics.mean(s[m]["band"] for s in seeds) for m in ("sync", "async")}
+    for mode in modes[1:]:
+        parts = []
+        for k, what in zip(keys, ("per step", "per second (at the same wall-clock time)", "held out after 28 updates")):
+            mean, se, d = paired([s[mode][k] for s in seeds], [s["sync"][k] for s in seeds])
+            parts.append(f"{what} {mean:+.3f} +- {se:.3f} (ahead on {sum(x > 0 for x in d)} of {len(d)}; "
+                         f"{', '.join(f'{x:+.3f}' for x in d)})")
+        said.append(f"{label[mode].capitalize()} minus sync, paired by seed (mean +- standard error): " + "; ".join(parts))
+    clip = ", ".join(f"{label[m]} {statistics.mean(s[m]['clip_fraction'] for s in seeds):.3f}" for m in modes)
+    band = ", ".join(f"{statistics.mean(s[m]['band'] for s in seeds):.4f}" for m in modes)
+    speeds = ", ".join(f"\"{m.replace('-', '_')}_speedup\": {line[m.replace('-', '_') + '_speedup']:.2f}"
+                       for m in modes[1:])
     return (f"Made by `{made.command}` on {made.date} at {made.revision}: `python bench/async.py --out DIR "
             f"{' '.join(ASYNC_ARGS)}`, seeds {', '.join(str(s['seed']) for s in seeds)} (`train.seed`), the trainer "
             "pinned to core 0 and the server to core 1, nothing else running. \"Per step\" is the mean training "
             "reward over the last 7 steps, \"in time\" that of the steps that ended in the last quarter of a "
-            "wall-clock budget both share, \"held-out\" the final weights on the 64 held-out prompts, 4 samples "
-            "each:\n\n" + "\n".join(table) + "\n\n"
-            f"`{{\"async_speedup\": {line['async_speedup']:.2f}, \"overlap_bound\": {line['overlap_bound']:.2f}, "
+            "wall-clock budget the modes share, \"held-out\" the final weights on the 64 held-out prompts, 4 "
+            "samples each:\n\n" + "\n".join(table) + "\n\n"
+            f"`{{{speeds}, \"overlap_bound\": {line['overlap_bound']:.2f}, "
             f"\"max_staleness_seen\": {line['max_staleness_seen']}, \"tokens_regenerated\": "
-            f"{line['tokens_regenerated']:.0f}}}`. Async minus sync, paired by seed (mean +- standard error): "
-            + "; ".join(said) + f". Clip fraction: async {clip['async']:.3f} against sync {clip['sync']:.3f}, under "
-            f"a band of {band['async']:.4f} against {band['sync']:.4f}.")
+            f"{line['tokens_regenerated']:.0f}}}`. " + ". ".join(said) + f". Clip fraction: {clip}, under a band "
+            f"of {band}.")
 
 
 # ---- the asynchronous modes' throughput, pinned cores (docs/02)

@@ -170,22 +170,28 @@ def test_the_claim_grids_async_arm_is_two_rows_and_the_paired_difference():
     assert "Async minus sync per seed: +0.035, -0.059, -0.136 (mean -0.053 +- 0.049;" in text
 
 
-def test_the_async_block_pairs_the_modes_seed_by_seed():
+def test_the_async_block_pairs_each_mode_with_sync_seed_by_seed():
     def mode(per_step, samples):
         return {"samples_per_s": samples, "per_step": per_step, "in_time": per_step - 0.02, "held_out": per_step + 0.01,
                 "clip_fraction": 0.25, "band": 0.01}
 
-    seeds = [{"seed": 1, "sync": mode(0.441, 40.7), "async": mode(0.435, 55.0)},
-             {"seed": 2, "sync": mode(0.380, 41.5), "async": mode(0.349, 51.3)}]
-    line = {"async_speedup": 1.2345, "overlap_bound": 1.27, "max_staleness_seen": 1, "tokens_regenerated": 0.0}
-    text = doc_figures.render_async({"line": line, "seeds": seeds},
+    seeds = [{"seed": 1, "sync": mode(0.441, 40.7), "async": mode(0.435, 55.0), "async-first-minibatch": mode(0.4, 56)},
+             {"seed": 2, "sync": mode(0.380, 41.5), "async": mode(0.349, 51.3), "async-first-minibatch": mode(0.4, 52)}]
+    line = {"async_speedup": 1.2345, "async_first_minibatch_speedup": 1.3, "overlap_bound": 1.27,
+            "max_staleness_seen": 1, "tokens_regenerated": 0.0}
+    text = doc_figures.render_async({"line": line, "seeds": seeds, "modes": ["sync", "async", "async-first-minibatch"]},
                                     doc_figures.Made("python bench/doc_figures.py async_seeded", "2026-12-02", "abc"))
-    assert "`python bench/async.py --out DIR --steps 28 --modes sync,async --seeds 1,2,3,4,5,6 " \
+    assert "`python bench/async.py --out DIR --steps 28 --modes sync,async,async-first-minibatch --seeds 1,2,3,4,5,6 " \
            "rollout.max_new_tokens=40`, seeds 1, 2 (`train.seed`)" in text
-    assert "| 1 | 40.7 | 55.0 | 0.441 | 0.435 | 0.421 | 0.415 | 0.451 | 0.445 |" in text
-    assert "| mean +- sd | | 1.23x | 0.410 +- 0.043 | 0.392 +- 0.061 |" in text
-    assert "per step -0.019 +- 0.013 (ahead on 0 of 2; -0.006, -0.031)" in text
-    assert '`{"async_speedup": 1.23, "overlap_bound": 1.27, "max_staleness_seen": 1, "tokens_regenerated": 0}`' in text
+    assert "| seed | sync samples/s | async samples/s | first-minibatch samples/s | sync per step | async per step |" in text
+    assert "| 1 | 40.7 | 55.0 | 56.0 | 0.441 | 0.435 | 0.400 | 0.421 | 0.415 | 0.380 | 0.451 | 0.445 | 0.410 |" in text
+    assert "| mean +- sd |  | 1.23x | 1.30x | 0.410 +- 0.043 | 0.392 +- 0.061 | 0.400 +- 0.000 |" in text
+    assert "Async minus sync, paired by seed (mean +- standard error): per step -0.019 +- 0.013 (ahead on 0 of 2; " \
+           "-0.006, -0.031)" in text
+    assert "First-minibatch minus sync, paired by seed (mean +- standard error): per step -0.010 +- 0.030 (ahead on " \
+           "1 of 2; -0.041, +0.020)" in text
+    assert '`{"async_speedup": 1.23, "async_first_minibatch_speedup": 1.30, "overlap_bound": 1.27, ' \
+           '"max_staleness_seen": 1, "tokens_regenerated": 0}`' in text
 
 
 def test_a_block_rendered_from_another_blocks_runs_uses_its_dir_and_stamp(tmp_path, monkeypatch):

@@ -591,7 +591,7 @@ def render_modes(figures: dict, made: Made) -> str:
         table.append(f"| {mode} | " + " | ".join(format(r[key], spec) for _, key, spec in MODE_COLUMNS) + " |")
     sync = modes["sync"]
     bound = line["overlap_bound"]
-    said = [f"generation is {sync['rollout_s'] / sync['step_s']:.0%} of a synchronous step, so overlap alone "
+    said = [f"Generation is {sync['rollout_s'] / sync['step_s']:.0%} of a synchronous step, so overlap alone "
             f"could give at most {bound:.2f}x"]
     for mode in modes:
         if mode == "sync":

@@ -228,7 +228,7 @@ def test_the_modes_block_is_a_row_per_mode_and_each_speedup_against_the_bound():
                            "`train.seed` 1234 (configs/long_cpu.yaml's) in every mode, 10 steps (steps 2-10")
     assert "| sync | 7.4 | 8.00 | 6.00 | 2.00 | 0.06 | 0.50 | 0.17 | 0 | 0 |" in text
     assert "| async-restart | 6.5 | 9.80 | 5.60 | 3.20 | 0.06 | 0.50 | 0.18 | 1 | 10220 |" in text
-    assert "generation is 75% of a synchronous step, so overlap alone could give at most 1.20x; async 1.24x (103% " \
+    assert "Generation is 75% of a synchronous step, so overlap alone could give at most 1.20x; async 1.24x (103% " \
            "of the bound; its train phase 1.25x sync's, the engine idle 12% of the time against 17%)" in text
 
 

@@ -156,7 +156,7 @@ def test_writer_is_deterministic_and_leaves_no_partial_task(tmp_path, monkeypatc
     key, table = (word.strip('"') for word in record["prompt"].split()[2::2])
     assert record["answer"] == lookup(table, key)
 
-    def broken(model_dir, seed, steps):
+    def broken(model_dir, seed, steps, key_hint):
         raise RuntimeError("interrupted")
 
     monkeypatch.setattr(agent_task, "warm_start", broken)

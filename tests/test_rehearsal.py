@@ -82,6 +82,9 @@ def test_planted_gpu_slips_are_named_at_their_lines():
     assert found["float32 into bf16 without the mode"] is None
     # host-to-device copies the host waits on, by line: pageable (non_blocking or not); pinned is not one
     assert found["blocking copies"] == {f"{worker}:19": 1, f"{worker}:54": 1}
+    # device-to-host reads the host waits on: once each, a .tolist() once; a non-blocking copy none
+    source = (REPO / worker).read_text().splitlines()
+    assert found["host waits"] == {f"{worker}:{n}": 1 for n, line in enumerate(source, 1) if "# waits" in line}
 
 
 def _allocator_peak(step) -> tuple[int, int, int, int]:
@@ -137,8 +140,9 @@ def test_the_live_count_is_the_allocators_at_a_tiny_shape():
     assert counted_end == allocator_end
 
 
-def _rehearse_rank(config: str, nodes: int, hf, rank: int) -> dict:
-    args = ["--config", str(REPO / "configs" / config), "--hf-config", str(hf), "--layers", "2", "--nodes", str(nodes)]
+def _rehearse_rank(config: str, nodes: int, hf, rank: int, layers: int = 2) -> dict:
+    args = ["--config", str(REPO / "configs" / config), "--hf-config", str(hf), "--layers", str(layers),
+            "--nodes", str(nodes)]
     done = subprocess.run([sys.executable, "-m", "gspo_mcore.rehearse", *args, "--json-only", "--rank", str(rank)],
                           capture_output=True, text=True, env=environment(), timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -199,6 +203,24 @@ def test_every_gpu_config_rehearsed_at_the_30b_widths_with_2_layers(config, rank
                             last_stage=result["last_stage"])
     for kind, value in planned.items():
         assert result["flops"][kind] == pytest.approx(value, rel=0.01), kind
+
+
+@pytest.mark.slow
+def test_the_project_adds_no_host_wait_per_layer():
+    """Where the host waits on the device (a GPU sync) in the 30B config's update, at 1 and 2 layers:
+    every line of this project's waits as often at both (a count, a loss figure, a metric: per
+    update, not per layer; the routers' load imbalance read two syncs a layer before); what grows
+    with the depth is megatron-core's MoE layer alone (the torch spec's permutation, masked_select,
+    and the dispatcher's one wait for its token counts), the same at each layer."""
+    nodes, hf = GPU_CONFIGS["qwen3_30b_a3b_gspo.yaml"]
+    one, two = (_rehearse_rank("qwen3_30b_a3b_gspo.yaml", nodes, hf, 0, layers)["host_waits"]["update"]
+                for layers in (1, 2))
+    ours = lambda waits: {line: n for line, n in waits.items() if line.startswith("gspo_mcore/")}  # noqa: E731
+    assert ours(one) and ours(one) == ours(two)
+    grown = {line: two.get(line, 0) - one.get(line, 0) for line in set(one) | set(two)}
+    per_layer = {line: n for line, n in grown.items() if n}
+    assert per_layer and all(line.startswith("megatron/core/transformer/moe/") for line in per_layer)
+    assert all(one[line] == n for line, n in per_layer.items())  # as many at the second layer as at the first
 
 
 @pytest.mark.parametrize("argv, message", [

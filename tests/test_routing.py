@@ -3,6 +3,7 @@ without a model: one stand-in router whose choice the test sets."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -84,3 +85,20 @@ def test_a_forward_recomputed_in_backward_counts_nothing(monkeypatch):
     out.sum().backward()  # microbatch 1 recomputed
     assert hooks.mismatch() == (0.0, [0.0], None)
     assert hooks.load[0].tolist() == [3.0, 3.0, 0.0, 0.0]
+
+
+def test_load_imbalance_is_max_over_mean_per_loaded_layer_in_one_host_copy(monkeypatch):
+    """router_max_over_mean_load: a layer without a router here (no load) is left out, the rest
+    read max / mean; on a GPU each .item() waits for the device, so the figures come in one copy."""
+    monkeypatch.setattr(routing_module.dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # one rank
+    layers = [SimpleNamespace(layer_number=n, mlp=SimpleNamespace(router=FixedRouter(4))) for n in (1, 3)]
+    hooks = routing_module.RouterHooks(SimpleNamespace(decoder=SimpleNamespace(layers=layers),
+                                                       config=SimpleNamespace(num_layers=3)), 4)
+    hooks.load += torch.tensor([[4.0, 0.0, 2.0, 2.0], [0.0] * 4, [1.0] * 4], dtype=torch.float64)
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(self.shape) or real_cpu(self, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a host sync per layer"))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: pytest.fail("a truth test per layer"))
+    assert hooks.imbalance() == [2.0, 1.0]
+    assert copies == [torch.Size([3])]

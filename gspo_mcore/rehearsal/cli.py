@@ -129,6 +129,11 @@ def rank_main(args) -> dict:
     out["blocking_copies"] = rehearsal.mode.blocking_copies
     full_step = [figures for name, figures in rehearsal.runs if name == "training"][1:2]
     out["flops"] = full_step[0].flops if full_step else None
+    # Where the host waits on the device (GPU syncs), by line: in a full microbatch's update (the
+    # second: the first also builds Adam's state) and in the engine's phases.
+    waits = {"update": full_step[0].host_waits if full_step else {}}
+    waits.update({name: figures.host_waits for name, figures in rehearsal.phases.items() if name != "training"})
+    out["host_waits"] = {phase: dict(sorted(lines.items(), key=lambda kv: -kv[1])) for phase, lines in waits.items()}
     from megatron.core import parallel_state
 
     out["last_stage"] = parallel_state.is_pipeline_last_stage()
@@ -167,6 +172,7 @@ def report(config, changes, arch, layout, results: dict[str, dict]) -> dict:
                               "top_sites_gb": {}}
         out["roles"][role] = {"rank": result["rank"], "phases": phases, "mismatches": result["mismatches"],
                               "unanswered": result["unanswered"], "blocking_copies": result["blocking_copies"],
+                              "host_waits": result["host_waits"],
                               "imbalance": result["imbalance"],
                               "flops": _flops_of(config, arch, result)}
     return out
@@ -228,6 +234,10 @@ def format_table(summary: dict) -> str:
         if figures["blocking_copies"]:
             lines.append("  host-to-device copies the host waits on (line: count): " + ", ".join(
                 f"{line}: {count}" for line, count in figures["blocking_copies"].items()))
+        for phase, waits in figures["host_waits"].items():
+            if waits:
+                lines.append(f"  the host waits on the device (GPU syncs), {phase}, {sum(waits.values())} (line: count): "
+                             + ", ".join(f"{line}: {count}" for line, count in waits.items()))
     return "\n".join(lines)
 
 

@@ -105,6 +105,16 @@ def load() -> None:
     _answer_torch_cuda()
 
 
+# Called where the host would wait for the device (a stream's, an event's or the device's
+# synchronize): the rehearsal's mode counts each by line while it is entered (mode.Rehearsal.host_waits).
+host_wait_listeners: list = []
+
+
+def _host_waits() -> None:
+    for listener in host_wait_listeners:
+        listener()
+
+
 def _stream_class():
     """torch.cuda.Stream and Event: the CPU bridge's stand-in (every wait already over: fake kernels
     run at once), one stream for all (megatron's side-stream checks compare them), timed at zero."""
@@ -119,6 +129,9 @@ def _stream_class():
 
         def elapsed_time(self, other):
             return 0.0
+
+        def synchronize(self):
+            _host_waits()
 
         def __eq__(self, other):
             return isinstance(other, _NoStream)
@@ -151,7 +164,7 @@ def _answer_torch_cuda() -> None:
     cuda.get_device_properties = lambda device=None: type("Properties", (), dict(
         name=DEVICE_NAME, major=CAPABILITY[0], minor=CAPABILITY[1], total_memory=TOTAL_MEMORY,
         multi_processor_count=132))()
-    cuda.synchronize = lambda device=None: None
+    cuda.synchronize = lambda device=None: _host_waits()
     cuda.Stream = _Stream
     cuda.Event = _Stream
     cuda.current_stream = lambda device=None: _Stream()

@@ -10,7 +10,9 @@ production step runs (forward, backward, the recompute inside backward, the opti
    the host beside the fake one: a count made on the host and all-reduced is this rank's own, as
    in a world of equal ranks); the dispatcher's token counts and the routing map's selections come
    from the routing plan (gspo_mcore.rehearsal.plan); anything else reads as zeros, and its line
-   is listed (`unanswered`);
+   is listed (`unanswered`). Each read the host waits on the device for (a GPU sync: `.item()`, a
+   truth test, a blocking copy to the host, an op whose output size is its input's values, a
+   stream's, an event's or the device's synchronize) is counted by line (`host_waits`);
 3. runs ops on host tensors that never met the device for real (index tensors megatron builds on
    the host, the host RNG's state checks);
 4. pins host memory as a GPU build would (a copy, counted as host memory: an offloaded optimizer's);
@@ -31,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from gspo_mcore.rehearsal import device as fake_device
 from gspo_mcore.rehearsal.plan import RoutingPlan
 
 aten = torch.ops.aten
@@ -42,6 +45,9 @@ _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.de
 _KEEPS_VALUES = {"allreduce_", "broadcast_", "all_reduce", "all_reduce_"}
 _UNINITIALIZED = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like}
 _HOST_READS = {aten._local_scalar_dense.default}
+# Ops whose output size is their input's values: on a GPU the host waits for them to know it.
+_SIZED_BY_VALUES = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
+                    aten.unique_consecutive.default, aten.unique_dim.default}
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # gspo_mcore/
 _REPO = str(Path(_PACKAGE_ROOT).parent)
 _REHEARSAL = str(Path(__file__).resolve().parent)
@@ -121,6 +127,30 @@ class Rehearsal(TorchDispatchMode):
         self.pinned = WeakTensorKeyDictionary()  # host tensors pinned (a CPU build has no pinned allocator)
         self.unanswered: dict[str, int] = {}
         self.blocking_copies: dict[str, int] = {}  # host-to-device copies the host waits on, by line
+        self.host_waits: dict[str, int] = {}  # device-to-host reads the host waits on (GPU syncs), by line
+        self._listing = False  # inside a fake tensor's .tolist(): its element reads are one wait
+
+    def __enter__(self):
+        fake_device.host_wait_listeners.append(self._note_synchronize)
+        self._tolist = FakeTensor.tolist  # torch's: an .item() per element
+        FakeTensor.tolist = lambda tensor: self._one_wait_tolist(tensor)  # a function: bound per tensor
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        fake_device.host_wait_listeners.remove(self._note_synchronize)
+        FakeTensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def _one_wait_tolist(self, tensor):
+        """A fake tensor's .tolist() reads element by element; a GPU's is one copy, one wait."""
+        if tensor.device.type != "cuda" or self._listing:
+            return self._tolist(tensor)
+        self._note_wait(project_line())
+        self._listing = True
+        try:
+            return self._tolist(tensor)
+        finally:
+            self._listing = False
 
     # ------------------------------------------------------------ dispatch
 
@@ -145,6 +175,7 @@ class Rehearsal(TorchDispatchMode):
         if func in _GEMMS or func is aten._grouped_mm.default:
             self._check_gemm(func, args, kwargs)
         self._note_blocking_copy(func, args, kwargs)
+        self._note_host_wait(func, args, kwargs)
         if func in _HOST_READS:
             return self._scalar(args[0])
         if func is aten._to_copy.default and _to_host(args[0], kwargs) and self._readable(args[0]):
@@ -285,6 +316,29 @@ class Rehearsal(TorchDispatchMode):
         if to_device and source.device.type == "cpu" and not (non_blocking and source in self.pinned):
             line = project_line()
             self.blocking_copies[line] = self.blocking_copies.get(line, 0) + 1
+
+    def _note_host_wait(self, func, args, kwargs) -> None:
+        """A read of a device tensor's values the host waits for: a scalar, a copy to the host without
+        non_blocking (with it, the copy is queued and read after a sync elsewhere), an op sized by
+        its input's values (repeat_interleave without output_size is one too)."""
+        source = args[0] if args else None
+        if func is aten.copy_.default:
+            source = args[1]
+            waits = _is_host(args[0]) and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        elif func is aten._to_copy.default:
+            waits = _to_host(source, kwargs) and not kwargs.get("non_blocking", False)
+        elif func is aten.repeat_interleave.Tensor:
+            waits = kwargs.get("output_size") is None
+        else:
+            waits = func in _HOST_READS or func in _SIZED_BY_VALUES
+        if waits and not self._listing and isinstance(source, FakeTensor) and source.device.type == "cuda":
+            self._note_wait(project_line())
+
+    def _note_synchronize(self) -> None:
+        self._note_wait(project_line())
+
+    def _note_wait(self, line: str) -> None:
+        self.host_waits[line] = self.host_waits.get(line, 0) + 1
 
     def _note_unanswered(self) -> None:
         line = project_line()

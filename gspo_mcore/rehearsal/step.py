@@ -156,6 +156,7 @@ class PhaseFigures:
     by_site: dict[str, int]
     flops: dict[str, float]
     host_peak_bytes: int = 0
+    host_waits: dict[str, int] = dataclasses.field(default_factory=dict)  # GPU syncs by line (mode.py)
 
 
 class RankRehearsal:
@@ -209,10 +210,12 @@ class RankRehearsal:
         self.device.start_phase()
         self.host.start_phase()
         self.flops.reset()
+        self.mode.host_waits = {}
         run()
         peak = self.device.peak
         self.runs.append((name, figures := PhaseFigures(peak.bytes, peak.by_kind, peak.by_site,
-                                                            dict(self.flops.by_kind), self.host.peak.bytes)))
+                                                            dict(self.flops.by_kind), self.host.peak.bytes,
+                                                            self.mode.host_waits)))
         previous = self.phases.get(name)
         if previous is None or figures.peak_bytes >= previous.peak_bytes:
             self.phases[name] = figures

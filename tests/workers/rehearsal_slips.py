@@ -54,6 +54,18 @@ def expert_offsets_pageable_non_blocking(tokens_per_expert, device):
     return torch.cumsum(tokens_per_expert.to(device, non_blocking=True), dim=0, dtype=torch.int32)  # SLIP: waits
 
 
+# reads the host waits on the device for (a GPU sync each: the lines marked "waits"), and not
+def host_reads(x):
+    x.sum().item()  # waits: a scalar
+    if (x > 0).any():  # waits: a truth test
+        pass
+    x[:4].cpu()  # waits: a blocking copy to the host
+    x[:4].to("cpu", non_blocking=True)  # queued: read after a sync elsewhere
+    x[:2, :4].tolist()  # waits: one copy, not one per element
+    torch.cuda.current_stream().synchronize()  # waits
+    torch.cuda.synchronize()  # waits
+
+
 def attempt(function, *args):
     try:
         function(*args)
@@ -82,6 +94,9 @@ def main() -> None:
         expert_offsets_pageable_non_blocking(counts, cuda)
         expert_offsets(counts, cuda)
         out["blocking copies"] = mode.blocking_copies
+        mode.host_waits.clear()
+        host_reads(x)
+        out["host waits"] = mode.host_waits
     with FakeCuda(allow_non_fake_inputs=True):  # fake tensors alone: the meta kernels check no dtype
         x = torch.randn(4, hidden, device="cuda", dtype=torch.bfloat16)
         dense = torch.randn(2 * ffn, hidden, device="cuda", dtype=torch.bfloat16)

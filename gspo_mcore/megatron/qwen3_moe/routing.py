@@ -10,6 +10,8 @@ tokens flattened in that order, so that is the order the targets are laid out in
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -165,7 +167,7 @@ class RouterHooks:
         """Per MoE layer, max expert load / mean load over all ranks' tokens (1 = balanced). Collective."""
         load = self.load.clone()
         dist.all_reduce(load)
-        return [(row.max() / row.mean()).item() for row in load if row.sum() > 0]
+        return max_over_mean(load)
 
     def mismatch(self) -> tuple[float | None, list[float] | None, float | None]:
         """Over all ranks' tokens: the share of compared (token, MoE layer) pairs whose top-k sets
@@ -179,6 +181,13 @@ class RouterHooks:
         return ((differing / compared if compared else None),
                 ([r[0] / r[1] for r in rows if r[1] > 0] if compared else None),
                 (older_differing / older if older else None))
+
+
+def max_over_mean(load: torch.Tensor) -> list[float]:
+    """Per row of `load` [layers, experts] that holds any, max / mean; one copy to the host (a
+    .item() and a truth test per row synchronised a GPU twice per MoE layer, 96 times a step at 48)."""
+    ratios = load.max(1).values / load.mean(1)  # NaN (0 / 0) on a row without load: no MoE layer here
+    return [r for r in ratios.cpu().tolist() if not math.isnan(r)]
 
 
 def forget_router_replay(model) -> None:

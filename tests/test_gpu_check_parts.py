@@ -433,7 +433,7 @@ def test_section_10_measures_the_rehearsals_step_and_the_rehearsal_agrees_on_cpu
     each phase within 10% (measured ~1%), the static part below the peak, the planner beside."""
     monkeypatch.syspath_prepend(str(REPO / "launch"))
     figures = step_memory.section_10(a_check(tmp_path, children="forkserver"))
-    assert figures["pass"] is True, figures
+    assert figures["pass"] is True, json.dumps(figures)
     assert figures["measured_by"] == "count of real storages (CPU)" and figures["mismatches"] == []
     assert list(figures["phases"]) == ["training", "weight push", "sync check"]
     for row in figures["phases"].values():

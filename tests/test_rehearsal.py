@@ -267,3 +267,33 @@ def test_on_a_cuda_build_the_real_device_stays_and_only_the_memory_figures_are_t
     torch.cuda.reset_peak_memory_stats()
     assert torch.cuda.max_memory_allocated() == 3 << 20
     assert torch.cuda.get_device_name is name_before  # the runtime's
+
+
+def test_the_fake_device_library_is_keyed_by_where_its_torch_lies(tmp_path, monkeypatch):
+    """Its runpath names torch's lib folder: a torch reached through a folder of links (the GPU check's
+    bare-machine test) resolves to the installed one and shares its library; the same wheel
+    elsewhere gets its own. Before, a library built through a test's links kept a runpath into the
+    test's temporary folder, and every later rehearsal failed: libc10.so: cannot open."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from gspo_mcore.rehearsal import device
+
+    installed = device._torch_dir()
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "torch").symlink_to(installed)
+    copy = tmp_path / "elsewhere" / "torch"
+    (copy / "lib").mkdir(parents=True)
+    (copy / "version.py").write_bytes((installed / "version.py").read_bytes())
+    with open(copy / "lib" / "libtorch_cpu.so", "wb") as wheel:  # the same size, sparse
+        wheel.truncate((installed / "lib" / "libtorch_cpu.so").stat().st_size)
+    find_spec = importlib.util.find_spec
+
+    def torch_at(folder):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
+            submodule_search_locations=[str(folder)]) if name == "torch" else find_spec(name))
+        return device._torch_dir(), device.library_path()
+
+    here = device.library_path()
+    assert torch_at(tmp_path / "site" / "torch") == (installed, here)
+    assert torch_at(copy) == (copy, device.library_path()) and device.library_path() != here

@@ -33,17 +33,21 @@ class RehearsalError(RuntimeError):
 
 
 def _torch_dir() -> Path:
+    """The installed torch's folder, links resolved: the library's runpath names it, and a site folder
+    of links (the GPU check's bare-machine test) must not leave a runpath that dies with it."""
     spec = importlib.util.find_spec("torch")  # found, not imported
     if spec is None or not spec.submodule_search_locations:
         raise RehearsalError("rehearsal: torch is not installed in this Python")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(list(spec.submodule_search_locations)[0]).resolve()
 
 
 def library_path() -> Path:
+    """Keyed by the source, the wheel and where it lies (the runpath built in: the same torch
+    installed elsewhere builds its own)."""
     torch_dir = _torch_dir()
     wheel = torch_dir / "lib" / "libtorch_cpu.so"
     key = hashlib.sha256(SOURCE.read_bytes() + str(wheel.stat().st_size).encode() +
-                         (torch_dir / "version.py").read_bytes()).hexdigest()[:12]
+                         (torch_dir / "version.py").read_bytes() + str(torch_dir).encode()).hexdigest()[:12]
     return BUILD_DIR / f"libgspo_fake_cuda-{key}.so"
 
 

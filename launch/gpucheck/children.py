@@ -82,10 +82,16 @@ def spawn(target: str, kwargs: dict, common: dict, result: Path, timeout_s: floa
     except subprocess.TimeoutExpired:
         return None
     finally:
-        if process.poll() is None:  # timed out, or the parent was interrupted
-            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_session(process)  # timed out, or the parent was interrupted
+        process.wait()
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL to the session of `process` (started with start_new_session) and all it started, if
+    it still runs."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def fork(target: str, kwargs: dict, common: dict, result: Path, timeout_s: float, body) -> int | None:

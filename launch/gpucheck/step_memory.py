@@ -19,10 +19,8 @@ CPU (the tiny shape) the run is measured by the rehearsal's count of real storag
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -57,17 +55,16 @@ def section_10(check) -> dict:
 
 def rehearsal_result(process: subprocess.Popen, timeout_s: float) -> dict:
     """The rehearse command's JSON line (its one role's), or {"error": ...} naming how it ended."""
+    from gpucheck.children import kill_session
+
     try:
         out, err = process.communicate(timeout=max(timeout_s, 1.0))
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        kill_session(process)
         process.communicate()
         return {"error": f"the rehearsal ran past {timeout_s:.0f} s and was killed"}
     finally:
-        if process.poll() is None:  # the parent interrupted
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+        kill_session(process)  # the parent interrupted
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if not lines:
         tail = [line for line in err.strip().splitlines() if line.strip()][-1:] or ["no output"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gspo_mcore.gspo.loss import objective, policy_loss
-from gspo_mcore.metrics.report import combine, to_floats, update_report
+from gspo_mcore.metrics.report import all_to_floats, combine, to_floats, update_report
 
 
 def batch(seed=0, B=7, T=10):
@@ -206,3 +206,17 @@ def test_every_run_ends_with_its_summary_and_writes_summary_json(tmp_path):
                                                     for i in range(4)))
     (tmp_path / "eval.jsonl").unlink()
     assert write_summary(tmp_path) == ["mean reward: first 2 steps 0.500 -> last 2 steps 2.500 (+2.000)"]
+
+
+def test_an_updates_microbatch_metrics_come_to_the_host_in_one_copy(monkeypatch):
+    """On a GPU each copy to the host waits for the device: the learner reads every microbatch's
+    metrics at once, each microbatch keeping its own keys and values (one may have fewer)."""
+    parts = [{"loss": torch.tensor(0.5), "clip_fraction": torch.tensor(0.25)}, {"loss": torch.tensor(-1.0)},
+             {"loss": torch.tensor(2.0, dtype=torch.float32), "clip_fraction": torch.tensor(0.0)}]
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(self.shape) or real_cpu(self, *a, **k))
+    assert all_to_floats(parts) == [{"loss": 0.5, "clip_fraction": 0.25}, {"loss": -1.0},
+                                    {"loss": 2.0, "clip_fraction": 0.0}]
+    assert copies == [torch.Size([5])]
+    assert all_to_floats([]) == [] and to_floats({"loss": torch.tensor(3.0)}) == {"loss": 3.0}

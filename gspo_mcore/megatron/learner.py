@@ -20,7 +20,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_mo
 
 from gspo_mcore.config import Config
 from gspo_mcore.megatron.pipeline_loss import global_normalizer, make_loss_func
-from gspo_mcore.metrics.report import combine, to_floats, update_report
+from gspo_mcore.metrics.report import all_to_floats, combine, update_report
 from gspo_mcore.megatron.qwen3_moe.bootstrap import model_from_config, reference_model
 from gspo_mcore.megatron.qwen3_moe.forward import last_stage_rank, response_logprobs
 from gspo_mcore.megatron.qwen3_moe.hf_config import Qwen3MoeArch
@@ -305,7 +305,7 @@ class Learner:
         outputs, grad_norm = optimizer_step(self.ddp, self.optimizer, microbatches, loss_for, routing=self.routers,
                                             compare_routing=compare_routing,
                                             fused_logprobs=self.config.model.fused_logprobs)
-        return [to_floats(out) for out in outputs], grad_norm
+        return all_to_floats(outputs), grad_norm
 
 
 def padding_fraction(real: int, slots: int) -> float:

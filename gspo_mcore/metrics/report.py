@@ -58,10 +58,17 @@ def update_report(by_step: list[list[dict[str, float]]]) -> dict:
 
 
 def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """One device-to-host copy for a microbatch's tensor metrics."""
-    keys = list(metrics)
-    values = torch.stack([metrics[k].detach().double().reshape(()) for k in keys]).cpu().tolist()
-    return dict(zip(keys, values))
+    """A microbatch's tensor metrics as floats, in one device-to-host copy."""
+    return all_to_floats([metrics])[0]
+
+
+def all_to_floats(microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Every microbatch's tensor metrics as floats, in one device-to-host copy for the update (on a
+    GPU each copy is a host wait)."""
+    keys = [list(metrics) for metrics in microbatches]
+    scalars = [metrics[k].detach().double().reshape(()) for metrics, names in zip(microbatches, keys) for k in names]
+    values = iter(torch.stack(scalars).cpu().tolist() if scalars else [])
+    return [{k: next(values) for k in names} for names in keys]
 
 
 def _scalars(metrics: dict):

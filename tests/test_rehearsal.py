@@ -166,8 +166,8 @@ def test_every_gpu_config_rehearsed_at_the_30b_widths_with_2_layers(config, rank
     """Each GPU config's every rank role: the production step at its real widths (2 layers), two
     optimizer steps of a full microbatch and the longest sequence, one bucket's gather-and-pack,
     the sync check's forward. No device or dtype mismatch; no blocking host-to-device copy in the
-    MoE layers or of the microbatch; the static state equal to the planner's;
-    FLOPs by kind within 1% of the planner's; nothing of the last microbatch kept into the engine's
+    MoE layers or of the microbatch, no host wait of this project's per layer; the static state
+    equal to the planner's; FLOPs by kind within 1% of the planner's; nothing of the last microbatch kept into the engine's
     phases (the dispatchers' state: 0.15 GiB at 2 layers before it was released); the training peak
     within the planner's error at this depth (its layer transient: 1.12-1.17 at 2 layers, within
     1.07 at 48: docs/08-gpu.md)."""
@@ -182,6 +182,9 @@ def test_every_gpu_config_rehearsed_at_the_30b_widths_with_2_layers(config, rank
     # no host wait per layer or per microbatch: the expert counts and the microbatch go pinned and
     # non-blocking (what remains is a count or a norm read back right after anyway)
     assert not [line for line in result["blocking_copies"] if "experts.py" in line or "parallel.py" in line]
+    # the project's host waits in an update: each line once (at 2 layers, one per layer would read 2)
+    ours = {line: n for line, n in result["host_waits"]["update"].items() if line.startswith("gspo_mcore/")}
+    assert ours and set(ours.values()) == {1}, ours
     summary = report(*setup, {"rank": result})["roles"]["rank"]
     training = summary["phases"]["training"]
     for kind in ("weights", "gradients", "optimizer"):

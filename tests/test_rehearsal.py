@@ -167,10 +167,10 @@ def test_every_gpu_config_rehearsed_at_the_30b_widths_with_2_layers(config, rank
     optimizer steps of a full microbatch and the longest sequence, one bucket's gather-and-pack,
     the sync check's forward. No device or dtype mismatch; no blocking host-to-device copy in the
     MoE layers or of the microbatch, no host wait of this project's per layer; the static state
-    equal to the planner's; FLOPs by kind within 1% of the planner's; nothing of the last microbatch kept into the engine's
-    phases (the dispatchers' state: 0.15 GiB at 2 layers before it was released); the training peak
-    within the planner's error at this depth (its layer transient: 1.12-1.17 at 2 layers, within
-    1.07 at 48: docs/08-gpu.md)."""
+    equal to the planner's; FLOPs by kind within 1% of the planner's; nothing of the last
+    microbatch kept into the engine's phases (the dispatchers' state: 0.15 GiB at 2 layers before
+    it was released); the training peak within the planner's error at this depth (its layer
+    transient: 1.12-1.17 at 2 layers, within 1.07 at 48: docs/08-gpu.md)."""
     from gspo_mcore.rehearsal.cli import _parser, _setup, report
 
     nodes, hf = GPU_CONFIGS[config]

@@ -236,8 +236,8 @@ def format_table(summary: dict) -> str:
                 f"{line}: {count}" for line, count in figures["blocking_copies"].items()))
         for phase, waits in figures["host_waits"].items():
             if waits:
-                lines.append(f"  the host waits on the device (GPU syncs), {phase}, {sum(waits.values())} (line: count): "
-                             + ", ".join(f"{line}: {count}" for line, count in waits.items()))
+                lines.append(f"  the host waits on the device (GPU syncs), {phase}, {sum(waits.values())} "
+                             "(line: count): " + ", ".join(f"{line}: {count}" for line, count in waits.items()))
     return "\n".join(lines)
 
 

@@ -323,8 +323,8 @@ class Rehearsal(TorchDispatchMode):
         its input's values (repeat_interleave without output_size is one too)."""
         source = args[0] if args else None
         if func is aten.copy_.default:
-            source = args[1]
-            waits = _is_host(args[0]) and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            source, non_blocking = args[1], (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            waits = args[0].device.type == "cpu" and not non_blocking  # into host memory, fake or real
         elif func is aten._to_copy.default:
             waits = _to_host(source, kwargs) and not kwargs.get("non_blocking", False)
         elif func is aten.repeat_interleave.Tensor:

@@ -208,24 +208,6 @@ def test_every_gpu_config_rehearsed_at_the_30b_widths_with_2_layers(config, rank
         assert result["flops"][kind] == pytest.approx(value, rel=0.01), kind
 
 
-@pytest.mark.slow
-def test_the_project_adds_no_host_wait_per_layer():
-    """Where the host waits on the device (a GPU sync) in the 30B config's update, at 1 and 2 layers:
-    every line of this project's waits as often at both (a count, a loss figure, a metric: per
-    update, not per layer; the routers' load imbalance read two syncs a layer before); what grows
-    with the depth is megatron-core's MoE layer alone (the torch spec's permutation, masked_select,
-    and the dispatcher's one wait for its token counts), the same at each layer."""
-    nodes, hf = GPU_CONFIGS["qwen3_30b_a3b_gspo.yaml"]
-    one, two = (_rehearse_rank("qwen3_30b_a3b_gspo.yaml", nodes, hf, 0, layers)["host_waits"]["update"]
-                for layers in (1, 2))
-    ours = lambda waits: {line: n for line, n in waits.items() if line.startswith("gspo_mcore/")}  # noqa: E731
-    assert ours(one) and ours(one) == ours(two)
-    grown = {line: two.get(line, 0) - one.get(line, 0) for line in set(one) | set(two)}
-    per_layer = {line: n for line, n in grown.items() if n}
-    assert per_layer and all(line.startswith("megatron/core/transformer/moe/") for line in per_layer)
-    assert all(one[line] == n for line, n in per_layer.items())  # as many at the second layer as at the first
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--config", "configs/qwen3_30b_a3b_gspo.yaml"], "config.json not found; give the model's: --hf-config"),
     (["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--hf-config", str(HF_30B), "train.no_such_key=1"],

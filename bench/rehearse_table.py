@@ -1,7 +1,8 @@
 """docs/08-gpu.md's rehearsal table: every GPU config's whole model rehearsed on CPU
 (`python -m gspo_mcore.rehearse`, one process a config, its roles inside), one markdown row per
 config and rank role: peak GiB per phase, the planner's, their ratio, the FLOPs of a full
-microbatch's step beside the planner's.
+microbatch's step beside the planner's, and where the host waits on the device (GPU syncs) in that
+step: this project's lines and megatron-core's.
 
     python bench/rehearse_table.py [--layers N] [--only CONFIG ...] [--from-dir DIR]
 
@@ -51,8 +52,11 @@ def rows(stem: str, summary: dict) -> list[str]:
             cells.append(f"{p['peak_gb']:.1f} / {p['planner_gb']:.1f} ({p['ratio']:.2f})" if p else "-")
         flops = figures["flops"]
         total = sum(flops["rehearsal"].values()), sum(flops["planner"].values())
+        waits = figures["host_waits"]["update"]
+        ours = sum(n for line, n in waits.items() if line.startswith("gspo_mcore/"))
         out.append(f"| `{stem}` | {summary['layers']} | {role} (rank {figures['rank']}) | {rehearsed_as} | "
-                   + " | ".join(cells) + f" | {total[0]:.3e} / {total[1]:.3e} |")
+                   + " | ".join(cells) + f" | {total[0]:.3e} / {total[1]:.3e} | {ours} / {sum(waits.values()) - ours} "
+                   "|")
     return out
 
 
@@ -63,8 +67,9 @@ def main() -> int:
     parser.add_argument("--from-dir", type=Path)
     args = parser.parse_args()
     print("| config | layers | rank role | rehearsed as | training GiB: rehearsal / planner (ratio) | weight push "
-          "| sync check | host (offloaded optimizer) | FLOPs of a 16k step: rehearsal / planner |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| sync check | host (offloaded optimizer) | FLOPs of a 16k step: rehearsal / planner "
+          "| host waits in that step: this project / megatron-core |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for stem in args.only:
         if args.from_dir:
             summary = _summary((args.from_dir / f"{stem}.out").read_text(), stem)

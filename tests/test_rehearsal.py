@@ -140,9 +140,8 @@ def test_the_live_count_is_the_allocators_at_a_tiny_shape():
     assert counted_end == allocator_end
 
 
-def _rehearse_rank(config: str, nodes: int, hf, rank: int, layers: int = 2) -> dict:
-    args = ["--config", str(REPO / "configs" / config), "--hf-config", str(hf), "--layers", str(layers),
-            "--nodes", str(nodes)]
+def _rehearse_rank(config: str, nodes: int, hf, rank: int) -> dict:
+    args = ["--config", str(REPO / "configs" / config), "--hf-config", str(hf), "--layers", "2", "--nodes", str(nodes)]
     done = subprocess.run([sys.executable, "-m", "gspo_mcore.rehearse", *args, "--json-only", "--rank", str(rank)],
                           capture_output=True, text=True, env=environment(), timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]

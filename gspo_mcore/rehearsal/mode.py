@@ -305,28 +305,18 @@ class Rehearsal(TorchDispatchMode):
     def _note_blocking_copy(self, func, args, kwargs) -> None:
         """A host-to-device copy from pageable memory, or without non_blocking, holds the host until
         the stream has run everything queued before it (cudaMemcpy's pageable path): a sync."""
-        if func is aten._to_copy.default:
-            source, device, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
-            to_device = device is not None and torch.device(device).type == "cuda"
-        elif func is aten.copy_.default:
-            source, non_blocking = args[1], (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-            to_device = args[0].device.type == "cuda"
-        else:
-            return
-        if to_device and source.device.type == "cpu" and not (non_blocking and source in self.pinned):
+        source, destination, non_blocking = _copy_of(func, args, kwargs)
+        if destination == "cuda" and source.device.type == "cpu" and not (non_blocking and source in self.pinned):
             line = project_line()
             self.blocking_copies[line] = self.blocking_copies.get(line, 0) + 1
 
     def _note_host_wait(self, func, args, kwargs) -> None:
-        """A read of a device tensor's values the host waits for: a scalar, a copy to the host without
-        non_blocking (with it, the copy is queued and read after a sync elsewhere), an op sized by
-        its input's values (repeat_interleave without output_size is one too)."""
-        source = args[0] if args else None
-        if func is aten.copy_.default:
-            source, non_blocking = args[1], (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-            waits = args[0].device.type == "cpu" and not non_blocking  # into host memory, fake or real
-        elif func is aten._to_copy.default:
-            waits = _to_host(source, kwargs) and not kwargs.get("non_blocking", False)
+        """A read of a device tensor's values the host waits for: a scalar, a copy to the host (real or
+        fake host memory) without non_blocking (with it, the copy is queued and read after a sync
+        elsewhere), an op sized by its input's values (repeat_interleave without output_size too)."""
+        source, destination, non_blocking = _copy_of(func, args, kwargs)
+        if destination is not None:
+            waits = destination == "cpu" and not non_blocking
         elif func is aten.repeat_interleave.Tensor:
             waits = kwargs.get("output_size") is None
         else:
@@ -394,6 +384,16 @@ class Rehearsal(TorchDispatchMode):
 
 def _is_host(tensor) -> bool:
     return isinstance(tensor, torch.Tensor) and not isinstance(tensor, FakeTensor) and tensor.device.type == "cpu"
+
+
+def _copy_of(func, args, kwargs) -> tuple:
+    """(source, the destination's device type, non_blocking) of a copy across devices (`_to_copy`
+    with a device, `copy_`); for any other op (its first argument, None, False)."""
+    if func is aten._to_copy.default and kwargs.get("device") is not None:
+        return args[0], torch.device(kwargs["device"]).type, kwargs.get("non_blocking", False)
+    if func is aten.copy_.default:
+        return args[1], args[0].device.type, (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    return (args[0] if args else None), None, False
 
 
 def _to_host(tensor, kwargs) -> bool:
